@@ -1,0 +1,54 @@
+# infergate — every workflow is a make target. `make help` lists them.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo test test-all lint typecheck bench conformance conformance-local clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+install: $(VENV)/.installed ## Create .venv with torch (CPU) and infergate[dev]
+
+$(VENV)/.installed: pyproject.toml setup.py
+	python3 -m venv $(VENV)
+	# torch first, pinned, so pip takes the local CPU build instead of GBs of CUDA wheels.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
+	$(BIN)/infergate up
+
+test: install ## Run the test suite (gpu/cluster tests skip themselves without hardware)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install typecheck ## ruff + mypy
+	$(BIN)/ruff check .
+
+# mypy cannot follow setuptools' package-dir mapping, so it reads a symlink tree that
+# mirrors the installed layout (operator/ -> infergate/operator, and so on).
+typecheck: install
+	@rm -rf build/typecheck && mkdir -p build/typecheck/infergate
+	@for f in infergate/*; do ln -s "$(CURDIR)/$$f" build/typecheck/infergate/; done
+	@for c in operator epp engine; do ln -s "$(CURDIR)/$$c" build/typecheck/infergate/$$c; done
+	@for d in tests conformance benchmarks; do test -d $$d && ln -s "$(CURDIR)/$$d" build/typecheck/$$d; done; true
+	cd build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml infergate \
+		$$(for d in tests conformance benchmarks; do find -L $$d -name '*.py' 2>/dev/null | head -1 | grep -q . && echo $$d; done)
+
+bench: install ## Run the benchmarks that print figures (see docs/benchmarks.md)
+	@ls benchmarks/*.py >/dev/null 2>&1 || { echo "no benchmarks yet"; exit 0; }
+	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+conformance: install ## The InferencePool conformance suite on a kind cluster (needs docker, kind, kubectl, helm)
+	@test -x conformance/kind.sh || { echo "conformance: the kind driver is not built yet (issue 7)"; exit 2; }
+	conformance/kind.sh
+
+conformance-local: install ## The conformance suite against the local stack
+	$(BIN)/pytest -m conformance conformance
+
+clean: ## Remove the venv, caches and build outputs
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""The vLLM-compatible inference engine (imports as ``infergate.engine``)."""

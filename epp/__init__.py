@@ -1,0 +1,1 @@
+"""The Endpoint Picker: an Envoy ext-proc server (imports as ``infergate.epp``)."""

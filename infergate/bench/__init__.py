@@ -1,0 +1,1 @@
+"""Serving benchmark client whose metrics match ``vllm bench serve``."""

@@ -1,0 +1,1 @@
+"""The local stack: engines, one Endpoint Picker and one real Envoy on loopback."""

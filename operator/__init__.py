@@ -1,0 +1,1 @@
+"""The kopf operator for InferencePool (imports as ``infergate.operator``, never ``operator``)."""
