@@ -1,0 +1,63 @@
+"""The contract between the engine core (scheduler, KV manager) and whatever computes tokens.
+
+The scheduler decides, each step, which slice of which sequences to compute; a model
+runner (real model on CPU/CUDA, or the simulated timing model) computes them and samples.
+Keeping this seam small is what lets the simulated mode share the real scheduler and KV
+manager, and what lets FlashInfer slot in later behind the same runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs (validated by the API layer before they get here)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: a prefill chunk, or one decode token."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose KV is computed this step
+    start_pos: int  # position of token_ids[0] in the sequence (= tokens already in KV)
+    block_table: list[int]  # KV block ids covering positions [0, start_pos + len(token_ids))
+    sample: bool  # sample a next token after this chunk (last prefill chunk, or decode)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_generated: int = 0  # output tokens so far (seeded sampling uses it as the offset)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class ModelRunner(Protocol):
+    """Computes scheduled tokens over the paged KV cache and samples next tokens."""
+
+    block_size: int
+    num_blocks: int  # KV cache capacity in blocks, fixed after start-up
+
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """One entry per seq, in order: the sampled token id, or None where sample=False."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (e.g. a seeded generator) once a request ends."""
+        ...
