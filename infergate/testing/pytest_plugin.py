@@ -1,6 +1,7 @@
-"""Shared fixtures: real processes on free loopback ports, always stopped.
+"""pytest plugin: real processes on free loopback ports, always stopped.
 
-Later suites reuse these: ``processes`` starts any child with a readiness check and a
+Loaded for every suite in this repository (``-p infergate.testing.pytest_plugin`` in
+pyproject's addopts), so tests/ and conformance/ share it: ``processes`` starts any child with a readiness check and a
 deadline, attaches the logs of every child to a failing test's report, and stops them
 all at teardown (and at interpreter exit, and if pytest itself is killed).
 """
