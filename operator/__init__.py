@@ -1,1 +1,0 @@
-"""The kopf operator for InferencePool (imports as ``infergate.operator``, never ``operator``)."""
