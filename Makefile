@@ -33,7 +33,7 @@ lint: install typecheck ## ruff + mypy
 typecheck: install
 	@rm -rf build/typecheck && mkdir -p build/typecheck/infergate
 	@for f in infergate/*; do ln -s "$(CURDIR)/$$f" build/typecheck/infergate/; done
-	@for c in operator epp engine; do ln -s "$(CURDIR)/$$c" build/typecheck/infergate/$$c; done
+	@for c in epp engine; do ln -s "$(CURDIR)/$$c" build/typecheck/infergate/$$c; done
 	@for d in tests conformance benchmarks; do test -d $$d && ln -s "$(CURDIR)/$$d" build/typecheck/$$d; done; true
 	cd build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml infergate \
 		$$(for d in tests conformance benchmarks; do find -L $$d -name '*.py' 2>/dev/null | head -1 | grep -q . && echo $$d; done)

@@ -50,14 +50,24 @@ def test_component_folders_import_under_infergate_only() -> None:
 
     import infergate.engine
     import infergate.epp
-    import infergate.operator
+
+    import infergate.operator.cli
 
     repo = Path(__file__).resolve().parents[1]
-    assert Path(infergate.operator.__file__).parent == repo / "operator"
+    assert Path(infergate.operator.cli.__file__).resolve().parent == repo / "operator"
     assert Path(infergate.epp.__file__).parent == repo / "epp"
     assert Path(infergate.engine.__file__).parent == repo / "engine"
-    # The stdlib module stays the stdlib module, also from the repository root.
-    assert "lib" in Path(operator.__file__).parts[-2] or operator.__file__.endswith("operator.py")
+    assert not Path(operator.__file__).resolve().is_relative_to(repo)
+
+
+def test_repo_root_never_shadows_stdlib_operator() -> None:
+    """`python -m ...` from the repository root puts it first on sys.path."""
+    repo = Path(__file__).resolve().parents[1]
+    assert not (repo / "operator" / "__init__.py").exists()
+    probe = subprocess.run(
+        [sys.executable, "-m", "json.tool", "--help"], cwd=repo, capture_output=True, text=True
+    )
+    assert probe.returncode == 0, probe.stderr
     probe = subprocess.run(
         [sys.executable, "-c", "import operator; print(operator.__file__)"],
         cwd=repo,
@@ -65,7 +75,7 @@ def test_component_folders_import_under_infergate_only() -> None:
         text=True,
         check=True,
     )
-    assert not probe.stdout.strip().startswith(str(repo))
+    assert not Path(probe.stdout.strip()).resolve().is_relative_to(repo)
 
 
 def test_start_failure_reports_the_log(tmp_path: Path) -> None:
