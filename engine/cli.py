@@ -36,6 +36,15 @@ def make_tiny_model(
     out_dir: Path = typer.Argument(..., help="Where to write the model."),
     arch: str = typer.Option("llama", "--arch", help="llama or qwen3."),
     seed: int = typer.Option(0, "--seed"),
+    num_shards: int = typer.Option(
+        1, "--num-shards", min=1, help="Split the weights over this many safetensors files."
+    ),
 ) -> None:
     """Write a small random-weight model in Hugging Face format, for tests and demos."""
-    not_built("`infergate engine make-tiny-model`", "issue 3 (Engine)")
+    from infergate.engine.tiny_model import ARCHS
+    from infergate.engine.tiny_model import make_tiny_model as build
+
+    if arch not in ARCHS:
+        raise typer.BadParameter(f"choose one of {', '.join(ARCHS)}", param_hint="--arch")
+    path = build(out_dir, arch=arch, seed=seed, num_shards=num_shards)
+    typer.echo(f"wrote tiny {arch} model to {path}")
