@@ -61,6 +61,7 @@ def test_llama_chat_template_and_special_tokens(tiny_model_dir: Path) -> None:
     text = tok.apply_chat_template(
         [{"role": "user", "content": "hi there"}], tokenize=False, add_generation_prompt=True
     )
+    assert isinstance(text, str)
     assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>")
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     # Special tokens are single ids, not spelled out byte by byte.

@@ -1,0 +1,234 @@
+"""The real model runner: packs a scheduled step, runs the model over the paged KV cache,
+and samples. Implements `infergate.engine.interfaces.ModelRunner`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .attention import (
+    AttentionBackend,
+    AttentionContext,
+    build_metadata,
+    get_backend,
+    kv_cache_shape,
+)
+from .interfaces import ScheduledBatch
+from .models import LlamaForCausalLM, ModelConfig
+from .sampler import Sampler
+from .weights import load_model, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 512 * 1024**2  # CPU budget when num_blocks is not given
+CPU_MAX_FULL_SEQS = 64  # ... but never more than this many max-length sequences' worth
+
+
+class TorchModelRunner:
+    """Runs Llama/Qwen3 models in torch over a paged KV cache, one tensor per layer."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        *,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        max_num_batched_tokens: int = 2048,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        if block_size <= 0 or num_blocks <= 0:
+            raise ValueError("block_size and num_blocks must be positive")
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
+        self.vocab_size = config.vocab_size
+        self.backend = backend or get_backend("torch")
+        shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.sampler = Sampler(device)
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        load_format: str = "auto",
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+    ) -> TorchModelRunner:
+        """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache."""
+        cfg = ModelConfig.from_model_dir(model_dir)
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, cfg, dev)
+        if max_model_len is None:
+            max_model_len = cfg.max_position_embeddings
+        elif max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        model = load_model(model_dir, cfg, dtype=dt, device=dev, load_format=load_format, seed=seed)
+        if num_blocks is None:
+            num_blocks = _auto_num_blocks(
+                cfg,
+                block_size,
+                dt,
+                dev,
+                max_model_len,
+                gpu_memory_utilization,
+                max_num_batched_tokens,
+            )
+        log.info(
+            "loaded %s on %s (%s): %d KV blocks of %d tokens",
+            cfg.architecture,
+            dev,
+            dt,
+            num_blocks,
+            block_size,
+        )
+        return cls(
+            model,
+            cfg,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            device=dev,
+            dtype=dt,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Compute every scheduled token's KV; sample where `sample` is set."""
+        logits = self.compute_logits(batch)
+        sampled = [s for s in batch.seqs if s.sample]
+        if not sampled:
+            return [None] * len(batch.seqs)
+        tokens = iter(
+            self.sampler.sample(
+                logits,
+                [s.sampling for s in sampled],
+                [s.request_id for s in sampled],
+                [s.num_generated for s in sampled],
+            )
+        )
+        return [next(tokens) if s.sample else None for s in batch.seqs]
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run the forward pass; logits [num sampled seqs, vocab] of each sampled seq's
+        last token (float32), in batch order."""
+        self._validate(batch)
+        seqs = [s for s in batch.seqs if s.token_ids]
+        if not seqs:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        meta = build_metadata(
+            query_lens=[len(s.token_ids) for s in seqs],
+            context_lens=[s.start_pos for s in seqs],
+            block_tables=[s.block_table for s in seqs],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.backend.prepare(meta)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
+        hidden = self.model(
+            ids.to(self.device, non_blocking=True),
+            meta.positions,
+            AttentionContext(self.backend, meta, self.kv_caches),
+        )
+        last_rows, end = [], 0
+        for s in seqs:
+            end += len(s.token_ids)
+            if s.sample:
+                last_rows.append(end - 1)
+        if not last_rows:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+
+    def _validate(self, batch: ScheduledBatch) -> None:
+        for s in batch.seqs:
+            end = s.start_pos + len(s.token_ids)
+            if s.start_pos < 0 or end > self.max_model_len:
+                raise ValueError(
+                    f"{s.request_id}: positions [{s.start_pos}, {end}) outside max_model_len "
+                    f"{self.max_model_len}"
+                )
+            if s.sample and not s.token_ids:
+                raise ValueError(f"{s.request_id}: sample=True needs at least one token")
+            needed = -(-end // self.block_size)
+            if len(s.block_table) < needed:
+                raise ValueError(
+                    f"{s.request_id}: block_table has {len(s.block_table)} blocks, "
+                    f"{needed} needed for {end} tokens"
+                )
+            bad = [b for b in s.block_table[:needed] if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(f"{s.request_id}: block ids out of range: {bad[:5]}")
+            bad_tok = [t for t in s.token_ids if not 0 <= t < self.vocab_size]
+            if bad_tok:
+                raise ValueError(f"{s.request_id}: token ids out of vocabulary: {bad_tok[:5]}")
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def _auto_num_blocks(
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+) -> int:
+    """KV capacity: a fixed budget on CPU; on CUDA, what the utilization target leaves
+    after weights and a reserve for activations (refined by the GPU work later)."""
+    per_block = kv_block_bytes(cfg, block_size, dtype)
+    blocks_per_seq = -(-max_model_len // block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        activations = (
+            max_num_batched_tokens
+            * (8 * cfg.hidden_size + 2 * cfg.intermediate_size + 2 * cfg.vocab_size)
+            * max(itemsize, 4)
+        )
+        budget = int(total * gpu_memory_utilization) - used - activations
+        if budget < per_block * blocks_per_seq:
+            raise ValueError(
+                f"not enough GPU memory for one {max_model_len}-token sequence's KV cache "
+                f"(budget {budget / 2**20:.0f} MiB); lower max_model_len or raise "
+                "gpu_memory_utilization"
+            )
+        return budget // per_block
+    return max(
+        blocks_per_seq, min(CPU_KV_CACHE_BYTES // per_block, CPU_MAX_FULL_SEQS * blocks_per_seq)
+    )

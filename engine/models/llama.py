@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama 2/3): GQA, RoPE (with Llama-3 scaling), RMSNorm, SwiGLU.
+
+Tokens of a step arrive packed flat ([T] ids, [T] positions) across sequences; attention
+goes through an `AttentionContext` so the paged-cache backend is swappable. q/k/v and
+gate/up projections are fused; `load_weights` maps Hugging Face's separate tensors in.
+Qwen3 dense is this model with per-head q/k RMSNorm (see qwen3.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..attention.base import AttentionContext
+from .config import ModelConfig
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.rope = rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        o = ctx.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rope, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        # One table shared by every layer (it is not a parameter).
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rope, qk_norm) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h, ctx)
+        return self.norm(h)
+
+
+# Hugging Face tensor name fragment → (our fused parameter, shard index).
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, qk_norm=self.qk_norm)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for the packed step."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def prepare_buffers(self, device: torch.device) -> None:
+        """Build non-parameter state (the RoPE table) on the device the weights live on."""
+        self.model.rope.build(device)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in; missing or unknown names are errors."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue  # some checkpoints persist this; we compute it
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name, shard = hf_name, None
+            for frag, (fused, idx) in _FUSED.items():
+                if frag in hf_name:
+                    name, shard = hf_name.replace(frag, fused), idx
+                    break
+            param = params.get(name)
+            if param is None:
+                unknown.append(hf_name)
+                continue
+            dst = param.data if shard is None else self._shard(name, param.data, shard)
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {hf_name}: checkpoint shape {tuple(tensor.shape)} does not "
+                    f"match the model's {tuple(dst.shape)} (config.json mismatch?)"
+                )
+            dst.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        if unknown:
+            raise ValueError(f"checkpoint has tensors this model does not use: {unknown[:5]}")
+        missing = [n for n in self._expected_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    def _shard(self, name: str, data: torch.Tensor, idx: int) -> torch.Tensor:
+        if ".qkv_proj." in name:
+            c = self.config
+            q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            offsets = [(0, q), (q, kv), (q + kv, kv)]
+        else:
+            i = self.config.intermediate_size
+            offsets = [(0, i), (i, i)]
+        start, size = offsets[idx]
+        return data.narrow(0, start, size)
+
+    def _expected_names(self) -> list[str]:
+        names = []
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                names += [f"{name}#{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}#{i}" for i in range(2)]
+            else:
+                names.append(name)
+        return names

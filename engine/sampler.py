@@ -1,0 +1,103 @@
+"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+
+Seeded requests draw their noise from their own generator, re-seeded each step from
+(seed, num_generated): a token depends only on the request's own logits, seed and
+position — never on which other requests share the batch, and a request recomputed after
+preemption samples the same tokens again. Sampling uses the exponential-race form
+(argmax of p / E, E ~ Exp(1)), equivalent to drawing from p, with no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .interfaces import SamplingParams
+
+_GREEDY_EPS = 1e-5
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) over generator seeds
+
+
+def step_seed(seed: int, step: int) -> int:
+    return (seed * _MIX + step) % (1 << 63)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus.
+
+    `top_k` [B] int64 (>= vocab means off), `top_p` [B] float (1.0 means off). Ties at the
+    k-th value are all kept; the nucleus always keeps the most likely token.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vals, idx = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        kth = vals.gather(-1, (vocab - top_k.clamp(1, vocab)).unsqueeze(-1))
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+    if top_p is not None:
+        cum = vals.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - top_p).unsqueeze(-1)
+        drop[:, -1] = False
+        vals = vals.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, vals)
+
+
+class Sampler:
+    """Samples one token per row; holds per-request generators until `release`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._generators)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        request_ids: Sequence[str],
+        num_generated: Sequence[int],
+    ) -> list[int]:
+        """logits [B, V] → B token ids, row i sampled with params[i]."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if p.temperature > _GREEDY_EPS]
+        if not random_rows:
+            return greedy.tolist()
+        dev = logits.device
+        sub = logits[random_rows]
+        sub_params = [params[i] for i in random_rows]
+        temps = torch.tensor([p.temperature for p in sub_params], device=dev)
+        sub = sub / temps.unsqueeze(-1)
+        vocab = sub.shape[-1]
+        top_k = top_p = None
+        if any(0 < p.top_k < vocab for p in sub_params):
+            ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in sub_params]
+            top_k = torch.tensor(ks, dtype=torch.int64, device=dev)
+        if any(p.top_p < 1.0 for p in sub_params):
+            top_p = torch.tensor([p.top_p for p in sub_params], device=dev)
+        probs = apply_top_k_top_p(sub, top_k, top_p).softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, i in enumerate(random_rows):
+            seed = params[i].seed
+            if seed is not None:
+                gen = self._generator(request_ids[i])
+                gen.manual_seed(step_seed(seed, num_generated[i]))
+                noise[row].exponential_(generator=gen)
+        picked = (probs / noise).argmax(dim=-1)
+        greedy[random_rows] = picked
+        return greedy.tolist()
+
+    def _generator(self, request_id: str) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = torch.Generator(device=self.device)
+        return gen

@@ -1,0 +1,130 @@
+"""Build a model from a local Hugging Face directory: dtype, device, safetensors or dummy.
+
+The model is constructed on the meta device (no allocation, no random init), then
+materialized directly on the target device in the target dtype and filled from the
+checkpoint — so a large model never exists twice in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .models import LlamaForCausalLM, ModelConfig, model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """ "auto": the checkpoint's dtype on CUDA; float32 on CPU (fast and exact there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        name = (cfg.torch_dtype or "bfloat16").removeprefix("torch.")
+        resolved = _DTYPES.get(name, torch.bfloat16)
+        return torch.float16 if resolved == torch.float32 else resolved
+    try:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} (choose auto, {', '.join(_DTYPES)})") from None
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's files: those the sharding index names, else every *.safetensors."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        files = [d / f for f in dict.fromkeys(weight_map.values())]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {absent}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {d} (use --load-format dummy?)")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Instantiate the registered class for `cfg` and fill its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    cls = model_class(cfg)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty materializes the shared tensor twice
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.no_grad():
+        if load_format == "dummy":
+            _dummy_init(model, seed)
+        else:
+            model.load_weights(iter_safetensors(model_dir))
+    model.prepare_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def _dummy_init(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for benchmarking without a checkpoint (like vLLM's dummy format):
+    norms at 1, everything else small uniform noise, seeded so runs are comparable."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            noise = torch.rand(p.shape, generator=gen, dtype=torch.float32) * 0.2 - 0.1
+            p.copy_(noise.to(p.dtype))
