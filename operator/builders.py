@@ -1,0 +1,355 @@
+"""Pure functions from a pool to the Kubernetes objects that serve it.
+
+No API calls here: the handlers fetch what they need, call these, and apply the result
+with server-side apply. Every object is owned by the pool (deleting the pool deletes
+it) and carries a hash of itself so a resync can tell "already applied" apart from
+"changed" without a write.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from infergate.operator import constants as c
+from infergate.operator.pool import PoolSpec
+from infergate.operator.settings import OperatorSettings
+
+Obj = dict[str, Any]
+
+EPP_CONTAINER = "epp"
+ENVOY_CONTAINER = "envoy"
+RUN_AS_USER = 65532  # the distroless "nonroot" uid, also used by our images
+
+
+def digest(value: Any) -> str:
+    """A short, stable hash of JSON-able data."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def selector_labels(pool: PoolSpec) -> dict[str, str]:
+    """Labels that pick this pool's EPP pods (immutable once a Deployment exists)."""
+    return {c.LABEL_NAME: "infergate-epp", c.LABEL_INSTANCE: pool.name}
+
+
+def common_labels(pool: PoolSpec) -> dict[str, str]:
+    return {
+        **selector_labels(pool),
+        c.LABEL_COMPONENT: "endpoint-picker",
+        c.LABEL_MANAGED_BY: "infergate-operator",
+        c.LABEL_POOL: pool.name,
+    }
+
+
+def owner_reference(pool: PoolSpec) -> Obj:
+    return {
+        "apiVersion": c.POOL_API_VERSION,
+        "kind": c.POOL_KIND,
+        "name": pool.name,
+        "uid": pool.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(pool: PoolSpec, name: str) -> Obj:
+    return {
+        "name": name,
+        "namespace": pool.namespace,
+        "labels": common_labels(pool),
+        "ownerReferences": [owner_reference(pool)],
+    }
+
+
+def with_spec_hash(obj: Obj) -> Obj:
+    """Stamp ``obj`` with the hash of its own content (annotation ANNOTATION_SPEC_HASH)."""
+    stamped = copy.deepcopy(obj)
+    annotations = stamped["metadata"].setdefault("annotations", {})
+    annotations.pop(c.ANNOTATION_SPEC_HASH, None)
+    annotations[c.ANNOTATION_SPEC_HASH] = digest(stamped)
+    return stamped
+
+
+def envoy_config_name(pool: PoolSpec) -> str:
+    return f"{pool.picker_name}-envoy"
+
+
+def build_config_map(pool: PoolSpec, epp_config: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(pool, pool.picker_name),
+        "data": {c.EPP_CONFIG_KEY: epp_config},
+    }
+
+
+def build_service_account(pool: PoolSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(pool, pool.picker_name),
+        "automountServiceAccountToken": True,
+    }
+
+
+def build_role(pool: PoolSpec) -> Obj:
+    """Least privilege for one EPP: read its pods, its pool, and the pool's policy objects."""
+    read = ["get", "list", "watch"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(pool, pool.picker_name),
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": read},
+            {"apiGroups": [c.POOL_GROUP], "resources": [c.POOL_PLURAL], "verbs": read},
+            {
+                "apiGroups": [c.X_GROUP],
+                "resources": [c.OBJECTIVE_PLURAL, c.REWRITE_PLURAL],
+                "verbs": read,
+            },
+        ],
+    }
+
+
+def build_role_binding(pool: PoolSpec) -> Obj:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(pool, pool.picker_name),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": pool.picker_name,
+        },
+        "subjects": [
+            {"kind": "ServiceAccount", "name": pool.picker_name, "namespace": pool.namespace}
+        ],
+    }
+
+
+def _restricted_security_context() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
+    args = [
+        "epp",
+        "--pool-name", pool.name,
+        "--pool-namespace", pool.namespace,
+        "--config-file", f"{c.EPP_CONFIG_DIR}/{c.EPP_CONFIG_KEY}",
+        "--grpc-port", str(c.EPP_GRPC_PORT),
+        "--grpc-health-port", str(c.EPP_HEALTH_PORT),
+        "--metrics-port", str(c.EPP_METRICS_PORT),
+        *settings.extra_epp_args,
+    ]  # fmt: skip
+    probe = {"grpc": {"port": c.EPP_HEALTH_PORT}}
+    return {
+        "name": EPP_CONTAINER,
+        "image": pool.epp_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "args": args,
+        "ports": [
+            {"name": "grpc", "containerPort": c.EPP_GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": c.EPP_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": c.EPP_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {
+                "name": "POD_NAMESPACE",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+            },
+            {"name": "INFERGATE_LOG_LEVEL", "value": settings.epp_log_level},
+        ],
+        "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {**probe, "initialDelaySeconds": 5, "periodSeconds": 10},
+        "resources": {
+            "requests": {"cpu": settings.epp_cpu_request, "memory": settings.epp_memory_request},
+            "limits": {"memory": settings.epp_memory_limit},
+        },
+        "securityContext": _restricted_security_context(),
+        "volumeMounts": [
+            {"name": "epp-config", "mountPath": c.EPP_CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
+def build_envoy_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
+    """The standalone-mode proxy: Envoy in the EPP pod, talking ext-proc over loopback."""
+    return {
+        "name": ENVOY_CONTAINER,
+        "image": settings.envoy_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "args": [
+            "--config-path",
+            f"{c.ENVOY_CONFIG_DIR}/{c.ENVOY_CONFIG_KEY}",
+            "--log-level",
+            "warn",
+            "--base-id",
+            "1",
+        ],
+        "ports": [{"name": "http", "containerPort": c.ENVOY_LISTEN_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": c.ENVOY_LISTEN_PORT}, "periodSeconds": 2},
+        "livenessProbe": {
+            "tcpSocket": {"port": c.ENVOY_LISTEN_PORT},
+            "initialDelaySeconds": 5,
+            "periodSeconds": 10,
+        },
+        "resources": {
+            "requests": {
+                "cpu": settings.envoy_cpu_request,
+                "memory": settings.envoy_memory_request,
+            },
+            "limits": {"memory": settings.envoy_memory_limit},
+        },
+        "securityContext": _restricted_security_context(),
+        "volumeMounts": [
+            {"name": "envoy-config", "mountPath": c.ENVOY_CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+
+
+def build_deployment(pool: PoolSpec, settings: OperatorSettings, config_hash: str) -> Obj:
+    containers = [build_epp_container(pool, settings)]
+    volumes: list[Obj] = [
+        {"name": "epp-config", "configMap": {"name": pool.picker_name}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    if pool.standalone_envoy:
+        containers.append(build_envoy_container(pool, settings))
+        volumes.append({"name": "envoy-config", "configMap": {"name": envoy_config_name(pool)}})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(pool, pool.picker_name),
+        "spec": {
+            "replicas": pool.epp_replicas,
+            "selector": {"matchLabels": selector_labels(pool)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": {
+                "metadata": {
+                    "labels": common_labels(pool),
+                    "annotations": {c.ANNOTATION_CONFIG_HASH: config_hash},
+                },
+                "spec": {
+                    "serviceAccountName": pool.picker_name,
+                    "terminationGracePeriodSeconds": 30,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": RUN_AS_USER,
+                        "runAsGroup": RUN_AS_USER,
+                        "fsGroup": RUN_AS_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": containers,
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def build_service(pool: PoolSpec) -> Obj:
+    """The Service the pool's endpointPickerRef names: ext-proc gRPC at the ref's port."""
+    assert pool.picker_port is not None, "a Service picker always has a port"
+    ports: list[Obj] = [
+        {
+            "name": "grpc-ext-proc",
+            "port": pool.picker_port,
+            "targetPort": c.EPP_GRPC_PORT,
+            "protocol": "TCP",
+            "appProtocol": "http2",
+        },
+        {
+            "name": "http-metrics",
+            "port": c.EPP_METRICS_PORT,
+            "targetPort": c.EPP_METRICS_PORT,
+            "protocol": "TCP",
+        },
+    ]
+    if pool.standalone_envoy:
+        ports.append(
+            {
+                "name": "http",
+                "port": c.ENVOY_LISTEN_PORT,
+                "targetPort": c.ENVOY_LISTEN_PORT,
+                "protocol": "TCP",
+            }
+        )
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, pool.picker_name),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(pool), "ports": ports},
+    }
+
+
+def build_pdb(pool: PoolSpec) -> Obj | None:
+    """Keep one EPP up through voluntary disruptions; only meaningful with 2+ replicas."""
+    if pool.epp_replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(pool, pool.picker_name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(pool)}},
+    }
+
+
+def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
+    """Envoy's bootstrap for the sidecar: ext-proc to the EPP on loopback, ORIGINAL_DST."""
+    from infergate.stack.envoy_config import build_envoy_config
+
+    return build_envoy_config(
+        listen_port=c.ENVOY_LISTEN_PORT,
+        epp_address="127.0.0.1",
+        epp_port=c.EPP_GRPC_PORT,
+        failure_mode_allow=pool.failure_mode == "FailOpen",
+        admin_port=c.ENVOY_ADMIN_PORT,
+        listen_address="0.0.0.0",
+    )
+
+
+def build_envoy_config_map(pool: PoolSpec) -> Obj:
+    bootstrap = yaml.safe_dump(build_envoy_bootstrap(pool), sort_keys=False)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(pool, envoy_config_name(pool)),
+        "data": {c.ENVOY_CONFIG_KEY: bootstrap},
+    }
+
+
+def desired_objects(pool: PoolSpec, settings: OperatorSettings, epp_config: str) -> list[Obj]:
+    """Everything one pool needs, in apply order, each stamped with its spec hash."""
+    config_map = build_config_map(pool, epp_config)
+    objects: list[Obj] = [config_map]
+    if pool.standalone_envoy:
+        objects.append(build_envoy_config_map(pool))
+    config_hash = digest([o["data"] for o in objects])
+    objects += [
+        build_service_account(pool),
+        build_role(pool),
+        build_role_binding(pool),
+        build_deployment(pool, settings, config_hash),
+        build_service(pool),
+    ]
+    pdb = build_pdb(pool)
+    if pdb is not None:
+        objects.append(pdb)
+    return [with_spec_hash(o) for o in objects]

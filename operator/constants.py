@@ -1,0 +1,56 @@
+"""Names shared by the operator, its builders, the chart and the tests."""
+
+from __future__ import annotations
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_VERSION = "v1"
+POOL_PLURAL = "inferencepools"
+POOL_KIND = "InferencePool"
+POOL_API_VERSION = f"{POOL_GROUP}/{POOL_VERSION}"
+
+X_GROUP = "inference.networking.x-k8s.io"
+X_VERSION = "v1alpha2"
+OBJECTIVE_PLURAL = "inferenceobjectives"
+REWRITE_PLURAL = "inferencemodelrewrites"
+
+#: Server-side-apply field manager; everything the operator writes is owned by it.
+FIELD_MANAGER = "infergate"
+#: ``status.parents[].controllerName`` of the entry this operator writes.
+CONTROLLER_NAME = "infergate.io/operator"
+#: The ``parentRef`` of that entry. GIE keeps one entry per Gateway; a pool that no
+#: Gateway references (standalone mode, or before a Gateway picks it up) still needs
+#: honest status, so the operator reports under its own parent, never as a Gateway.
+OPERATOR_PARENT_REF = {"group": "infergate.io", "kind": "Operator", "name": "infergate"}
+
+# Pool annotations (the operator's knobs, per pool).
+ANNOTATION_EPP_CONFIG = "infergate.io/epp-config"  # ConfigMap name holding the user's config
+ANNOTATION_EPP_CONFIG_KEY = "infergate.io/epp-config-key"  # key in it (default config.yaml)
+ANNOTATION_STANDALONE_ENVOY = "infergate.io/standalone-envoy"  # "true": Envoy sidecar
+ANNOTATION_EPP_REPLICAS = "infergate.io/epp-replicas"  # EPP Deployment replicas
+ANNOTATION_EPP_IMAGE = "infergate.io/epp-image"  # per-pool EPP image override
+
+# Annotations and labels the operator puts on what it owns.
+ANNOTATION_SPEC_HASH = "infergate.io/spec-hash"  # hash of the desired object, for no-op resyncs
+ANNOTATION_CONFIG_HASH = "infergate.io/config-hash"  # rolls the EPP pods when configs change
+LABEL_POOL = "infergate.io/pool"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+
+# EPP ports (DESIGN.md).
+EPP_GRPC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+ENVOY_LISTEN_PORT = 8081
+ENVOY_ADMIN_PORT = 19000
+
+EPP_CONFIG_KEY = "config.yaml"
+EPP_CONFIG_DIR = "/etc/infergate/epp"
+ENVOY_CONFIG_KEY = "envoy.yaml"
+ENVOY_CONFIG_DIR = "/etc/envoy"
+
+# Condition types and reasons written to status.parents[].conditions.
+ACCEPTED = "Accepted"
+RESOLVED_REFS = "ResolvedRefs"
+READY = "Ready"

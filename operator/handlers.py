@@ -1,0 +1,147 @@
+"""kopf wiring: which watch events trigger a reconcile of which pool.
+
+Thin on purpose: every handler only works out *which* pool to look at and calls
+:func:`infergate.operator.reconcile.reconcile` in a worker thread, one pool at a
+time. kopf stores nothing on the pools (raw event handlers need no finalizers or
+progress annotations), so the operator's writes are exactly what it applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from infergate.operator import constants as c
+from infergate.operator.kube import Kube
+from infergate.operator.reconcile import reconcile
+from infergate.operator.settings import OperatorSettings
+
+log = logging.getLogger("infergate.operator")
+
+_state: dict[str, Any] = {}
+_locks: dict[tuple[str, str], asyncio.Lock] = {}
+_pending: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class _PoolRefs:
+    match_labels: dict[str, str]
+    picker: str
+
+
+#: Pools seen on the watch: what pod and Service events are matched against.
+_pools: dict[tuple[str, str], _PoolRefs] = {}
+
+
+def _kube() -> Kube:
+    kube = _state.get("kube")
+    if kube is None:
+        kube = _state["kube"] = Kube()
+    return kube
+
+
+def _settings() -> OperatorSettings:
+    settings = _state.get("settings")
+    if settings is None:
+        settings = _state["settings"] = OperatorSettings.from_env()
+    return settings
+
+
+async def reconcile_pool(namespace: str, name: str, why: str) -> None:
+    """Reconcile one pool; coalesce bursts (a pending run covers later triggers)."""
+    key = (namespace, name)
+    if key in _pending:
+        return
+    _pending.add(key)
+    lock = _locks.setdefault(key, asyncio.Lock())
+    async with lock:
+        _pending.discard(key)
+        try:
+            result = await asyncio.to_thread(reconcile, _kube(), namespace, name, _settings())
+        except Exception as error:  # a failed pass is retried by the next trigger or resync
+            log.warning("reconcile of %s/%s failed (%s): %s", namespace, name, why, error)
+            return
+    if result.applied or result.deleted or result.status_written:
+        log.info(
+            "reconciled %s/%s (%s): applied=%s deleted=%s status_written=%s conditions=%s",
+            namespace, name, why, result.applied, result.deleted, result.status_written,
+            {cond.type: f"{cond.status}/{cond.reason}" for cond in result.conditions},
+        )  # fmt: skip
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Only our own, explicit Events (no log-line-per-event bridge) and no kopf state
+    # on the pools: the operator's writes stay exactly what it decides to write.
+    settings.posting.enabled = False
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="infergate.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="infergate.io")
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 30
+    _settings()
+    _state["resync"] = asyncio.create_task(_resync_forever())
+
+
+@kopf.on.cleanup()
+async def stop_resync(**_: Any) -> None:
+    task = _state.pop("resync", None)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@kopf.on.event(c.POOL_GROUP, c.POOL_VERSION, c.POOL_PLURAL)
+async def pool_event(
+    event: kopf.RawEvent, namespace: str, name: str, spec: kopf.Spec, **_: Any
+) -> None:
+    key = (namespace, name)
+    if event.get("type") == "DELETED":
+        _pools.pop(key, None)
+        _locks.pop(key, None)
+        return  # garbage collection removes the owned objects
+    _pools[key] = _PoolRefs(
+        match_labels=dict((spec.get("selector") or {}).get("matchLabels") or {}),
+        picker=str((spec.get("endpointPickerRef") or {}).get("name") or ""),
+    )
+    await reconcile_pool(namespace, name, f"pool {event.get('type') or 'listed'}")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={c.LABEL_MANAGED_BY: "infergate-operator"})
+async def owned_deployment_event(
+    event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **_: Any
+) -> None:
+    pool = labels.get(c.LABEL_POOL)
+    if pool and (namespace, pool) in _pools:
+        await reconcile_pool(namespace, pool, f"deployment {event.get('type')}")
+
+
+@kopf.on.event("", "v1", "services")
+async def service_event(event: kopf.RawEvent, namespace: str, name: str, **_: Any) -> None:
+    """Our Service changed, or a Service a pool refers to came or went (own picker)."""
+    for (pool_ns, pool_name), refs in list(_pools.items()):
+        if pool_ns == namespace and refs.picker == name:
+            await reconcile_pool(namespace, pool_name, f"service {event.get('type')}")
+
+
+@kopf.on.event("", "v1", "pods")
+async def pod_event(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    """A model-server pod changed: pools whose selector matches it update their counts."""
+    for (pool_ns, pool_name), refs in list(_pools.items()):
+        if pool_ns != namespace or not refs.match_labels:
+            continue
+        if all(labels.get(k) == v for k, v in refs.match_labels.items()):
+            await reconcile_pool(namespace, pool_name, f"pod {event.get('type')}")
+
+
+async def _resync_forever() -> None:
+    """Full resync every ``resync_seconds``: status follows the world without events."""
+    while True:
+        await asyncio.sleep(_settings().resync_seconds)
+        for namespace, name in list(_pools):
+            await reconcile_pool(namespace, name, "resync")

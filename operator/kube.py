@@ -1,0 +1,203 @@
+"""A small typed client over the ``kubernetes`` package for the kinds the operator touches.
+
+Server-side apply is a PATCH with ``application/apply-patch+yaml`` (JSON is YAML),
+``fieldManager=infergate`` and ``force=true``: the operator is the single owner of what
+it builds, so it takes fields back if someone else edited them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from infergate.operator import constants as c
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Kind:
+    group: str
+    version: str
+    plural: str
+    namespaced: bool = True
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None, name: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        if self.namespaced and namespace:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        return f"{base}/{name}" if name else base
+
+
+KINDS: dict[str, Kind] = {
+    "ConfigMap": Kind("", "v1", "configmaps"),
+    "ServiceAccount": Kind("", "v1", "serviceaccounts"),
+    "Service": Kind("", "v1", "services"),
+    "Pod": Kind("", "v1", "pods"),
+    "Event": Kind("", "v1", "events"),
+    "Role": Kind("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": Kind("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "Deployment": Kind("apps", "v1", "deployments"),
+    "PodDisruptionBudget": Kind("policy", "v1", "poddisruptionbudgets"),
+    c.POOL_KIND: Kind(c.POOL_GROUP, c.POOL_VERSION, c.POOL_PLURAL),
+}
+
+#: Kinds the operator creates per pool, in the order stale ones are pruned.
+OWNED_KINDS = (
+    "PodDisruptionBudget",
+    "Service",
+    "Deployment",
+    "RoleBinding",
+    "Role",
+    "ServiceAccount",
+    "ConfigMap",
+)
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+        super().__init__(f"{method} {path} -> HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+class Kube:
+    """The API calls the reconciler makes; one instance per operator process."""
+
+    def __init__(self, api_client: Any = None, timeout: float = 15.0) -> None:
+        if api_client is None:
+            api_client = new_api_client()
+        self.client = api_client
+        self.timeout = timeout
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> Obj:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        serialized = self.client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        _method, url, header_params, payload, post_params = serialized
+        response = self.client.call_api(
+            _method, url, header_params=header_params, body=payload,
+            post_params=post_params, _request_timeout=self.timeout,
+        )  # fmt: skip
+        data = response.read()
+        text = data.decode() if isinstance(data, bytes) else str(data or "")
+        if not 200 <= response.status < 300:
+            raise KubeError(response.status, method, path, text)
+        return json.loads(text) if text else {}
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        try:
+            return self._call("GET", KINDS[kind].path(namespace, name))
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, label_selector: dict[str, str]) -> list[Obj]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
+        result = self._call("GET", KINDS[kind].path(namespace), query=[("labelSelector", selector)])
+        items: list[Obj] = result.get("items") or []
+        return items
+
+    def apply(self, obj: Obj) -> Obj:
+        meta = obj["metadata"]
+        return self._call(
+            "PATCH",
+            KINDS[obj["kind"]].path(meta.get("namespace"), meta["name"]),
+            query=[("fieldManager", c.FIELD_MANAGER), ("force", "true")],
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete (background propagation); with ``uid``, only that very object."""
+        body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            self._call("DELETE", KINDS[kind].path(namespace, name), body=body)
+        except KubeError as error:
+            if error.status in (404, 409):
+                return False
+            raise
+        return True
+
+    def patch_status(
+        self, kind: str, namespace: str, name: str, resource_version: str, status: Obj
+    ) -> Obj:
+        """Merge-patch the status subresource, guarded by resourceVersion (409 if stale)."""
+        return self._call(
+            "PATCH",
+            KINDS[kind].path(namespace, name) + "/status",
+            body={"metadata": {"resourceVersion": resource_version}, "status": status},
+            content_type="application/merge-patch+json",
+        )
+
+    def event(self, involved: Obj, type_: str, reason: str, message: str) -> None:
+        """Record a core/v1 Event about ``involved`` (best effort: never fails a resync)."""
+        meta = involved.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{meta.get('name')}.{uuid.uuid4().hex[:12]}",
+                "namespace": namespace,
+            },
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"),
+                "kind": involved.get("kind"),
+                "name": meta.get("name"),
+                "namespace": namespace,
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "infergate-operator"},
+            "reportingComponent": "infergate.io/operator",
+            "reportingInstance": "infergate-operator",
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        with contextlib.suppress(KubeError):
+            self._call("POST", KINDS["Event"].path(namespace), body=event)
+
+
+def new_api_client() -> Any:
+    """An ApiClient from the in-cluster service account, else $KUBECONFIG / ~/.kube."""
+    import kubernetes
+
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(client_configuration=configuration)
+    return kubernetes.client.ApiClient(configuration)
