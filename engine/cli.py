@@ -4,8 +4,6 @@ from pathlib import Path
 
 import typer
 
-from infergate.unbuilt import not_built
-
 app = typer.Typer(help="The vLLM-compatible inference engine.", no_args_is_help=True)
 
 
@@ -14,21 +12,77 @@ def serve(
     model_dir: Path = typer.Argument(..., help="Local Hugging Face model directory."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
-    served_model_name: str | None = typer.Option(None, "--served-model-name"),
-    block_size: int = typer.Option(16, "--block-size"),
-    max_num_seqs: int = typer.Option(256, "--max-num-seqs"),
-    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens"),
+    served_model_name: list[str] | None = typer.Option(
+        None, "--served-model-name", help="Name(s) clients use; default: MODEL_DIR."
+    ),
+    block_size: int = typer.Option(16, "--block-size", min=1),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", min=1),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=1),
     max_model_len: int | None = typer.Option(None, "--max-model-len"),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
     load_format: str = typer.Option("auto", "--load-format", help="auto or dummy."),
     dtype: str = typer.Option("auto", "--dtype"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
-    simulate: bool = typer.Option(False, "--simulate"),
-    kv_events_port: int | None = typer.Option(None, "--kv-events-port"),
-    api_key: str | None = typer.Option(None, "--api-key"),
+    simulate: bool = typer.Option(
+        False, "--simulate", help="Timing model instead of a forward pass (no GPU needed)."
+    ),
+    kv_events_port: int | None = typer.Option(
+        None, "--kv-events-port", help="Publish KV events (vLLM's format) on this ZMQ PUB port."
+    ),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="INFERGATE_API_KEY", help="Require this bearer token on /v1."
+    ),
+    num_gpu_blocks_override: int | None = typer.Option(
+        None, "--num-gpu-blocks-override", min=1, help="KV cache size in blocks."
+    ),
+    enable_prefix_caching: bool = typer.Option(
+        True, "--enable-prefix-caching/--no-enable-prefix-caching"
+    ),
+    sim_base_ms: float = typer.Option(
+        6.0, "--sim-base-ms", help="Simulated step floor: streaming the weights once (ms)."
+    ),
+    sim_us_per_token: float = typer.Option(
+        30.0, "--sim-us-per-token", help="Simulated compute per scheduled token (µs)."
+    ),
+    sim_us_per_kv_token: float = typer.Option(
+        0.05, "--sim-us-per-kv-token", help="Simulated attention KV read per context token (µs)."
+    ),
+    sim_us_per_seq: float = typer.Option(
+        15.0, "--sim-us-per-seq", help="Simulated per-sequence cost per step (µs)."
+    ),
+    log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve`."""
-    not_built("`infergate engine serve`", "issue 3 (Engine)")
+    from infergate.engine.serve import ServeError, ServeOptions
+    from infergate.engine.serve import serve as run
+    from infergate.engine.sim_runner import TimingModel
+
+    opts = ServeOptions(
+        model_dir=model_dir,
+        host=host,
+        port=port,
+        served_model_name=served_model_name or [],
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        load_format=load_format,
+        dtype=dtype,
+        device=device,
+        simulate=simulate,
+        kv_events_port=kv_events_port,
+        api_key=api_key,
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        enable_prefix_caching=enable_prefix_caching,
+        timing=TimingModel(sim_base_ms, sim_us_per_token, sim_us_per_kv_token, sim_us_per_seq),
+        log_level=log_level,
+    )
+    try:
+        run(opts)
+    except ServeError as error:
+        typer.echo(f"infergate engine serve: error: {error}", err=True)
+        raise typer.Exit(code=2) from None
 
 
 @app.command("make-tiny-model")

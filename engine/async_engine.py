@@ -1,0 +1,138 @@
+"""The async client of the engine core, with the step loop on its own thread.
+
+As vLLM splits AsyncLLM (the API side) from EngineCore (the busy loop), the server only
+talks to :class:`AsyncEngine` — ``generate`` (an async stream of outputs), ``abort``,
+``call`` — and never touches the core, which lives on a dedicated thread fed by a
+command queue. The loop blocks when idle and otherwise steps back-to-back; outputs of a
+step reach the event loop in one ``call_soon_threadsafe``. Moving the core into another
+process later only replaces the queue and this class's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from infergate.engine.core import EngineCore, RequestOutput
+from infergate.engine.request import Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_Command = tuple[str, Any]
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead: str | None = None  # why the step loop stopped, if it did
+
+    # -- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._commands.put(("stop", None))
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    # -- API --------------------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit ``request`` and yield its outputs; leaving early aborts it."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run ``fn(core)`` on the engine thread (between steps) and return its result."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        return await asyncio.wrap_future(future)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                block = not core.has_work()
+                while True:
+                    try:
+                        command = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    if command[0] == "stop":
+                        return
+                    self._handle(command)
+                    block = not core.has_work()
+                try:
+                    outputs = core.step()
+                except Exception as error:
+                    log.exception("engine step failed; failing all requests")
+                    self.dead = f"engine step failed: {error!r}"
+                    self._deliver(core.fail_all(self.dead))
+                    return
+                if outputs:
+                    self._deliver(outputs)
+        except Exception as error:  # a bug outside the step: say so, fail what is left
+            log.exception("engine loop crashed")
+            self.dead = f"engine loop crashed: {error!r}"
+
+    def _handle(self, command: _Command) -> None:
+        kind, arg = command
+        if kind == "add":
+            self.core.add_request(arg)
+        elif kind == "abort":
+            self.core.abort(arg)
+        elif kind == "call":
+            fn, future = arg
+            try:
+                future.set_result(fn(self.core))
+            except Exception as error:
+                future.set_exception(error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # event loop closed during shutdown
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)

@@ -1,0 +1,224 @@
+"""EngineCore: one synchronous step = schedule → run the batch → update → outputs.
+
+It knows nothing about HTTP or threads (see :mod:`infergate.engine.async_engine`); it owns
+the scheduler, the KV cache manager, the runner and per-request detokenization, so stop
+strings end a request inside the step that produced them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from infergate.engine.interfaces import ModelRunner
+from infergate.engine.kv_cache_manager import KVCacheManager
+from infergate.engine.kv_events import ZmqEventPublisher
+from infergate.engine.metrics import EngineMetrics
+from infergate.engine.request import Request, RequestStatus
+from infergate.engine.scheduler import Scheduler, SchedulerConfig
+from infergate.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, plus totals for ``usage``)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed the request
+
+
+class _TextState:
+    """Incremental text for one request; holds back a possible stop-string prefix."""
+
+    def __init__(self, decoder: IncrementalDecoder | None, stops: tuple[str, ...]) -> None:
+        self.decoder = decoder
+        self.stops = stops
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def add(self, token_id: int, include: bool) -> str | None:
+        """Append a token's text; returns the stop string if one appeared."""
+        if self.decoder is None:
+            return None
+        piece = self.decoder.step([token_id])
+        if not include or not piece:
+            return None
+        start = max(0, len(self.text) - self.holdback)
+        self.text += piece
+        hit: tuple[int, str] | None = None
+        for stop in self.stops:
+            idx = self.text.find(stop, start)
+            if idx >= 0 and (hit is None or idx < hit[0]):
+                hit = (idx, stop)
+        if hit is None:
+            return None
+        self.text = self.text[: hit[0]]
+        return hit[1]
+
+    def delta(self, finished: bool) -> str:
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig,
+        *,
+        tokenizer: Tokenizer | None = None,
+        enable_prefix_caching: bool = True,
+        metrics: EngineMetrics | None = None,
+        kv_events: ZmqEventPublisher | None = None,
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        self.tokenizer = tokenizer
+        self.kv = KVCacheManager(
+            runner.num_blocks,
+            runner.block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_events=kv_events is not None,
+        )
+        self.scheduler = Scheduler(config, self.kv)
+        self.metrics = metrics
+        self.kv_events = kv_events
+        self._text: dict[str, _TextState] = {}
+        self._begin_step = getattr(runner, "begin_step", None)
+        self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
+        if metrics is not None:
+            metrics.bind(
+                lambda: self.scheduler.num_running,
+                lambda: self.scheduler.num_waiting,
+                self.kv.usage,
+            )
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.max_model_len is None:
+            request.max_model_len = self.config.max_model_len
+        decoder = self.tokenizer.decode_stream() if self.tokenizer is not None else None
+        self._text[request.request_id] = _TextState(decoder, request.sampling.stop)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self._finished(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset_prefix_cache()
+        self._publish_events()
+        return ok
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Finish every live request with an error (the runner broke)."""
+        outputs = []
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._finished(request)
+            outputs.append(RequestOutput(request.request_id, [], "", True, "abort", error=message))
+        return outputs
+
+    # -- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self._begin_step is not None:
+            self._begin_step()
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if sched.batch.seqs:
+            sampled = self.runner.execute(sched.batch)
+            now = time.monotonic()
+            for request in self.scheduler.update_after_step(sched, sampled):
+                outputs.append(self._on_token(request, now))
+        self._export_stats()
+        self._publish_events()
+        return outputs
+
+    def _on_token(self, request: Request, now: float) -> RequestOutput:
+        token = request.output_token_ids[-1]
+        m = self.metrics
+        if request.first_token_time is None:
+            request.first_token_time = now
+            if m is not None:
+                m.ttft.observe(now - request.arrival_time)
+                m.prompt_tokens.inc(request.num_prompt_tokens)
+        elif m is not None and request.last_token_time is not None:
+            m.itl.observe(now - request.last_token_time)
+        request.last_token_time = now
+        if m is not None:
+            m.generation_tokens.inc()
+
+        finished = request.check_stop()
+        state = self._text[request.request_id]
+        # A stop token (EOS or stop_token_ids) ends the text without adding to it.
+        stop_string = state.add(token, include=not finished or not _ended_by_token(request))
+        if stop_string is not None and not finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_string
+            finished = True
+        out = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            new_text=state.delta(finished),
+            finished=finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        if finished:
+            self.scheduler.finish(request, request.status)
+            self._finished(request)
+            if m is not None:
+                m.e2e.observe(now - request.arrival_time)
+        return out
+
+    def _finished(self, request: Request) -> None:
+        self._text.pop(request.request_id, None)
+        self.runner.release(request.request_id)
+        if self.metrics is not None and request.status.finish_reason:
+            self.metrics.request_finished(request.status.finish_reason)
+
+    def _export_stats(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        now = (self.kv.queries, self.kv.hits, self.scheduler.num_preemptions)
+        q, h, p = (a - b for a, b in zip(now, self._stats_seen, strict=True))
+        if q:
+            m.prefix_queries.inc(q)
+        if h:
+            m.prefix_hits.inc(h)
+        if p:
+            m.preemptions.inc(p)
+        self._stats_seen = now
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None:
+            events = self.kv.pool.drain_events()
+            if events:
+                self.kv_events.publish(events)
+
+
+def _ended_by_token(request: Request) -> bool:
+    """Finished because of EOS / a stop token id (whose text is not part of the output)."""
+    return request.status is RequestStatus.FINISHED_STOPPED

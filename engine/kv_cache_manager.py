@@ -1,0 +1,125 @@
+"""Per-request KV block tables on top of the block pool, with prefix caching.
+
+The scheduler asks three things: how much of a new request's prompt is already cached
+(:meth:`KVCacheManager.find_cached_prefix`), to reserve blocks for the tokens it is about to
+compute (:meth:`allocate`), and, after a step, to commit the blocks that became full
+(:meth:`commit_full_blocks`) so their contents — prompt or generated — become reusable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infergate.engine.block_pool import Block, BlockPool
+from infergate.engine.request import Request
+
+
+@dataclass
+class CachedPrefix:
+    blocks: list[Block]
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        enable_events: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size, enable_events=enable_events)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, list[Block]] = {}
+        self._num_committed: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens (vLLM's prefix_cache_queries / _hits).
+        self.queries = 0
+        self.hits = 0
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._tables.get(request_id, ())]
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest run of cached blocks matching the request's leading full blocks.
+
+        At least one token is always left to compute: the step that computes it is the one
+        that produces the logits for the next token.
+        """
+        if not self.enable_prefix_caching:
+            return CachedPrefix([])
+        request.update_block_hashes(self.block_size)
+        limit = (request.num_tokens - 1) // self.block_size
+        blocks: list[Block] = []
+        for block_hash in request.block_hashes[:limit]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.queries += request.num_tokens
+        self.hits += len(blocks) * self.block_size
+        return CachedPrefix(blocks)
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None
+    ) -> bool:
+        """Reserve blocks so ``num_new_tokens`` more tokens fit; False (nothing taken) if not.
+
+        ``cached`` (only at admission) are prefix-hit blocks that join the table first; the
+        request's ``num_computed_tokens`` must already count them.
+        """
+        table = self._tables.setdefault(request.request_id, [])
+        hit = cached.blocks if cached else []
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        needed = -(-total_tokens // self.block_size) - len(table) - len(hit)
+        # Hit blocks sitting in the free queue stop being free once we take them.
+        reclaimed = sum(1 for b in hit if b.ref_cnt == 0)
+        if needed + reclaimed > self.pool.num_free_blocks:
+            if not table:
+                del self._tables[request.request_id]
+            return False
+        if hit:
+            self.pool.touch(hit)
+            table.extend(hit)
+            self._num_committed[request.request_id] = len(table)
+        if needed > 0:
+            table.extend(self.pool.take_new(needed))
+        return True
+
+    def commit_full_blocks(self, request: Request) -> None:
+        """Hash and publish every block whose tokens are now all computed."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            return
+        done = self._num_committed.get(rid, 0)
+        full = request.num_computed_tokens // self.block_size
+        if full <= done:
+            return
+        request.update_block_hashes(self.block_size)
+        bs = self.block_size
+        self.pool.commit(
+            table[done:full],
+            request.block_hashes[done:full],
+            request.block_hashes[done - 1] if done else None,
+            request.all_token_ids[done * bs : full * bs],
+        )
+        self._num_committed[rid] = full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; tail blocks go first in the eviction order."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_committed.pop(request.request_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,107 @@
+"""KV-cache events in vLLM's wire format, published over ZMQ PUB.
+
+Anything that consumes vLLM's events (llm-d's precise prefix scorer, our EPP) can consume
+these. The format, as vLLM's ``vllm/distributed/kv_events.py`` defines it:
+
+* each ZMQ message is multipart ``[topic, seq, payload]``: ``topic`` (default empty),
+  ``seq`` a 64-bit big-endian batch sequence number starting at 0, ``payload`` msgpack;
+* ``payload`` is a ``KVEventBatch``, encoded as the array ``[ts, events,
+  data_parallel_rank]``;
+* each event is a tagged array whose first element is its class name:
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+  medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
+  ``["AllBlocksCleared"]``. Block hashes are unsigned 64-bit ints
+  (see :mod:`infergate.engine.block_hash`); ``medium`` is ``"GPU"`` as in vLLM (the
+  engine's own KV memory, whatever the device).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from itertools import count
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+MEDIUM_GPU = "GPU"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged event structs (the tag is the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    # No defaults, so omit_defaults never drops them: consumers index these positions.
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(EventBatch):
+    events: list[KVEvent]
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Decode one payload (what a subscriber does); used by tests and tools."""
+    return msgspec.msgpack.decode(payload, type=KVEventBatch)
+
+
+class ZmqEventPublisher:
+    """Publishes event batches from a background thread so the step loop never blocks."""
+
+    def __init__(self, endpoint: str, *, topic: str = "", hwm: int = 100_000) -> None:
+        import zmq
+
+        self._sock: Any = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.set_hwm(hwm)
+        self._sock.bind(endpoint)
+        self._topic = topic.encode()
+        self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
+        self._seq = count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if events:
+            self._queue.put(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            try:
+                seq = next(self._seq).to_bytes(8, "big")
+                self._sock.send_multipart((self._topic, seq, self._encoder.encode(batch)))
+            except Exception:  # a publishing hiccup must never take the engine down
+                log.exception("failed to publish KV events")
+        self._sock.close(linger=0)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=2.0)

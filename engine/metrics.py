@@ -1,0 +1,110 @@
+"""Prometheus metrics under vLLM's names, on the engine's own registry.
+
+The EPP scrapes ``/metrics`` every 50 ms, so the live gauges are read at scrape time
+from the scheduler (``set_function``: nothing to update per step, nothing stale) and the
+exposition stays a few small families.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, *, block_size: int, num_gpu_blocks: int) -> None:
+        self.registry = CollectorRegistry()
+        r, labels, m = self.registry, ["model_name"], model_name
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self._running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self._kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self._kv_usage_legacy = gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's pre-0.10 name)."
+        )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(m)
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(m)
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions (by recompute).").labels(m)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.").labels(m)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(m)
+        self._success = Counter(
+            "vllm:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=TTFT_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", labels,
+            buckets=ITL_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+            buckets=E2E_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        Gauge(
+            "vllm:cache_config_info",
+            "KV-cache configuration.",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        ).labels(str(block_size), str(num_gpu_blocks)).set(1)
+        self._lora = Gauge(
+            "vllm:lora_requests_info",
+            "LoRA adapters of running/waiting requests (value: time of the last update).",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=r,
+        )
+        self._model = m
+        self._success_by_reason = {
+            reason: self._success.labels(m, reason) for reason in ("stop", "length", "abort")
+        }
+
+    def bind(
+        self,
+        num_running: Callable[[], float],
+        num_waiting: Callable[[], float],
+        kv_usage: Callable[[], float],
+    ) -> None:
+        """Read live values from the engine at scrape time."""
+        self._running.labels(self._model).set_function(num_running)
+        self._waiting.labels(self._model).set_function(num_waiting)
+        self._kv_usage.labels(self._model).set_function(kv_usage)
+        self._kv_usage_legacy.labels(self._model).set_function(kv_usage)
+        # No LoRA support: the adapter lists stay empty, refreshed at every scrape.
+        self._lora.labels("", "", "0").set_function(time.time)
+
+    def request_finished(self, reason: str) -> None:
+        counter = self._success_by_reason.get(reason)
+        if counter is not None:
+            counter.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

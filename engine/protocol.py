@@ -1,0 +1,122 @@
+"""OpenAI request bodies, as pydantic models validated strictly from the raw JSON.
+
+Strict mode makes ``"max_tokens": "5"`` a 400 like OpenAI, not a silent coercion. Every
+model allows extra fields: routers add their own (``no_stop_trim``,
+``return_hidden_states`` …) and the server ignores them with a warning, as vLLM does.
+Fields we know but cannot honour are rejected in :func:`unsupported`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Open):
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int | None = 1
+    best_of: int | None = None
+    cache_salt: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Open):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Open):
+    model: str | None = None
+    tokens: list[int]
+
+
+def unsupported(req: _Sampling) -> tuple[str, str] | None:
+    """(param, message) for the first known field whose value we cannot honour."""
+    checks: list[tuple[bool, str, str]] = [
+        (req.n not in (None, 1), "n", "only n=1 is supported"),
+        (req.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
+        (bool(req.presence_penalty), "presence_penalty", "presence_penalty is not supported"),
+        (bool(req.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported"),
+        (
+            req.repetition_penalty not in (None, 1.0),
+            "repetition_penalty",
+            "repetition_penalty is not supported",
+        ),
+        (bool(req.min_p), "min_p", "min_p is not supported"),
+        (bool(req.min_tokens), "min_tokens", "min_tokens is not supported"),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            (req.logprobs is not None, "logprobs", "logprobs are not supported"),
+            (bool(req.echo), "echo", "echo is not supported"),
+            (req.suffix is not None, "suffix", "suffix is not supported"),
+        ]
+    if isinstance(req, ChatCompletionRequest):
+        fmt = (req.response_format or {}).get("type", "text")
+        checks += [
+            (bool(req.logprobs), "logprobs", "logprobs are not supported"),
+            (bool(req.top_logprobs), "top_logprobs", "top_logprobs are not supported"),
+            (bool(req.tools), "tools", "tool calling is not supported"),
+            (fmt != "text", "response_format", "only response_format type 'text' is supported"),
+        ]
+    for bad, param, message in checks:
+        if bad:
+            return param, message
+    return None

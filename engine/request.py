@@ -1,0 +1,109 @@
+"""A request's life in the engine: waiting → running ⇄ preempted → finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from infergate.engine.block_hash import block_hashes
+from infergate.engine.interfaces import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's ``finish_reason`` (``stop``, ``length``, ``abort``), None while live."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """Token-level state of one generation; the scheduler and KV manager read and move it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def update_block_hashes(self, block_size: int) -> None:
+        """Extend the hash chain over blocks that became full (prompt, then generated)."""
+        done = len(self.block_hashes)
+        if (done + 1) * block_size > self.num_tokens:
+            return
+        parent = self.block_hashes[-1] if done else None
+        self.block_hashes.extend(
+            block_hashes(
+                self.all_token_ids,
+                block_size,
+                cache_salt=self.cache_salt,
+                parent=parent,
+                start_block=done,
+            )
+        )
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Apply the token-level stop rules after a new token; True when finished."""
+        token = self.output_token_ids[-1]
+        params = self.sampling
+        if not params.ignore_eos and token in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token
+        elif self.num_output_tokens >= params.max_tokens or (
+            self.max_model_len is not None and self.num_tokens >= self.max_model_len
+        ):
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.status.finished

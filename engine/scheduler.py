@@ -1,0 +1,168 @@
+"""Continuous batching with a per-step token budget (vLLM V1's scheduling, simplified).
+
+Every step, running requests go first — a decode costs one token, a partly prefilled
+prompt continues with its next chunk — then waiting requests are admitted FCFS while the
+token budget, ``max_num_seqs`` and free KV blocks allow; a prompt longer than what is left
+of the budget is prefilled in chunks over several steps. There is no separate prefill
+phase: "tokens to compute" is simply ``num_tokens - num_computed_tokens``. When a
+running request cannot get a block, the most recently admitted request is preempted: its
+blocks are freed (their cached hashes survive, so its recompute usually hits the prefix
+cache) and it goes back to the head of the waiting queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass
+
+from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
+from infergate.engine.kv_cache_manager import KVCacheManager
+from infergate.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+@dataclass
+class SchedulerOutput:
+    batch: ScheduledBatch
+    requests: list[Request]  # same order as batch.seqs
+    preempted: list[Request]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Move a request to a finished state and give its blocks back."""
+        if request.request_id not in self.requests:
+            return
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            # Waiting (or preempted) requests hold no blocks; unlink from the queue.
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(request)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, n):
+                victim = self.running.pop()  # last admitted goes first
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing later can fit either
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                cached = self.kv.find_cached_prefix(request)
+                num_cached = cached.num_tokens(self.kv.block_size)
+                n = min(request.num_tokens - num_cached, budget)
+                request.num_computed_tokens = num_cached
+                if not self.kv.allocate(request, n, cached):
+                    request.num_computed_tokens = 0
+                    break
+                self.waiting.popleft()
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                chosen.append((request, n))
+                budget -= n
+
+        seqs = [self._seq(request, n) for request, n in chosen]
+        return SchedulerOutput(ScheduledBatch(seqs), [r for r, _ in chosen], preempted)
+
+    def _seq(self, request: Request, n: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + n],
+            start_pos=start,
+            block_table=self.kv.block_ids(request.request_id),
+            sample=start + n == request.num_tokens,
+            sampling=request.sampling,
+            num_generated=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_after_step(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, commit full blocks.
+
+        Returns the requests that got a new token (the caller checks stop conditions).
+        """
+        got_token: list[Request] = []
+        for request, seq, token in zip(out.requests, out.batch.seqs, sampled, strict=True):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(seq.token_ids)
+            self.kv.commit_full_blocks(request)
+            if token is not None:
+                request.append_output_token(token)
+                got_token.append(request)
+        return got_token

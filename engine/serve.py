@@ -1,0 +1,205 @@
+"""Wire an engine together from ``infergate engine serve`` options and run it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infergate.engine.sim_runner import TimingModel
+
+log = logging.getLogger("infergate.engine")
+
+
+class ServeError(RuntimeError):
+    """A start-up problem the user can fix; printed as one line."""
+
+
+@dataclass
+class ServeOptions:
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: list[str] = field(default_factory=list)
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    simulate: bool = False
+    kv_events_port: int | None = None
+    api_key: str | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    timing: TimingModel = field(default_factory=TimingModel)
+    log_level: str = "info"
+
+
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.exists():
+        raise ServeError(f"{model_dir} has no config.json; is it a Hugging Face model directory?")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ServeError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ServeError(f"{path} is not a JSON object")
+    return data
+
+
+def filler_token_ids(tokenizer: Any) -> list[int]:
+    """Ordinary tokens that read as plain text on their own: the simulator's output."""
+    skip = tokenizer.special_token_ids | tokenizer.eos_token_ids
+    out = []
+    for token_id in range(tokenizer.vocab_size):
+        if token_id in skip:
+            continue
+        text = tokenizer.decode([token_id])
+        if text.strip() and text.isascii() and text.isprintable():
+            out.append(token_id)
+    return out or [t for t in range(tokenizer.vocab_size) if t not in skip]
+
+
+def build(opts: ServeOptions) -> Any:
+    """Load tokenizer and runner, build core + async engine + FastAPI app; return the app."""
+    import prometheus_client
+    from infergate.engine.async_engine import AsyncEngine
+    from infergate.engine.core import EngineCore
+    from infergate.engine.kv_events import ZmqEventPublisher
+    from infergate.engine.metrics import EngineMetrics
+    from infergate.engine.scheduler import SchedulerConfig
+    from infergate.engine.server import ServerConfig, build_app
+    from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
+    from infergate.engine.tokenizer import Tokenizer, TokenizerError
+
+    model_dir = opts.model_dir
+    if not model_dir.is_dir():
+        raise ServeError(
+            f"model directory {model_dir} does not exist; point MODEL_DIR at a local Hugging "
+            f"Face model, or create a test model with `infergate engine make-tiny-model {model_dir}`"
+        )
+    cfg = _model_config(model_dir)
+    try:
+        tokenizer = Tokenizer(model_dir)
+    except (TokenizerError, ValueError, OSError) as error:
+        raise ServeError(f"cannot load the tokenizer from {model_dir}: {error}") from None
+    names = opts.served_model_name or [str(model_dir)]
+    config_len = int(cfg.get("max_position_embeddings") or 2048)
+    if opts.max_model_len is not None and opts.max_model_len > config_len:
+        raise ServeError(
+            f"--max-model-len {opts.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({config_len})"
+        )
+    vocab_size = max(int(cfg.get("vocab_size") or 0), tokenizer.vocab_size)
+
+    runner: Any
+    if opts.simulate:
+        num_blocks = opts.num_gpu_blocks_override or default_num_blocks(
+            opts.block_size, opts.gpu_memory_utilization
+        )
+        filler = filler_token_ids(tokenizer)
+        runner = SimulatedRunner(
+            block_size=opts.block_size,
+            num_blocks=num_blocks,
+            filler_token_ids=filler,
+            timing=opts.timing,
+        )
+        max_model_len = opts.max_model_len or config_len
+        log.info("simulated mode: %s, %d KV blocks of %d tokens", opts.timing, num_blocks,
+                 opts.block_size)  # fmt: skip
+    else:
+        try:
+            from infergate.engine.model_runner import TorchModelRunner
+        except ImportError as error:
+            raise ServeError(f"the model runner is not available: {error}") from None
+        log.info("loading %s (device=%s, dtype=%s, load_format=%s)", model_dir, opts.device,
+                 opts.dtype, opts.load_format)  # fmt: skip
+        try:
+            runner = TorchModelRunner.from_model_dir(
+                model_dir,
+                block_size=opts.block_size,
+                num_blocks=opts.num_gpu_blocks_override,
+                dtype=opts.dtype,
+                device=opts.device,
+                load_format=opts.load_format,
+                max_model_len=opts.max_model_len,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
+            )
+        except (ValueError, FileNotFoundError, KeyError) as error:
+            raise ServeError(f"cannot load {model_dir}: {error}") from None
+        max_model_len = int(runner.max_model_len)
+        tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(runner.eos_token_ids)
+
+    capacity = runner.num_blocks * runner.block_size
+    if max_model_len > capacity:
+        if opts.max_model_len is not None:
+            raise ServeError(
+                f"--max-model-len {max_model_len} does not fit in the KV cache "
+                f"({runner.num_blocks} blocks x {runner.block_size} = {capacity} tokens)"
+            )
+        log.warning("max_model_len lowered from %d to the KV capacity %d", max_model_len,
+                    capacity)  # fmt: skip
+        max_model_len = capacity
+
+    # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
+    prometheus_client.disable_created_metrics()
+    metrics = EngineMetrics(
+        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks
+    )
+    events = None
+    if opts.kv_events_port is not None:
+        events = ZmqEventPublisher(f"tcp://*:{opts.kv_events_port}")
+        log.info("publishing KV events on tcp://*:%d", opts.kv_events_port)
+    core = EngineCore(
+        runner,
+        SchedulerConfig(
+            max_num_seqs=opts.max_num_seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        tokenizer=tokenizer,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        metrics=metrics,
+        kv_events=events,
+    )
+    server_config = ServerConfig(
+        served_model_names=names,
+        model_dir=str(model_dir),
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        api_key=opts.api_key,
+    )
+    log.info(
+        "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "
+        "max_num_seqs=%d max_num_batched_tokens=%d",
+        names[0], max_model_len, runner.num_blocks, runner.block_size,
+        opts.max_num_seqs, opts.max_num_batched_tokens,
+    )  # fmt: skip
+    return build_app(AsyncEngine(core), tokenizer, server_config, metrics)
+
+
+def serve(opts: ServeOptions) -> None:
+    logging.basicConfig(
+        level=opts.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    import uvicorn
+
+    app = build(opts)
+    log.info("serving on http://%s:%d (OpenAI API under /v1)", opts.host, opts.port)
+    uvicorn.run(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level=opts.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,480 @@
+"""The OpenAI-compatible HTTP server (FastAPI), in front of :class:`AsyncEngine`.
+
+Bodies are read by hand (size-capped, then validated strictly from JSON) so that every
+bad input gets OpenAI's error schema with the right status, never FastAPI's 422 shape.
+A client that goes away — mid-stream or while waiting for a whole answer — aborts its
+request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from infergate.engine.async_engine import AsyncEngine, EngineDeadError
+from infergate.engine.core import RequestOutput
+from infergate.engine.interfaces import SamplingParams
+from infergate.engine.metrics import EngineMetrics
+from infergate.engine.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Sampling,
+    unsupported,
+)
+from infergate.engine.request import Request as EngineRequest
+from infergate.engine.tokenizer import Tokenizer, TokenizerError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from infergate import __version__
+
+log = logging.getLogger("infergate.engine.server")
+M = TypeVar("M", bound=BaseModel)
+
+MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    warned_fields: set[str] = field(default_factory=set)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param), self.status)
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status, "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class _Guard:
+    """ASGI middleware: API key on /v1 (as vLLM) and a Content-Length cap, before any work."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error: APIError | None = None
+            if (
+                self.expected is not None
+                and scope["path"].startswith("/v1")
+                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            ):
+                error = APIError(401, "Invalid or missing API key.")
+            length = headers.get(b"content-length", b"")
+            if error is None and length.isdigit() and int(length) > self.config.max_body_bytes:
+                error = APIError(413, f"Request body over {self.config.max_body_bytes} bytes.")
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
+              metrics: EngineMetrics | None = None) -> FastAPI:  # fmt: skip
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="infergate engine", version=__version__, lifespan=lifespan)
+    created = int(time.time())
+
+    app.add_middleware(_Guard, config=config)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def on_dead(request: Request, error: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(error)).response()
+
+    # -- plumbing -------------------------------------------------------------------------
+    async def read_body(request: Request) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise APIError(413, f"Request body over {config.max_body_bytes} bytes.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(body: bytes, model: type[M]) -> M:
+        try:
+            parsed = model.model_validate_json(body)
+        except ValidationError as error:
+            first = error.errors()[0]
+            if first["type"] == "json_invalid":
+                raise APIError(400, f"Invalid JSON body: {first['msg']}") from None
+            loc = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"Invalid value for '{loc}': {first['msg']}", loc) from None
+        extra = sorted((parsed.model_extra or {}).keys())
+        new = [name for name in extra if name not in config.warned_fields]
+        if new:
+            config.warned_fields.update(new)
+            log.warning("ignoring unknown request fields: %s", ", ".join(new))
+        return parsed
+
+    def check_model(name: str | None) -> str:
+        if name is None:
+            return config.served_model_names[0]
+        if name not in config.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        return name
+
+    def check_tokens(ids: list[int], param: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < config.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"Token id {bad} is out of vocabulary (size {config.vocab_size}).", param
+            )
+
+    def render_chat(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        plain = []
+        for message in messages:
+            content = message.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "Only text content parts are supported.", "messages")
+                content = "".join(part.text or "" for part in content)
+            plain.append(
+                {**(message.model_extra or {}), "role": message.role, "content": content or ""}
+            )
+        try:
+            text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        except TokenizerError as error:
+            raise APIError(400, str(error), "messages") from None
+        except Exception as error:  # a template that fails on this input
+            raise APIError(400, f"Could not apply the chat template: {error}", "messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(req: _Sampling, prompt_len: int, max_tokens: int | None,
+                        default_max: int | None) -> SamplingParams:  # fmt: skip
+        problem = unsupported(req)
+        if problem is not None:
+            raise APIError(400, problem[1], problem[0])
+        if req.stream_options is not None and not req.stream:
+            raise APIError(
+                400, "stream_options is only allowed with stream=true.", "stream_options"
+            )
+        if req.temperature is not None and req.temperature < 0:
+            raise APIError(400, "temperature must be non-negative.", "temperature")
+        if req.top_p is not None and not 0 < req.top_p <= 1:
+            raise APIError(400, "top_p must be in (0, 1].", "top_p")
+        if req.top_k is not None and req.top_k < -1:
+            raise APIError(400, "top_k must be -1 (disabled) or a positive integer.", "top_k")
+        if req.cache_salt is not None and not req.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string.", "cache_salt")
+        if prompt_len == 0:
+            raise APIError(400, "The prompt is empty.", "prompt")
+        room = config.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {config.max_model_len} tokens. "
+                f"However, your prompt has {prompt_len} tokens.",
+                "prompt",
+            )
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise APIError(
+                    400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens"
+                )
+            if max_tokens > room:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {config.max_model_len} tokens. "
+                    f"However, you requested {prompt_len + max_tokens} tokens "
+                    f"({prompt_len} in the prompt, {max_tokens} in the completion).",
+                    "max_tokens",
+                )
+        stop_ids = tuple(req.stop_token_ids or ())
+        check_tokens(list(stop_ids), "stop_token_ids")
+        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            max_tokens=max_tokens if max_tokens is not None else min(default_max or room, room),
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+        )
+
+    def new_request(
+        rid: str, prompt: list[int], params: SamplingParams, salt: str | None
+    ) -> EngineRequest:
+        return EngineRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=params,
+            cache_salt=salt,
+            eos_token_ids=tokenizer.eos_token_ids,
+            max_model_len=config.max_model_len,
+        )
+
+    async def run_to_end(
+        request: Request, stream: AsyncIterator[RequestOutput]
+    ) -> list[RequestOutput]:
+        """Collect a whole generation, aborting it if the client disconnects first."""
+
+        async def collect() -> list[RequestOutput]:
+            return [out async for out in stream]
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise asyncio.CancelledError("client disconnected")
+        return work.result()
+
+    def usage(out: RequestOutput | None, prompt_len: int) -> dict[str, Any]:
+        completion = out.num_output_tokens if out else 0
+        cached = out.num_cached_tokens if out else 0
+        return {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion,
+            "total_tokens": prompt_len + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def sse(data: dict[str, Any]) -> str:
+        return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+    def check_error(out: RequestOutput) -> None:
+        if out.error is not None:
+            raise APIError(500, out.error)
+
+    # -- endpoints --------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return Response(status_code=200)
+        return APIError(503, engine.dead or "engine not running").response()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "infergate",
+             "root": config.model_dir, "parent": None, "max_model_len": config.max_model_len}
+            for name in config.served_model_names
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = parse(await read_body(request), TokenizeRequest)
+        check_model(req.model)
+        if req.messages is not None:
+            ids = render_chat(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise APIError(400, "Either 'prompt' or 'messages' is required.", "prompt")
+        return {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse(await read_body(request), DetokenizeRequest)
+        check_model(req.model)
+        check_tokens(req.tokens, "tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if await engine.call(lambda core: core.reset_prefix_cache()):
+            return Response(status_code=200)
+        return APIError(400, "Cannot reset the prefix cache while requests are running.").response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse(await read_body(request), CompletionRequest)
+        model = check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "Batched prompts are not supported; send one prompt.", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)  # type: ignore[arg-type]
+            check_tokens(ids, "prompt")
+        params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = engine.generate(new_request(rid, ids, params, req.cache_salt))
+        now = int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": now, "model": model}
+
+        if not req.stream:
+            outs = await run_to_end(request, stream)
+            for out in outs:
+                check_error(out)
+            last = outs[-1] if outs else None
+            return JSONResponse({
+                **base,
+                "choices": [{
+                    "index": 0, "text": "".join(o.new_text for o in outs), "logprobs": None,
+                    "finish_reason": last.finish_reason if last else None,
+                    "stop_reason": last.stop_reason if last else None,
+                }],
+                "usage": usage(last, len(ids)),
+            })  # fmt: skip
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            last: RequestOutput | None = None
+            try:
+                async for out in stream:
+                    last = out
+                    if out.error is not None:
+                        yield sse(error_body(500, out.error))
+                        break
+                    if not out.new_text and not out.finished:
+                        continue
+                    chunk = {**base, "choices": [{
+                        "index": 0, "text": out.new_text, "logprobs": None,
+                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                    }]}  # fmt: skip
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": usage(last, len(ids))})
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse(await read_body(request), ChatCompletionRequest)
+        model = check_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages must not be empty.", "messages")
+        ids = render_chat(req.messages, req.add_generation_prompt)
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
+        params = sampling_params(req, len(ids), max_tokens, None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = engine.generate(new_request(rid, ids, params, req.cache_salt))
+        now = int(time.time())
+        base = {"id": rid, "object": "chat.completion", "created": now, "model": model}
+
+        if not req.stream:
+            outs = await run_to_end(request, stream)
+            for out in outs:
+                check_error(out)
+            last = outs[-1] if outs else None
+            return JSONResponse({
+                **base,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
+                    "logprobs": None,
+                    "finish_reason": last.finish_reason if last else None,
+                    "stop_reason": last.stop_reason if last else None,
+                }],
+                "usage": usage(last, len(ids)),
+            })  # fmt: skip
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk_base = {**base, "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict[str, Any], out: RequestOutput | None) -> str:
+            body: dict[str, Any] = {**chunk_base, "choices": [{
+                "index": 0, "delta": delta, "logprobs": None,
+                "finish_reason": out.finish_reason if out else None,
+                "stop_reason": out.stop_reason if out else None,
+            }]}  # fmt: skip
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        async def events() -> AsyncIterator[str]:
+            last: RequestOutput | None = None
+            try:
+                yield chunk({"role": "assistant", "content": ""}, None)
+                async for out in stream:
+                    last = out
+                    if out.error is not None:
+                        yield sse(error_body(500, out.error))
+                        break
+                    if out.new_text or out.finished:
+                        yield chunk({"content": out.new_text} if out.new_text else {}, out)
+                if include_usage:
+                    yield sse({**chunk_base, "choices": [], "usage": usage(last, len(ids))})
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
