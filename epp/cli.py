@@ -4,26 +4,137 @@ from pathlib import Path
 
 import typer
 
-from infergate.unbuilt import not_built
+HELP = """Run the Envoy ext-proc Endpoint Picker (EPP) for a pool of engine endpoints.
+
+Envoy streams each request to the EPP (gRPC on --grpc-port, FULL_DUPLEX_STREAMED bodies);
+the EPP answers with the header `x-gateway-destination-endpoint: ip:port` (and the same
+value as dynamic metadata `envoy.lb`) chosen from live engine metrics and prefix-cache
+affinity.
+
+Pick exactly one endpoint source:
+
+* `--endpoint 127.0.0.1:8000 --endpoint 127.0.0.1:8001` — a fixed list;
+
+* `--endpoints endpoints.yaml` — `endpoints: [{address, port, labels}]`, hot-reloaded;
+
+* `--pool-name NAME [--pool-namespace NS]` — watch an InferencePool in Kubernetes.
+
+Scheduling is configured by an EndpointPickerConfig (`--config-file`, GIE's format);
+without one: queue-scorer 2, kv-cache-utilization-scorer 2, prefix-cache-scorer 3,
+max-score-picker. See docs/epp.md.
+"""
 
 
 def epp(
-    pool_name: str | None = typer.Option(None, "--pool-name", help="InferencePool to serve."),
-    pool_namespace: str = typer.Option("default", "--pool-namespace"),
+    pool_name: str | None = typer.Option(
+        None, "--pool-name", help="InferencePool to serve (Kubernetes discovery)."
+    ),
+    pool_namespace: str = typer.Option("default", "--pool-namespace", help="Its namespace."),
     endpoints: Path | None = typer.Option(
-        None, "--endpoints", help="YAML endpoints file (hot-reloaded)."
+        None, "--endpoints", help="YAML endpoints file (hot-reloaded, atomic renames included)."
     ),
     endpoint: list[str] = typer.Option(
         [], "--endpoint", help="Static endpoint HOST:PORT; may repeat."
     ),
     config_file: Path | None = typer.Option(
-        None, "--config-file", help="EndpointPickerConfig YAML."
+        None, "--config-file", help="EndpointPickerConfig YAML (plugins and profiles)."
     ),
-    grpc_port: int = typer.Option(9002, "--grpc-port"),
-    grpc_health_port: int = typer.Option(9003, "--grpc-health-port"),
-    metrics_port: int = typer.Option(9090, "--metrics-port"),
-    refresh_metrics_interval: float = typer.Option(0.05, "--refresh-metrics-interval"),
-    metrics_staleness_threshold: float = typer.Option(2.0, "--metrics-staleness-threshold"),
+    config_text: str | None = typer.Option(
+        None, "--config-text", help="The EndpointPickerConfig inline, instead of a file."
+    ),
+    objectives_file: Path | None = typer.Option(
+        None,
+        "--objectives-file",
+        help="Standalone mode: YAML of InferenceObjective / InferenceModelRewrite objects "
+        "(hot-reloaded).",
+    ),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address to bind all three ports on."),
+    grpc_port: int = typer.Option(9002, "--grpc-port", help="ext-proc gRPC port."),
+    grpc_health_port: int = typer.Option(
+        9003, "--grpc-health-port", help="grpc.health.v1 port (NOT_SERVING with no endpoints)."
+    ),
+    metrics_port: int = typer.Option(9090, "--metrics-port", help="Prometheus port."),
+    refresh_metrics_interval: float = typer.Option(
+        0.05, "--refresh-metrics-interval", help="Seconds between scrapes of each endpoint."
+    ),
+    metrics_staleness_threshold: float = typer.Option(
+        2.0,
+        "--metrics-staleness-threshold",
+        help="Seconds after which an endpoint's metrics are stale (treated as saturated).",
+    ),
+    metrics_timeout: float = typer.Option(
+        1.0, "--metrics-timeout", help="Scrape timeout, seconds."
+    ),
+    max_request_body_bytes: int = typer.Option(
+        8 << 20, "--max-request-body-bytes", help="Larger request bodies get 413."
+    ),
+    scores_header: bool = typer.Option(
+        False,
+        "--scores-header",
+        help="Debug: add `x-infergate-epp-scores` (per-endpoint totals) to upstream requests.",
+    ),
+    log_level: str = typer.Option(
+        "info", "--log-level", help="debug logs one line per decision with per-scorer scores."
+    ),
 ) -> None:
     """Run the Envoy ext-proc Endpoint Picker for a pool of engine endpoints."""
-    not_built("`infergate epp`", "issue 4 (Endpoint Picker)")
+    import asyncio
+    import logging
+
+    from infergate.epp.config import ConfigError, load_config, parse_config
+    from infergate.epp.discovery.file import EndpointsFileError
+    from infergate.epp.discovery.static import parse_endpoint
+    from infergate.epp.objectives import ObjectivesError
+
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    sources = sum(bool(x) for x in (pool_name, endpoints, endpoint))
+    if sources != 1:
+        typer.echo(
+            "infergate epp: give exactly one of --pool-name, --endpoints FILE, --endpoint HOST:PORT",
+            err=True,
+        )
+        raise typer.Exit(2)
+    try:
+        static = [parse_endpoint(e) for e in endpoint]
+    except ValueError as error:
+        typer.echo(f"infergate epp: --endpoint: {error}", err=True)
+        raise typer.Exit(2) from None
+
+    from infergate.epp.app import Epp, EppOptions, run
+
+    try:
+        config = (
+            parse_config(config_text, "--config-text") if config_text else load_config(config_file)
+        )
+        options = EppOptions(
+            static_endpoints=static,
+            endpoints_file=endpoints,
+            pool_name=pool_name,
+            pool_namespace=pool_namespace,
+            config=config,
+            objectives_file=objectives_file,
+            host=host,
+            grpc_port=grpc_port,
+            grpc_health_port=grpc_health_port,
+            metrics_port=metrics_port,
+            refresh_metrics_interval=refresh_metrics_interval,
+            metrics_staleness_threshold=metrics_staleness_threshold,
+            metrics_timeout=metrics_timeout,
+            max_request_body_bytes=max_request_body_bytes,
+            scores_header=scores_header,
+        )
+        Epp(options)  # validate everything (plugins, parameters, files) before binding
+    except (ConfigError, EndpointsFileError, ObjectivesError) as error:
+        typer.echo(f"infergate epp: invalid configuration: {error}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        asyncio.run(run(options))
+    except OSError as error:
+        typer.echo(f"infergate epp: {error}", err=True)
+        raise typer.Exit(1) from None
+
+
+epp.__doc__ = HELP

@@ -1,0 +1,216 @@
+"""Wires the EPP together and runs it until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from infergate.epp.collector import Collectors
+from infergate.epp.config import EndpointPickerConfig, load_config
+from infergate.epp.datastore import Datastore
+from infergate.epp.director import Director
+from infergate.epp.discovery.file import EndpointsFileError, load_endpoints_file, watch_file
+from infergate.epp.objectives import ObjectivesError, ObjectiveStore, load_objectives_file
+from infergate.epp.observability import EppMetrics
+from infergate.epp.plugins import PluginContext
+from infergate.epp.saturation import SaturationDetector
+from infergate.epp.scheduler import Scheduler
+from infergate.epp.server import ExtProcServer
+from infergate.epp.types import Endpoint
+from prometheus_client import start_http_server
+
+log = logging.getLogger("infergate.epp")
+
+HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+
+
+@dataclass
+class EppOptions:
+    static_endpoints: list[Endpoint] = field(default_factory=list)
+    endpoints_file: Path | None = None
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    config_file: Path | None = None
+    config: EndpointPickerConfig | None = None
+    objectives_file: Path | None = None
+    host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    refresh_metrics_interval: float = 0.05
+    metrics_staleness_threshold: float = 2.0
+    metrics_timeout: float = 1.0
+    max_request_body_bytes: int = 8 << 20
+    scores_header: bool = False
+
+
+class Epp:
+    """The running Endpoint Picker. Construction validates everything; ``start`` binds."""
+
+    def __init__(self, options: EppOptions) -> None:
+        self.options = options
+        config = options.config or load_config(options.config_file)
+        sat = config.saturationDetector
+        self.datastore = Datastore()
+        self.saturation = SaturationDetector(
+            sat.queueDepthThreshold,
+            sat.kvCacheUtilThreshold,
+            sat.metricsStalenessThreshold or options.metrics_staleness_threshold,
+        )
+        self.metrics = EppMetrics(self.datastore, self.saturation)
+        self.objectives = ObjectiveStore(options.pool_name)
+        if options.objectives_file is not None:
+            self.objectives.replace(*load_objectives_file(options.objectives_file))
+        context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
+        self.scheduler = Scheduler.from_config(config, context, self.metrics.plugin_timer)
+        self.director = Director(
+            self.datastore, self.scheduler, self.saturation, self.objectives, self.metrics
+        )
+        self.ext_proc = ExtProcServer(
+            self.director, options.max_request_body_bytes, options.scores_header
+        )
+        if options.endpoints_file is not None:
+            self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
+        elif options.static_endpoints:
+            self.datastore.set_endpoints(options.static_endpoints)
+        self.collectors = Collectors(
+            self.datastore,
+            options.refresh_metrics_interval,
+            options.metrics_timeout,
+            self.metrics,
+        )
+        self._grpc: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+        self._metrics_http: Any = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._kube: Any = None
+        self.grpc_port = options.grpc_port
+        self.health_port = options.grpc_health_port
+        self.metrics_port = options.metrics_port
+
+    async def _update_health(self) -> None:
+        ready = len(self.datastore) > 0
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in HEALTH_SERVICES:
+            await self._health.set(service, status)
+        await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+
+    def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
+        self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
+        self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def start(self) -> None:
+        o = self.options
+        self._grpc = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(f"{o.host}:{o.grpc_health_port}")
+        if self.grpc_port == 0 or self.health_port == 0:
+            raise OSError(f"cannot bind gRPC ports {o.grpc_port}/{o.grpc_health_port}")
+        await self._update_health()
+        self.datastore.subscribe(self._on_endpoints)
+        if o.metrics_port >= 0:
+            self._metrics_http = start_http_server(
+                o.metrics_port, addr=o.host, registry=self.metrics.registry
+            )
+            self.metrics_port = self._metrics_http[0].server_port
+        await self.scheduler.start()
+        await self.collectors.start()
+        if o.endpoints_file is not None:
+            self._tasks.append(asyncio.create_task(self._watch_endpoints(o.endpoints_file)))
+        if o.objectives_file is not None:
+            self._tasks.append(asyncio.create_task(self._watch_objectives(o.objectives_file)))
+        if o.pool_name:
+            from infergate.epp.discovery.kube import KubeDiscovery
+
+            self._kube = KubeDiscovery(
+                o.pool_name, o.pool_namespace, self.datastore, self.objectives
+            )
+            await self._kube.start()
+        await self._grpc.start()
+        await self._health_server.start()
+        log.info(
+            "endpoint picker serving ext-proc on %s:%d, health on %d, metrics on %d; %d endpoints",
+            o.host,
+            self.grpc_port,
+            self.health_port,
+            self.metrics_port,
+            len(self.datastore),
+        )
+
+    async def _watch_endpoints(self, path: Path) -> None:
+        def reload() -> None:
+            try:
+                self.datastore.set_endpoints(load_endpoints_file(path))
+            except EndpointsFileError as error:
+                log.error("keeping the previous endpoints: %s", error)
+
+        await watch_file(path, reload, self._stop)
+
+    async def _watch_objectives(self, path: Path) -> None:
+        def reload() -> None:
+            try:
+                self.objectives.replace(*load_objectives_file(path))
+                log.info("objectives reloaded from %s", path)
+            except ObjectivesError as error:
+                log.error("keeping the previous objectives: %s", error)
+
+        await watch_file(path, reload, self._stop)
+
+    async def stop(self, grace: float = 2.0) -> None:
+        self._stop.set()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+        if self._kube is not None:
+            await self._kube.stop()
+        await self.collectors.stop()
+        await self.scheduler.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._metrics_http is not None:
+            server, thread = self._metrics_http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=2)
+            self._metrics_http = None
+
+
+async def run(options: EppOptions) -> None:
+    epp = Epp(options)
+    await epp.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await epp.stop()
+    log.info("stopped")

@@ -1,0 +1,168 @@
+"""The EndpointPickerConfig (GIE's YAML shape), validated at start-up.
+
+```yaml
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer        # registered type name
+  name: prefix                     # optional; defaults to the type
+  parameters: {blockSizeTokens: 16}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: prefix
+    weight: 3
+saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
+```
+
+Errors name the offending field (``plugins[1].parameters.blockSize: ...``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from infergate.epp.saturation import SaturationConfig
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field."""
+
+
+class PluginSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str = Field(min_length=1)
+    name: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ProfilePluginRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pluginRef: str = Field(min_length=1)
+    weight: float | None = Field(None, ge=0)
+
+
+class SchedulingProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    plugins: list[ProfilePluginRef] = Field(default_factory=list)
+
+
+class EndpointPickerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    apiVersion: str = "inference.networking.x-k8s.io/v1alpha1"
+    kind: str = "EndpointPickerConfig"
+    plugins: list[PluginSpec] = Field(default_factory=list)
+    schedulingProfiles: list[SchedulingProfile] = Field(default_factory=list)
+    saturationDetector: SaturationConfig = Field(
+        default_factory=lambda: SaturationConfig.model_validate({})
+    )
+    # Sections GIE defines that this EPP accepts but does not act on.
+    featureGates: Any = None
+    data: Any = None
+    parser: Any = None
+    flowControl: Any = None
+
+    @model_validator(mode="after")
+    def _check(self) -> EndpointPickerConfig:
+        if self.kind != "EndpointPickerConfig":
+            raise ValueError(f"kind must be EndpointPickerConfig, not {self.kind!r}")
+        names: set[str] = set()
+        for spec in self.plugins:
+            name = spec.name or spec.type
+            if name in names:
+                raise ValueError(f"plugin name {name!r} is defined twice")
+            names.add(name)
+        seen_profiles: set[str] = set()
+        for i, profile in enumerate(self.schedulingProfiles):
+            if profile.name in seen_profiles:
+                raise ValueError(f"schedulingProfiles[{i}].name {profile.name!r} is repeated")
+            seen_profiles.add(profile.name)
+            for j, ref in enumerate(profile.plugins):
+                if ref.pluginRef not in names:
+                    raise ValueError(
+                        f"schedulingProfiles[{i}].plugins[{j}].pluginRef: no plugin named "
+                        f"{ref.pluginRef!r} (defined: {', '.join(sorted(names)) or 'none'})"
+                    )
+        return self
+
+
+DEFAULT_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: saturation-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+
+
+def _format(error: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for item in error.errors():
+        path = prefix
+        for part in item["loc"]:
+            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        lines.append(f"{path or '(top level)'}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def parse_config(text: str, source: str = "config") -> EndpointPickerConfig:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {error}") from error
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return EndpointPickerConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {_format(error)}") from error
+
+
+def load_config(path: Path | None) -> EndpointPickerConfig:
+    if path is None:
+        return parse_config(DEFAULT_CONFIG_YAML, "built-in default config")
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error}") from error
+    return parse_config(text, str(path))
+
+
+def validate_parameters(
+    config: EndpointPickerConfig, registry: dict[str, Any]
+) -> list[tuple[PluginSpec, BaseModel]]:
+    """Check every plugin's type and parameters; returns the parsed parameters in order."""
+    parsed: list[tuple[PluginSpec, BaseModel]] = []
+    for i, spec in enumerate(config.plugins):
+        cls = registry.get(spec.type)
+        if cls is None:
+            raise ConfigError(
+                f"plugins[{i}].type: unknown plugin type {spec.type!r} "
+                f"(known: {', '.join(sorted(registry))})"
+            )
+        try:
+            params = cls.Params.model_validate(spec.parameters or {})
+        except ValidationError as error:
+            raise ConfigError(_format(error, f"plugins[{i}].parameters")) from error
+        parsed.append((spec, params))
+    return parsed

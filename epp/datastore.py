@@ -1,0 +1,67 @@
+"""The pool's endpoints as the EPP currently knows them, with live metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from infergate.epp.types import Endpoint, EndpointState
+
+log = logging.getLogger("infergate.epp.datastore")
+
+Listener = Callable[[list[Endpoint], list[Endpoint]], None]
+
+
+class Datastore:
+    """Endpoints keyed by ``ip:port``; discovery replaces the set, collectors update metrics."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, EndpointState] = {}
+        self._listeners: list[Listener] = []
+        self._list_cache: list[EndpointState] | None = None
+
+    def subscribe(self, listener: Listener) -> None:
+        """``listener(added, removed)`` runs after each change of the endpoint set."""
+        self._listeners.append(listener)
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        wanted = {endpoint.key: endpoint for endpoint in endpoints}
+        removed = [s.endpoint for k, s in self._states.items() if k not in wanted]
+        added: list[Endpoint] = []
+        for key, endpoint in wanted.items():
+            current = self._states.get(key)
+            if current is None:
+                self._states[key] = EndpointState(endpoint)
+                added.append(endpoint)
+            elif current.endpoint != endpoint:  # labels changed: keep metrics and accounting
+                removed.append(current.endpoint)
+                current.endpoint = endpoint
+                added.append(endpoint)
+        for endpoint in removed:
+            if endpoint.key not in wanted:
+                self._states.pop(endpoint.key, None)
+        if not added and not removed:
+            return
+        self._list_cache = None
+        log.info(
+            "endpoints now %d (+%s -%s)",
+            len(self._states),
+            ",".join(e.key for e in added) or "0",
+            ",".join(e.key for e in removed) or "0",
+        )
+        for listener in self._listeners:
+            try:
+                listener(added, removed)
+            except Exception:  # a listener bug must not break discovery
+                log.exception("endpoint listener failed")
+
+    def get(self, key: str) -> EndpointState | None:
+        return self._states.get(key)
+
+    def all(self) -> list[EndpointState]:
+        if self._list_cache is None:
+            self._list_cache = list(self._states.values())
+        return self._list_cache
+
+    def __len__(self) -> int:
+        return len(self._states)

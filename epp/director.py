@@ -1,0 +1,145 @@
+"""The request director: body → rewrite → objective → admission → candidates → schedule.
+
+It owns no per-request state; the ext-proc stream does, and calls ``finish`` exactly
+once for every request it routed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from infergate.epp.datastore import Datastore
+from infergate.epp.objectives import OBJECTIVE_HEADER, ObjectiveStore
+from infergate.epp.observability import EppMetrics
+from infergate.epp.plugins.base import ResponseInfo, SchedulingResult
+from infergate.epp.requests import BadRequest, parse_body
+from infergate.epp.saturation import SaturationDetector
+from infergate.epp.scheduler import Scheduler
+from infergate.epp.types import EndpointState, InferenceRequest
+
+log = logging.getLogger("infergate.epp.director")
+
+
+class Rejected(Exception):
+    """Answer the client directly with ``status`` (429, 503, 400…)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(slots=True)
+class Decision:
+    request: InferenceRequest
+    result: SchedulingResult
+    body: bytes | None  # the (possibly rewritten) body to send upstream
+    body_rewritten: bool
+
+    @property
+    def destination(self) -> str:
+        return ",".join(state.key for state in self.result.targets)
+
+
+def _matches(state: EndpointState, wanted: set[str]) -> bool:
+    return state.key in wanted or state.endpoint.address in wanted
+
+
+class Director:
+    def __init__(
+        self,
+        datastore: Datastore,
+        scheduler: Scheduler,
+        saturation: SaturationDetector,
+        objectives: ObjectiveStore,
+        metrics: EppMetrics,
+    ) -> None:
+        self.datastore = datastore
+        self.scheduler = scheduler
+        self.saturation = saturation
+        self.objectives = objectives
+        self.metrics = metrics
+
+    async def route(
+        self,
+        request: InferenceRequest,
+        raw_body: bytes | None,
+        subset: list[str] | None,
+    ) -> Decision:
+        started = time.perf_counter()
+        body_out = raw_body
+        rewritten = False
+        if raw_body:
+            try:
+                body = parse_body(raw_body, request)
+            except BadRequest as error:
+                raise Rejected(400, str(error), error.param) from None
+            target = self.objectives.rewrite(request.model) if request.model else ""
+            if target and target != request.model:
+                request.target_model = target
+                body["model"] = target
+                body_out = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+                rewritten = True
+        request.objective = request.headers.get(OBJECTIVE_HEADER, "")
+        request.priority = self.objectives.priority(request.objective)
+
+        candidates = self.datastore.all()
+        if subset is not None:
+            wanted = {item.strip() for item in subset if item.strip()}
+            candidates = [s for s in candidates if _matches(s, wanted)]
+            if not candidates:
+                raise Rejected(503, "no ready endpoint in the requested subset")
+        if not candidates:
+            raise Rejected(503, "no ready endpoint in the pool")
+        if request.priority < 0 and self.saturation.pool_saturated(candidates):
+            raise Rejected(429, "the pool is saturated; sheddable request dropped")
+
+        result = await self.scheduler.schedule(request, candidates)
+        if not result.targets:
+            raise Rejected(503, "no endpoint passed the scheduling filters")
+        result.targets[0].in_flight_requests += 1
+        self.metrics.scheduling_latency.observe(time.perf_counter() - started)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s model=%s->%s priority=%d picked=%s scores=%s totals=%s",
+                request.request_id,
+                request.model,
+                request.target_model,
+                request.priority,
+                ",".join(s.key for s in result.targets),
+                json.dumps(result.scores, sort_keys=True),
+                json.dumps(result.totals, sort_keys=True),
+            )
+        if result.prefix_hit_ratio is not None:
+            self.metrics.prefix_hit_ratio.observe(result.prefix_hit_ratio)
+        return Decision(request, result, body_out, rewritten)
+
+    def finish(self, decision: Decision, response: ResponseInfo) -> None:
+        """Release per-request accounting and run response-complete hooks (exactly once)."""
+        primary = decision.result.primary
+        if primary is not None:
+            primary.in_flight_requests = max(0, primary.in_flight_requests - 1)
+        if response.prompt_tokens:
+            self.metrics.tokens.labels("prompt").inc(response.prompt_tokens)
+        if response.completion_tokens:
+            self.metrics.tokens.labels("completion").inc(response.completion_tokens)
+        for hook in self.scheduler.response_complete_hooks:
+            try:
+                hook.response_complete(decision.request, decision.result, response)
+            except Exception:
+                log.exception("response-complete hook %s failed", hook)
+
+    def response_headers(self, decision: Decision | None, response: ResponseInfo) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        request = decision.request if decision else InferenceRequest("", {})
+        result = decision.result if decision else None
+        for hook in self.scheduler.response_header_hooks:
+            try:
+                headers.update(hook.response_headers(request, result, response))
+            except Exception:
+                log.exception("response-header hook %s failed", hook)
+        return headers

@@ -1,0 +1,15 @@
+"""Scheduling plugins, registered by their ``type`` name (GIE's names where GIE has one).
+
+Importing this package registers every built-in plugin.
+"""
+
+from infergate.epp.plugins import (  # noqa: F401  (imported for registration)
+    filters,
+    pickers,
+    prefix,
+    scorers,
+    testing,
+)
+from infergate.epp.plugins.base import REGISTRY, Plugin, PluginContext
+
+__all__ = ["REGISTRY", "Plugin", "PluginContext"]

@@ -1,0 +1,411 @@
+"""The Envoy ext-proc server: GIE's Endpoint Picker Protocol over FULL_DUPLEX_STREAMED.
+
+One gRPC stream is one HTTP request. Its ``StreamState`` buffers the request body (the
+headers response is withheld until the body ends, which FULL_DUPLEX_STREAMED allows),
+routes, then answers with the headers response — ``x-gateway-destination-endpoint``
+header plus the same value as dynamic metadata ``envoy.lb`` — followed by the body as
+``StreamedBodyResponse`` chunks. Response headers and body chunks are passed straight
+back while usage is read. Whatever happens to the stream (end, error, Envoy cancelling),
+``close`` runs once and releases the request's accounting.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import json_format, struct_pb2
+from infergate.epp.director import Decision, Director, Rejected
+from infergate.epp.plugins.base import ResponseInfo
+from infergate.epp.requests import openai_error
+from infergate.epp.types import InferenceRequest
+
+log = logging.getLogger("infergate.epp.server")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SCORES_HEADER = "x-infergate-epp-scores"
+CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
+USAGE_BUFFER_LIMIT = 4 << 20
+BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
+
+
+class Phase(enum.Enum):
+    HEADERS = "awaiting request headers"
+    BODY = "buffering request body"
+    ROUTED = "routed"
+    RESPONSE = "streaming response"
+    DONE = "done"
+
+
+def _header_map(headers: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for header in headers.headers:
+        value = header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
+        out[header.key.lower()] = value
+    return out
+
+
+def _metadata(request: pb.ProcessingRequest) -> dict[str, Any]:
+    if not request.HasField("metadata_context"):
+        return {}
+    return {
+        namespace: json_format.MessageToDict(struct)
+        for namespace, struct in request.metadata_context.filter_metadata.items()
+    }
+
+
+def _subset(metadata: dict[str, Any]) -> list[str] | None:
+    hint = metadata.get(SUBSET_NAMESPACE)
+    if not isinstance(hint, dict) or SUBSET_KEY not in hint:
+        return None
+    value = hint[SUBSET_KEY]
+    items = value if isinstance(value, list) else [value]
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            out.extend(part.strip() for part in item.split(",") if part.strip())
+    return out
+
+
+def _set_headers(headers: dict[str, str]) -> list[base_pb2.HeaderValueOption]:
+    return [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        for key, value in headers.items()
+    ]
+
+
+def immediate(status: int, message: str, param: str | None = None) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(
+                set_headers=_set_headers({"content-type": "application/json"})
+            ),
+            body=openai_error(status, message, param),
+            details=message[:200],
+        )
+    )
+
+
+def _body_chunks(
+    body: bytes, end_of_stream: bool, request_side: bool
+) -> list[pb.ProcessingResponse]:
+    pieces = [body[i : i + CHUNK_LIMIT] for i in range(0, len(body), CHUNK_LIMIT)] or [b""]
+    out = []
+    for i, piece in enumerate(pieces):
+        common = pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(
+                    body=piece, end_of_stream=end_of_stream and i == len(pieces) - 1
+                )
+            )
+        )
+        body_response = pb.BodyResponse(response=common)
+        out.append(
+            pb.ProcessingResponse(request_body=body_response)
+            if request_side
+            else pb.ProcessingResponse(response_body=body_response)
+        )
+    return out
+
+
+class UsageReader:
+    """Finds the ``usage`` object in a JSON response or in an SSE stream's events."""
+
+    def __init__(self) -> None:
+        self.sse = False
+        self._buffer = bytearray()
+        self.usage: dict[str, Any] | None = None
+        self._overflow = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self._overflow:
+            return
+        self._buffer += chunk
+        if self.sse:
+            while True:
+                cut = self._buffer.find(b"\n")
+                if cut < 0:
+                    break
+                line = bytes(self._buffer[:cut]).strip()
+                del self._buffer[: cut + 1]
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    self._take(line[5:].strip())
+        if len(self._buffer) > USAGE_BUFFER_LIMIT:
+            self._overflow = True
+            self._buffer.clear()
+
+    def finish(self) -> None:
+        if self._overflow:
+            return
+        if self.sse:
+            line = bytes(self._buffer).strip()
+            if line.startswith(b"data:"):
+                self._take(line[5:].strip())
+        elif self._buffer:
+            self._take(bytes(self._buffer))
+        self._buffer.clear()
+
+    def _take(self, raw: bytes) -> None:
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+            self.usage = doc["usage"]
+
+
+class StreamState:
+    """The lifecycle of one request through the EPP (see the module docstring)."""
+
+    def __init__(self, server: ExtProcServer) -> None:
+        self.server = server
+        self.phase = Phase.HEADERS
+        self.request: InferenceRequest | None = None
+        self.body = bytearray()
+        self.subset: list[str] | None = None
+        self.decision: Decision | None = None
+        self.response = ResponseInfo()
+        self.usage = UsageReader()
+        self.body_mode_none = False
+        self.closed = False
+
+    async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = message.WhichOneof("request") or ""
+        if message.HasField("protocol_config"):
+            self.body_mode_none = message.protocol_config.request_body_mode == BODY_NONE
+        if self.phase is Phase.DONE:
+            return []
+        if kind == "request_headers":
+            return await self._request_headers(message)
+        if kind == "request_body":
+            return await self._request_body(message)
+        if kind == "request_trailers":
+            out = await self._route(end_of_stream=False) if self.phase is Phase.BODY else []
+            if self.phase is Phase.DONE:
+                return out
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind.startswith("response_") and self.phase in (Phase.HEADERS, Phase.BODY):
+            return self._stray_response(message)  # Envoy never does this; answer, change nothing
+        if kind == "response_headers":
+            return self._response_headers(message)
+        if kind == "response_body":
+            return self._response_body(message)
+        if kind == "response_trailers":
+            self._complete()
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    async def _request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.phase is not Phase.HEADERS:
+            return []
+        headers = _header_map(message.request_headers.headers)
+        request_id = headers.get("x-request-id") or str(uuid.uuid4())
+        self.request = InferenceRequest(request_id=request_id, headers=headers)
+        self.subset = _subset(_metadata(message))
+        self.phase = Phase.BODY
+        if message.request_headers.end_of_stream or self.body_mode_none:
+            return await self._route(end_of_stream=True, with_body=False)
+        return []
+
+    async def _request_body(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.phase is not Phase.BODY:
+            return []
+        self.body += message.request_body.body
+        if len(self.body) > self.server.max_body_bytes:
+            return self._reject(
+                Rejected(413, f"request body exceeds {self.server.max_body_bytes} bytes")
+            )
+        if message.request_body.end_of_stream:
+            return await self._route(end_of_stream=True)
+        return []
+
+    def _reject(self, rejection: Rejected) -> list[pb.ProcessingResponse]:
+        self.phase = Phase.DONE
+        self.body = bytearray()
+        self.server.count(
+            {
+                400: "bad_request_400",
+                413: "too_large_413",
+                429: "shed_429",
+                503: "no_endpoint_503",
+            }.get(rejection.status, "error")
+        )
+        if self.request is not None:
+            log.info(
+                "request %s rejected with %d: %s",
+                self.request.request_id,
+                rejection.status,
+                rejection.message,
+            )
+        return [immediate(rejection.status, rejection.message, rejection.param)]
+
+    async def _route(
+        self, end_of_stream: bool, with_body: bool = True
+    ) -> list[pb.ProcessingResponse]:
+        assert self.request is not None
+        raw = bytes(self.body) if with_body else None
+        self.body = bytearray()
+        try:
+            decision = await self.server.director.route(self.request, raw or None, self.subset)
+        except Rejected as rejection:
+            return self._reject(rejection)
+        self.decision = decision
+        self.phase = Phase.ROUTED
+        self.server.count("routed")
+        destination = decision.destination
+        headers = {DESTINATION_HEADER: destination}
+        if decision.body_rewritten and decision.body is not None:
+            headers["content-length"] = str(len(decision.body))
+        if self.server.scores_header:
+            headers[SCORES_HEADER] = json.dumps(decision.result.totals, separators=(",", ":"))
+        dynamic = struct_pb2.Struct()
+        dynamic.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: destination}})
+        header_response = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(set_headers=_set_headers(headers)),
+                    clear_route_cache=True,
+                )
+            ),
+            dynamic_metadata=dynamic,
+        )
+        if not with_body or raw is None:
+            return [header_response]
+        return [header_response, *_body_chunks(decision.body or b"", end_of_stream, True)]
+
+    def _stray_response(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if message.HasField("response_body"):
+            return _body_chunks(
+                message.response_body.body, message.response_body.end_of_stream, False
+            )
+        if message.HasField("response_headers"):
+            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+        return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+
+    def _response_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        self.phase = Phase.RESPONSE
+        headers = _header_map(message.response_headers.headers)
+        try:
+            self.response.status = int(headers.get(":status", "0"))
+        except ValueError:
+            self.response.status = 0
+        self.response.headers = headers
+        self.response.metadata = _metadata(message)
+        lb = self.response.metadata.get(DESTINATION_NAMESPACE)
+        served = lb.get(SERVED_KEY) if isinstance(lb, dict) else None
+        self.response.served_endpoint = served if isinstance(served, str) else ""
+        self.usage.sse = "text/event-stream" in headers.get("content-type", "")
+        extra = self.server.director.response_headers(self.decision, self.response)
+        endpoint = self.response.served_endpoint or (
+            self.decision.result.targets[0].key
+            if self.decision and self.decision.result.targets
+            else ""
+        )
+        if endpoint:
+            extra[SERVED_KEY] = endpoint
+        out = [
+            pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(
+                        header_mutation=pb.HeaderMutation(set_headers=_set_headers(extra))
+                    )
+                )
+            )
+        ]
+        if message.response_headers.end_of_stream:
+            self._complete()
+        return out
+
+    def _response_body(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        chunk = message.response_body.body
+        eos = message.response_body.end_of_stream
+        self.usage.feed(chunk)
+        out = _body_chunks(chunk, eos, False)
+        if eos:
+            self._complete()
+        return out
+
+    def _complete(self) -> None:
+        """Response finished normally: read usage, then release."""
+        if self.closed:
+            return
+        self.usage.finish()
+        usage = self.usage.usage or {}
+        for field, attr in (
+            ("prompt_tokens", "prompt_tokens"),
+            ("completion_tokens", "completion_tokens"),
+        ):
+            value = usage.get(field)
+            if isinstance(value, int):
+                setattr(self.response, attr, value)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.response.cached_tokens = details["cached_tokens"]
+        self.response.complete = True
+        self.close()
+        self.phase = Phase.DONE
+
+    def close(self) -> None:
+        """Release everything this request holds; safe to call more than once."""
+        if self.closed:
+            return
+        self.closed = True
+        self.body = bytearray()
+        if self.decision is not None:
+            self.server.director.finish(self.decision, self.response)
+
+
+class ExtProcServer(pb_grpc.ExternalProcessorServicer):
+    def __init__(
+        self, director: Director, max_body_bytes: int, scores_header: bool = False
+    ) -> None:
+        self.director = director
+        self.max_body_bytes = max_body_bytes
+        self.scores_header = scores_header
+        self.active_streams = 0
+        self.metrics = director.metrics
+
+    def count(self, outcome: str) -> None:
+        self.metrics.requests.labels(outcome).inc()
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        state = StreamState(self)
+        self.active_streams += 1
+        try:
+            async for message in request_iterator:
+                try:
+                    responses = await state.handle(message)
+                except Exception:
+                    log.exception(
+                        "ext-proc stream failed while handling %s", message.WhichOneof("request")
+                    )
+                    self.count("error")
+                    state.phase = Phase.DONE
+                    responses = [immediate(500, "the endpoint picker failed on this request")]
+                for response in responses:
+                    yield response
+        finally:
+            state.close()
+            self.active_streams -= 1

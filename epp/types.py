@@ -1,0 +1,85 @@
+"""Plain data the EPP passes between its parts: endpoints, metric snapshots, requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One engine server the pool can route to (a pod IP × a target port)."""
+
+    address: str
+    port: int
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """``ip:port`` — the value Envoy's ORIGINAL_DST cluster understands."""
+        if ":" in self.address and not self.address.startswith("["):
+            return f"[{self.address}]:{self.port}"
+        return f"{self.address}:{self.port}"
+
+    def label(self, name: str, default: str | None = None) -> str | None:
+        for key, value in self.labels:
+            if key == name:
+                return value
+        return default
+
+
+@dataclass(slots=True)
+class Metrics:
+    """The latest scrape of one endpoint's ``/metrics``; ``updated_at`` 0 means never."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    active_models: frozenset[str] = frozenset()
+    waiting_models: frozenset[str] = frozenset()
+    max_active_models: int = 0
+    block_size: int = 0
+    num_gpu_blocks: int = 0
+    updated_at: float = 0.0
+
+    def age(self, now: float | None = None) -> float:
+        if self.updated_at == 0.0:
+            return float("inf")
+        return (time.monotonic() if now is None else now) - self.updated_at
+
+
+@dataclass(slots=True)
+class EndpointState:
+    """An endpoint with its live metrics and EPP-side accounting."""
+
+    endpoint: Endpoint
+    metrics: Metrics = field(default_factory=Metrics)
+    in_flight_requests: int = 0
+    in_flight_tokens: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.endpoint.key
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """What scheduling plugins see of one request (parsed once, at end of body)."""
+
+    request_id: str
+    headers: dict[str, str]
+    body: dict[str, Any] | None = None
+    model: str = ""
+    target_model: str = ""
+    prompt_text: str = ""
+    cache_salt: str = ""
+    stream: bool = False
+    max_tokens: int | None = None
+    objective: str = ""
+    priority: int = 0
+    prompt_tokens_estimate: int = 0
+
+
+class CycleState(dict[str, Any]):
+    """Per-request scratch space shared by plugins within one scheduling cycle."""

@@ -1,0 +1,161 @@
+"""Fixtures for EPP tests: an in-process EPP on free ports, real metrics servers, a gRPC client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+from infergate.epp.app import Epp, EppOptions
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+
+class EngineMetrics:
+    """A real HTTP server exposing vLLM-named metrics from a prometheus_client registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "w", ["model_name"], registry=self.registry
+        )
+        self.running = Gauge(
+            "vllm:num_requests_running", "r", ["model_name"], registry=self.registry
+        )
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "kv", ["model_name"], registry=self.registry)
+        self.cache = Gauge(
+            "vllm:cache_config_info",
+            "cfg",
+            ["block_size", "num_gpu_blocks"],
+            registry=self.registry,
+        )
+        self.cache.labels("16", "1024").set(1)
+        self.set(0, 0, 0.0)
+        self.server, self.thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.port = self.server.server_port
+
+    def set(self, waiting: int, running: int, kv: float) -> None:
+        self.waiting.labels("m").set(waiting)
+        self.running.labels("m").set(running)
+        self.kv.labels("m").set(kv)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=2)
+
+
+@pytest.fixture
+def engine_metrics() -> Iterator[Callable[[], EngineMetrics]]:
+    made: list[EngineMetrics] = []
+
+    def make() -> EngineMetrics:
+        server = EngineMetrics()
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.close()
+
+
+EppFactory = Callable[..., Awaitable[Epp]]
+
+
+@pytest.fixture
+async def epp_factory() -> AsyncIterator[EppFactory]:
+    running: list[Epp] = []
+
+    async def make(**kwargs: Any) -> Epp:
+        kwargs.setdefault("host", "127.0.0.1")
+        kwargs.setdefault("grpc_port", 0)
+        kwargs.setdefault("grpc_health_port", 0)
+        kwargs.setdefault("metrics_port", 0)
+        epp = Epp(EppOptions(**kwargs))
+        await epp.start()
+        running.append(epp)
+        return epp
+
+    yield make
+    for epp in running:
+        await epp.stop(0)
+
+
+def headers(
+    items: dict[str, str], end_of_stream: bool = False, metadata: dict[str, Any] | None = None
+) -> pb.ProcessingRequest:
+    hv = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
+    message = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=hv), end_of_stream=end_of_stream
+        )
+    )
+    if metadata:
+        for namespace, value in metadata.items():
+            struct = struct_pb2.Struct()
+            struct.update(value)
+            message.metadata_context.filter_metadata[namespace].CopyFrom(struct)
+    return message
+
+
+def body(data: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def response_headers(
+    items: dict[str, str], metadata: dict[str, Any] | None = None, end_of_stream: bool = False
+) -> pb.ProcessingRequest:
+    message = headers(items, end_of_stream, metadata)
+    out = pb.ProcessingRequest(response_headers=message.request_headers)
+    out.metadata_context.CopyFrom(message.metadata_context)
+    return out
+
+
+def response_body(data: bytes, end_of_stream: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+class Stream:
+    """One ext-proc stream driven like Envoy drives it."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = pb_grpc.ExternalProcessorStub(channel).Process()
+
+    async def send(self, *messages: pb.ProcessingRequest) -> None:
+        for message in messages:
+            await self.call.write(message)
+
+    async def recv(self, count: int = 1, timeout: float = 10.0) -> list[pb.ProcessingResponse]:
+        out = []
+        for _ in range(count):
+            item = await asyncio.wait_for(self.call.read(), timeout)
+            assert item is not grpc.aio.EOF, "stream ended early"
+            out.append(item)
+        return out
+
+    async def close(self) -> None:
+        await self.call.done_writing()
+
+
+@pytest.fixture
+async def channel_for() -> AsyncIterator[Callable[[Epp], grpc.aio.Channel]]:
+    channels: list[grpc.aio.Channel] = []
+
+    def make(epp: Epp) -> grpc.aio.Channel:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}")
+        channels.append(channel)
+        return channel
+
+    yield make
+    for channel in channels:
+        await channel.close()
+
+
+def set_headers(response: pb.ProcessingResponse, side: str = "request_headers") -> dict[str, str]:
+    mutation = getattr(response, side).response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
