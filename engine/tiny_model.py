@@ -195,8 +195,9 @@ def _config(spec: _ArchSpec, vocab_size: int, ids: dict[str, int]) -> dict[str, 
 def _weights(spec: _ArchSpec, vocab_size: int, seed: int) -> dict[str, Any]:
     """Seeded random weights under Hugging Face names, stored as bfloat16.
 
-    Scales are variance-preserving rather than the usual tiny init so that logits are
-    well spread: near-ties would make greedy comparisons against `transformers` flaky.
+    Scales are larger than the usual tiny init so that logits are well spread (near-ties
+    would make greedy comparisons against `transformers` flaky), and the residual branches
+    outweigh the embedding so a tied-embedding model does not just repeat its last token.
     """
     import torch
 
@@ -205,28 +206,27 @@ def _weights(spec: _ArchSpec, vocab_size: int, seed: int) -> dict[str, Any]:
     def randn(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return randn(out_f, in_f, std=in_f**-0.5)
+    def linear(out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        return randn(out_f, in_f, std=gain * in_f**-0.5)
 
     def norm(n: int) -> torch.Tensor:
         return 1.0 + randn(n, std=0.1)
 
-    # std 0.4 keeps tied-embedding logits (std ~ 0.4 * sqrt(HIDDEN)) spread but not peaked.
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab_size, HIDDEN, std=0.4)}
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab_size, HIDDEN, std=0.2)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(HIDDEN)
         w[p + "self_attn.q_proj.weight"] = linear(HEADS * HEAD_DIM, HIDDEN)
         w[p + "self_attn.k_proj.weight"] = linear(KV_HEADS * HEAD_DIM, HIDDEN)
         w[p + "self_attn.v_proj.weight"] = linear(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.o_proj.weight"] = linear(HIDDEN, HEADS * HEAD_DIM)
+        w[p + "self_attn.o_proj.weight"] = linear(HIDDEN, HEADS * HEAD_DIM, gain=3.0)
         if spec.model_type == "qwen3":
             w[p + "self_attn.q_norm.weight"] = norm(HEAD_DIM)
             w[p + "self_attn.k_norm.weight"] = norm(HEAD_DIM)
         w[p + "post_attention_layernorm.weight"] = norm(HIDDEN)
         w[p + "mlp.gate_proj.weight"] = linear(INTERMEDIATE, HIDDEN)
         w[p + "mlp.up_proj.weight"] = linear(INTERMEDIATE, HIDDEN)
-        w[p + "mlp.down_proj.weight"] = linear(HIDDEN, INTERMEDIATE)
+        w[p + "mlp.down_proj.weight"] = linear(HIDDEN, INTERMEDIATE, gain=3.0)
     w["model.norm.weight"] = norm(HIDDEN)
     if not spec.tie_word_embeddings:
         w["lm_head.weight"] = randn(vocab_size, HIDDEN, std=3.0 * HIDDEN**-0.5)
