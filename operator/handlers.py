@@ -83,6 +83,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="infergate.io")
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 30
+    # kopf logs every handled watch event at INFO; keep our own, meaningful lines instead.
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     _settings()
     _state["resync"] = asyncio.create_task(_resync_forever())
 

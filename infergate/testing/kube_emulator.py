@@ -45,7 +45,7 @@ import itertools
 import json
 import signal
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -595,6 +595,31 @@ class KubeEmulator(k8s.KubernetesEmulator):
         if isinstance(result, dict):
             result["metadata"] = {"resourceVersion": str(next(self._rv))}
         return result
+
+
+async def wait_for(probe: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``probe`` (sync, cheap) until it returns something truthy; AssertionError after
+    ``timeout``. Yields to the event loop between polls, so an in-process emulator serves."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    last: Any = None
+    while loop.time() < deadline:
+        last = probe()
+        if last:
+            return last
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last={last!r}")
+
+
+def pool_conditions(
+    emu: KubeEmulator, name: str, namespace: str = "default", controller: str = "infergate.io/operator"
+) -> dict[str, Obj]:
+    """The conditions, by type, of one controller's ``status.parents[]`` entry ({} if none)."""
+    pool = emu.get("InferencePool", namespace, name) or {}
+    for parent in (pool.get("status") or {}).get("parents") or []:
+        if parent.get("controllerName") == controller:
+            return {c["type"]: c for c in parent.get("conditions") or []}
+    return {}
 
 
 @contextlib.asynccontextmanager
