@@ -6,6 +6,7 @@ Importing this package registers every built-in plugin.
 from infergate.epp.plugins import (  # noqa: F401  (imported for registration)
     filters,
     pickers,
+    precise_prefix,
     prefix,
     scorers,
     testing,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -159,3 +160,21 @@ async def channel_for() -> AsyncIterator[Callable[[Epp], grpc.aio.Channel]]:
 def set_headers(response: pb.ProcessingResponse, side: str = "request_headers") -> dict[str, str]:
     mutation = getattr(response, side).response.header_mutation
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from infergate.engine.tiny_model import make_tiny_model
+
+    return Path(make_tiny_model(tmp_path_factory.mktemp("epp-tiny-llama"), arch="llama", seed=0))
+
+
+async def eventually(
+    check: Callable[[], bool], timeout: float = 20.0, interval: float = 0.05
+) -> None:
+    """Poll ``check`` until true (generous deadline: CI machines are shared)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)

@@ -1,0 +1,105 @@
+"""EndpointPickerConfig validation: good configs build, bad ones name the field."""
+
+from __future__ import annotations
+
+import pytest
+from infergate.epp.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
+from infergate.epp.datastore import Datastore
+from infergate.epp.plugins import PluginContext
+from infergate.epp.saturation import SaturationDetector
+from infergate.epp.scheduler import Scheduler
+
+
+def build(text: str) -> Scheduler:
+    context = PluginContext(Datastore(), SaturationDetector(5, 0.8, 2.0))
+    return Scheduler.from_config(parse_config(text), context)
+
+
+def test_default_profile_matches_the_design() -> None:
+    scheduler = build(DEFAULT_CONFIG_YAML)
+    (profile,) = scheduler.profiles
+    weights = {scorer.type_name: weight for scorer, weight in profile.scorers}
+    assert weights == {
+        "queue-scorer": 2,
+        "kv-cache-utilization-scorer": 2,
+        "prefix-cache-scorer": 3,
+    }
+    assert profile.picker is not None and profile.picker.type_name == "max-score-picker"
+
+
+def test_gie_conformance_config_builds_with_implicit_picker() -> None:
+    scheduler = build(
+        """
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: header-based-testing-filter
+- type: destination-endpoint-served-verifier
+schedulingProfiles:
+- name: conformance-profile
+  plugins:
+  - pluginRef: header-based-testing-filter
+"""
+    )
+    (profile,) = scheduler.profiles
+    assert [f.type_name for f in profile.filters] == ["header-based-testing-filter"]
+    assert profile.picker is not None and profile.picker.type_name == "max-score-picker"
+    assert [h.type_name for h in scheduler.response_header_hooks] == [
+        "destination-endpoint-served-verifier"
+    ]
+
+
+def test_no_profiles_means_one_profile_with_every_scheduling_plugin() -> None:
+    scheduler = build(
+        "kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n- type: random-picker\n"
+    )
+    (profile,) = scheduler.profiles
+    assert [s.type_name for s, _ in profile.scorers] == ["queue-scorer"]
+    assert profile.picker is not None and profile.picker.type_name == "random-picker"
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("kind: EndpointPickerConfig\nplugins:\n- type: no-such-plugin\n", "plugins[0].type"),
+        (
+            "kind: EndpointPickerConfig\nplugins:\n- type: prefix-cache-scorer\n  parameters: {blockSize: x}\n",
+            "plugins[0].parameters.blockSize",
+        ),
+        (
+            "kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n  parameters: {typo: 1}\n",
+            "plugins[0].parameters.typo",
+        ),
+        (
+            "kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n"
+            "- name: p\n  plugins:\n  - pluginRef: missing\n",
+            "schedulingProfiles[0].plugins[0].pluginRef",
+        ),
+        (
+            "kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n"
+            "- name: p\n  plugins:\n  - {pluginRef: queue-scorer, weight: -1}\n",
+            "schedulingProfiles[0].plugins[0].weight",
+        ),
+        ("kind: Deployment\n", "kind must be EndpointPickerConfig"),
+        ("kind: EndpointPickerConfig\nunknownSection: 1\n", "unknownSection"),
+        (
+            "kind: EndpointPickerConfig\nsaturationDetector: {kvCacheUtilThreshold: 2}\n",
+            "saturationDetector.kvCacheUtilThreshold",
+        ),
+        ("- just\n- a list\n", "top level must be a mapping"),
+        ("plugins: [\n", "not valid YAML"),
+        (
+            "kind: EndpointPickerConfig\nplugins:\n- type: random-picker\n- type: max-score-picker\n"
+            "schedulingProfiles:\n- name: p\n  plugins:\n  - pluginRef: random-picker\n  - pluginRef: max-score-picker\n",
+            "schedulingProfiles[0].plugins[1]",
+        ),
+        (
+            "kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n- type: queue-scorer\n",
+            "defined twice",
+        ),
+    ],
+)
+def test_bad_configs_name_the_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=None) as info:
+        build(text)
+    assert field in str(info.value)
