@@ -1,0 +1,147 @@
+"""Precise prefix mode: a real ZMQ PUB sending vLLM-format KV events, and a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+from infergate.engine.block_hash import block_hashes
+from infergate.epp.config import parse_config
+from infergate.epp.plugins.precise_prefix import KV_EVENTS_PORT_LABEL
+from infergate.epp.types import CycleState, Endpoint, InferenceRequest
+
+from infergate.procs import free_port, http_ready
+
+from .conftest import Stream, body, eventually, headers, set_headers
+
+CONFIG = """
+kind: EndpointPickerConfig
+plugins:
+- type: precise-prefix-cache-scorer
+  parameters: {blockSize: 4}
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - {pluginRef: precise-prefix-cache-scorer, weight: 1}
+  - pluginRef: max-score-picker
+"""
+
+
+def batch(*events: list[object]) -> bytes:
+    """A vLLM KVEventBatch: ``[ts, [tagged events…], data_parallel_rank]``."""
+    return msgspec.msgpack.encode([time.time(), list(events), 0])
+
+
+async def _score(plugin, tokens: list[int], states) -> list[float]:
+    request = InferenceRequest("r", {}, body={"prompt": tokens}, target_model="m")
+    cycle = CycleState()
+    await plugin.prepare(cycle, request, states)
+    return plugin.score(cycle, request, states)
+
+
+async def test_index_follows_stored_removed_cleared(epp_factory) -> None:
+    kv_port = free_port()
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{kv_port}")
+    a = Endpoint("127.0.0.1", 18101, ((KV_EVENTS_PORT_LABEL, str(kv_port)),))
+    b = Endpoint("127.0.0.1", 18102, ((KV_EVENTS_PORT_LABEL, str(free_port())),))
+    try:
+        epp = await epp_factory(static_endpoints=[a, b], config=parse_config(CONFIG))
+        plugin = epp.scheduler.plugins["precise-prefix-cache-scorer"]
+        states = [epp.datastore.get(a.key), epp.datastore.get(b.key)]
+        tokens = list(range(100, 112))  # three blocks of four
+        hashes = block_hashes(tokens, 4)
+        stored = ["BlockStored", hashes, None, tokens, 4, None, "GPU", None]
+        seq = 0
+
+        async def publish_until(check) -> None:
+            nonlocal seq
+            for _ in range(200):  # ZMQ subscribers join late: repeat until seen
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), current])
+                seq += 1
+                await asyncio.sleep(0.02)
+                if check():
+                    return
+            raise AssertionError("event never applied")
+
+        current = batch(stored)
+        await publish_until(lambda: plugin.index.holders.get(hashes[0]) == {a.key})
+        assert await _score(plugin, tokens, states) == [1.0, 0.0]
+        assert await _score(plugin, [*tokens[:8], 1, 2, 3, 4], states) == [2 / 3, 0.0]
+
+        current = batch(["BlockRemoved", [hashes[1]], "GPU"])
+        await publish_until(lambda: hashes[1] not in plugin.index.holders)
+        assert await _score(plugin, tokens, states) == [1 / 3, 0.0]  # leading run breaks at block 1
+
+        current = batch(["AllBlocksCleared"])
+        await publish_until(lambda: not plugin.index.holders)
+        assert await _score(plugin, tokens, states) == [0.0, 0.0]
+
+        # Garbage on the wire is logged and skipped; the subscriber keeps going.
+        current = b"\xc1not msgpack"
+        await pub.send_multipart([b"", b"\0" * 8, current])
+        current = batch(stored)
+        await publish_until(lambda: hashes[0] in plugin.index.holders)
+    finally:
+        pub.close(0)
+        context.term()
+
+
+async def test_real_engine_metrics_events_and_tokenize(
+    processes, infergate_cli, tiny_model, epp_factory
+) -> None:
+    import httpx
+
+    port, kv_port = free_port(), free_port()
+    processes.start(
+        "engine-sim",
+        [
+            *infergate_cli, "engine", "serve", str(tiny_model), "--port", str(port),
+            "--served-model-name", "tiny", "--simulate", "--kv-events-port", str(kv_port),
+            "--num-gpu-blocks-override", "256", "--max-model-len", "1024",
+        ],
+        ready=http_ready(f"http://127.0.0.1:{port}/health"),
+        timeout=120,
+    )  # fmt: skip
+    engine = Endpoint("127.0.0.1", port, ((KV_EVENTS_PORT_LABEL, str(kv_port)),))
+    config = CONFIG.replace("blockSize: 4", "blockSize: 16")
+    epp = await epp_factory(static_endpoints=[engine], config=parse_config(config))
+    state = epp.datastore.get(engine.key)
+    assert state is not None
+    await eventually(lambda: state.metrics.block_size == 16, timeout=30)  # vllm:cache_config_info
+    plugin = epp.scheduler.plugins["precise-prefix-cache-scorer"]
+    await asyncio.sleep(0.3)  # let the SUB socket join before the engine publishes
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    async with httpx.AsyncClient(timeout=60) as client:
+        response = await client.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
+        )
+        assert response.status_code == 200, response.text
+    await eventually(lambda: bool(plugin.index.by_endpoint.get(engine.key)), timeout=30)
+
+    request = InferenceRequest(
+        "r", {}, body={"model": "tiny", "prompt": prompt}, target_model="tiny"
+    )
+    cycle = CycleState()
+    await plugin.prepare(cycle, request, [state])
+    assert cycle["precise.hashes"], "the engine's /tokenize gave no tokens"
+    assert plugin.score(cycle, request, [state]) == [1.0]  # every full block is cached there
+
+    # And the whole path through the ext-proc server routes to it.
+    import grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as channel:
+        stream = Stream(channel)
+        payload = httpx.Request(
+            "POST", "http://x", json={"model": "tiny", "prompt": prompt}
+        ).content
+        await stream.send(headers({":method": "POST", ":path": "/v1/completions"}), body(payload))
+        header_response, _ = await stream.recv(2)
+        assert set_headers(header_response)["x-gateway-destination-endpoint"] == engine.key
