@@ -1,0 +1,389 @@
+"""Envoy v3 bootstrap for an InferencePool: ext_proc to the Endpoint Picker, ORIGINAL_DST upstream.
+
+One pure function builds the whole bootstrap as plain dicts, so ``infergate up``, the
+operator's standalone Envoy sidecar and the conformance helpers all run the same config.
+Envoy 1.40 validates it (``envoy --mode validate``; see tests/stack).
+
+Why each piece is there:
+
+* ``ext_proc`` streams request and response bodies FULL_DUPLEX_STREAMED: the EPP must see
+  the whole OpenAI body before it can pick, and must pass SSE chunks straight back without
+  buffering. That body mode requires the matching trailer mode to be SEND. Because the
+  EPP answers the request-headers message only after the last body chunk, the per-message
+  timeout must cover the client's upload, hence seconds, not Envoy's 200 ms default.
+* The picked endpoint arrives as the ``x-gateway-destination-endpoint`` header (and the
+  same value as dynamic metadata in namespace ``envoy.lb``); the ORIGINAL_DST cluster dials
+  exactly that address. The header is stripped from client requests first, so a client
+  can never choose an upstream itself (e.g. when the EPP is down and failing open).
+* Only requests that carry a pick in the ``envoy.lb`` metadata (which, unlike a header,
+  only the EPP can set) are routed to ORIGINAL_DST. The rest (the EPP was unreachable and
+  ``failure_mode_allow`` let the request through) go to a fallback
+  cluster of known endpoints when one is given, else get a local 503: an ORIGINAL_DST
+  cluster with nothing to dial would fail anyway, with a less helpful answer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""Header (and ``envoy.lb`` metadata key) carrying the EPP's pick, per GIE's protocol."""
+UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
+"""Response header ``infergate up`` adds: the upstream Envoy really dialled (``%UPSTREAM_HOST%``).
+
+Distinct from GIE's ``x-gateway-destination-endpoint-served``, which the EPP reports."""
+LB_METADATA_NAMESPACE = "envoy.lb"
+EPP_CLUSTER = "infergate_epp"
+POOL_CLUSTER = "infergate_pool_original_dst"
+FALLBACK_CLUSTER = "infergate_pool_fallback"
+
+_T = "type.googleapis.com/envoy."
+_HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
+_ROUTER = _T + "extensions.filters.http.router.v3.Router"
+_HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
+_STDOUT_LOG = _T + "extensions.access_loggers.stream.v3.StdoutAccessLog"
+
+_ACCESS_LOG_FORMAT = (
+    '[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)%" %RESPONSE_CODE% %RESPONSE_FLAGS% '
+    "picked=%REQ(X-GATEWAY-DESTINATION-ENDPOINT)% upstream=%UPSTREAM_HOST% "
+    "duration_ms=%DURATION% upstream_ms=%RESPONSE_DURATION%\n"
+)
+
+
+def _duration(seconds: float) -> str:
+    """Envoy's JSON duration: a decimal number of seconds with an ``s`` suffix."""
+    if seconds < 0:
+        raise ValueError(f"durations must be >= 0, got {seconds}")
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _socket(address: str, port: int) -> dict[str, Any]:
+    if not 0 < port < 65536:
+        raise ValueError(f"port out of range: {port}")
+    return {"socket_address": {"address": address, "port_value": port}}
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def _circuit_breakers(max_requests: int) -> dict[str, Any]:
+    # Envoy's defaults (1024 each) would throttle long streaming generations well below
+    # what an inference pool can hold in flight.
+    return {
+        "thresholds": [
+            {
+                "max_connections": max_requests,
+                "max_pending_requests": max_requests,
+                "max_requests": max_requests,
+            }
+        ]
+    }
+
+
+def _static_cluster(
+    name: str,
+    endpoints: Sequence[tuple[str, int]],
+    *,
+    connect_timeout_s: float,
+    max_requests: int,
+    http2: bool,
+) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if all(_is_ip(host) for host, _ in endpoints) else "STRICT_DNS",
+        "connect_timeout": _duration(connect_timeout_s),
+        "lb_policy": "LEAST_REQUEST",
+        "circuit_breakers": _circuit_breakers(max_requests),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _socket(host, port)}} for host, port in endpoints
+                    ]
+                }
+            ],
+        },
+    }
+    if not _is_ip(endpoints[0][0]):
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _HTTP_OPTIONS,
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        # One gRPC stream per HTTP request: allow plenty per connection.
+                        "max_concurrent_streams": 100000,
+                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                    }
+                },
+            }
+        }
+    return cluster
+
+
+def _ext_proc_filter(
+    *, failure_mode_allow: bool, message_timeout_s: float, grpc_authority: str
+) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EPP_CLUSTER, "authority": grpc_authority},
+            },
+            "failure_mode_allow": failure_mode_allow,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                # FULL_DUPLEX_STREAMED requires the trailer modes to be SEND.
+                "request_trailer_mode": "SEND",
+                "response_trailer_mode": "SEND",
+            },
+            # The EPP answers headers only after the full body: give uploads time.
+            "message_timeout": _duration(message_timeout_s),
+            "max_message_timeout": _duration(max(message_timeout_s, 300.0)),
+            # Lets the EPP skip response-body streaming per request (e.g. non-streaming).
+            "allow_mode_override": True,
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
+            },
+        },
+    }
+
+
+def _strip_client_headers_filter() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _HEADER_MUTATION,
+            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+        },
+    }
+
+
+def _routes(
+    *, route_timeout_s: float, has_fallback: bool, served_header: str | None
+) -> list[dict[str, Any]]:
+    route_action: dict[str, Any] = {
+        "timeout": _duration(route_timeout_s),
+        # Streaming generations may idle between tokens; only a silent stream is cut.
+        "idle_timeout": _duration(max(route_timeout_s, 60.0)),
+    }
+    # Match on the EPP's dynamic metadata, which a client cannot forge (a header it could).
+    picked = {
+        "match": {
+            "prefix": "/",
+            "dynamic_metadata": [
+                {
+                    "filter": LB_METADATA_NAMESPACE,
+                    "path": [{"key": DESTINATION_HEADER}],
+                    "value": {"present_match": True},
+                }
+            ],
+        },
+        "route": {"cluster": POOL_CLUSTER, **route_action},
+    }
+    unpicked: dict[str, Any]
+    if has_fallback:
+        unpicked = {
+            "match": {"prefix": "/"},
+            "route": {"cluster": FALLBACK_CLUSTER, **route_action},
+        }
+    else:
+        unpicked = {
+            "match": {"prefix": "/"},
+            "direct_response": {
+                "status": 503,
+                "body": {
+                    "inline_string": (
+                        '{"error": {"message": "no endpoint was picked for this request '
+                        '(the endpoint picker is unavailable)", "type": "ServiceUnavailable", '
+                        '"code": 503}}'
+                    )
+                },
+            },
+        }
+    routes = [picked, unpicked]
+    if served_header:
+        for route in routes:
+            route["response_headers_to_add"] = [
+                {
+                    "header": {"key": served_header, "value": "%UPSTREAM_HOST%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ]
+    return routes
+
+
+def build_envoy_config(
+    *,
+    listen_port: int,
+    epp_address: str,
+    epp_port: int,
+    failure_mode_allow: bool = False,
+    admin_port: int | None = 19000,
+    listen_address: str = "0.0.0.0",
+    route_timeout_s: float = 300.0,
+    admin_address: str = "127.0.0.1",
+    message_timeout_s: float = 30.0,
+    connect_timeout_s: float = 5.0,
+    stream_idle_timeout_s: float = 300.0,
+    fallback_endpoints: Sequence[tuple[str, int]] = (),
+    served_header: str | None = None,
+    access_log: bool = False,
+    max_requests: int = 40000,
+    stat_prefix: str = "infergate",
+) -> dict[str, Any]:
+    """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
+
+    ``failure_mode_allow`` is the pool's ``failureMode`` (True = FailOpen). With FailOpen,
+    requests the EPP could not handle go round-robin (least-request) over
+    ``fallback_endpoints`` when given, else get a local 503. ``served_header`` (e.g.
+    :data:`UPSTREAM_HOST_HEADER`) adds the upstream that really served to each response.
+    ``admin_port=None`` disables the admin interface.
+    """
+    if route_timeout_s <= 0:
+        raise ValueError("route_timeout_s must be > 0")
+    hcm: dict[str, Any] = {
+        "@type": _HCM,
+        "stat_prefix": stat_prefix,
+        "codec_type": "AUTO",
+        # Generations stream for minutes: no whole-request deadline, only an idle one.
+        "request_timeout": "0s",
+        "stream_idle_timeout": _duration(stream_idle_timeout_s),
+        "request_headers_timeout": "10s",
+        "common_http_protocol_options": {"idle_timeout": "3600s"},
+        "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "route_config": {
+            "name": f"{stat_prefix}_routes",
+            "virtual_hosts": [
+                {
+                    "name": "inference_pool",
+                    "domains": ["*"],
+                    "routes": _routes(
+                        route_timeout_s=route_timeout_s,
+                        has_fallback=bool(fallback_endpoints),
+                        served_header=served_header,
+                    ),
+                }
+            ],
+        },
+        "http_filters": [
+            _strip_client_headers_filter(),
+            _ext_proc_filter(
+                failure_mode_allow=failure_mode_allow,
+                message_timeout_s=message_timeout_s,
+                grpc_authority=f"{epp_address}:{epp_port}",
+            ),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
+    if access_log:
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": {
+                    "@type": _STDOUT_LOG,
+                    "log_format": {"text_format_source": {"inline_string": _ACCESS_LOG_FORMAT}},
+                },
+            }
+        ]
+
+    pool_cluster: dict[str, Any] = {
+        "name": POOL_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": _duration(connect_timeout_s),
+        "circuit_breakers": _circuit_breakers(max_requests),
+        "original_dst_lb_config": {
+            "use_http_header": True,
+            "http_header_name": DESTINATION_HEADER,
+            # Metadata is consulted before the header; both carry the same pick.
+            "metadata_key": {
+                "key": LB_METADATA_NAMESPACE,
+                "path": [{"key": DESTINATION_HEADER}],
+            },
+        },
+    }
+    clusters = [
+        _static_cluster(
+            EPP_CLUSTER,
+            [(epp_address, epp_port)],
+            connect_timeout_s=connect_timeout_s,
+            max_requests=max_requests,
+            http2=True,
+        ),
+        pool_cluster,
+    ]
+    if fallback_endpoints:
+        clusters.append(
+            _static_cluster(
+                FALLBACK_CLUSTER,
+                list(fallback_endpoints),
+                connect_timeout_s=connect_timeout_s,
+                max_requests=max_requests,
+                http2=False,
+            )
+        )
+
+    bootstrap: dict[str, Any] = {
+        "node": {"id": f"{stat_prefix}-envoy", "cluster": stat_prefix},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": f"{stat_prefix}_listener",
+                    "address": _socket(listen_address, listen_port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+        # Quiet the "no overload manager" warning and bound downstream connections.
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": _T
+                        + "extensions.resource_monitors.downstream_connections.v3."
+                        + "DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": 50000,
+                    },
+                }
+            ]
+        },
+    }
+    if admin_port is not None:
+        bootstrap["admin"] = {"address": _socket(admin_address, admin_port)}
+    return bootstrap
+
+
+def render_envoy_yaml(**kwargs: Any) -> str:
+    """:func:`build_envoy_config` rendered as YAML (what ``envoy -c`` reads)."""
+    return yaml.safe_dump(build_envoy_config(**kwargs), sort_keys=False)

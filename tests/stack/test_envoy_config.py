@@ -1,0 +1,145 @@
+"""The generated Envoy bootstrap: accepted by the real Envoy 1.40, and behaves as documented.
+
+These run without an EPP: the dead-EPP paths (FailOpen to the fallback pool, FailClose
+5xx, client-supplied destination headers ignored) are exactly the ones that need none.
+The paths through a live EPP are covered by tests/e2e.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infergate.procs import ProcessGroup, free_port, tcp_ready
+from infergate.stack.envoy_config import (
+    DESTINATION_HEADER,
+    UPSTREAM_HOST_HEADER,
+    build_envoy_config,
+    render_envoy_yaml,
+)
+from infergate.stack.envoy_process import start_envoy, validate_config
+
+
+def _ext_proc(config: dict) -> dict:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    return next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"failure_mode_allow": False},
+        {"failure_mode_allow": True, "fallback_endpoints": [("127.0.0.1", 8000)]},
+        {"admin_port": None, "epp_address": "epp.default.svc.cluster.local"},
+        {"served_header": UPSTREAM_HOST_HEADER, "access_log": True, "route_timeout_s": 0.5},
+        {"fallback_endpoints": [("engine-0.local", 8000), ("10.0.0.7", 8001)]},
+    ],
+)
+def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binary: Path) -> None:
+    args = {"listen_port": 8081, "epp_address": "127.0.0.1", "epp_port": 9002, **kwargs}
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_envoy_yaml(**args))
+    validate_config(path, envoy=envoy_binary)
+
+
+def test_validate_reports_envoys_reason(tmp_path: Path, envoy_binary: Path) -> None:
+    config = build_envoy_config(listen_port=8081, epp_address="127.0.0.1", epp_port=9002)
+    pool = config["static_resources"]["clusters"][1]
+    pool["lb_policy"] = "ROUND_ROBIN"  # ORIGINAL_DST only takes CLUSTER_PROVIDED
+    path = tmp_path / "bad.yaml"
+    path.write_text(__import__("yaml").safe_dump(config))
+    with pytest.raises(ValueError, match="CLUSTER_PROVIDED"):
+        validate_config(path, envoy=envoy_binary)
+
+
+def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
+    open_ = _ext_proc(
+        build_envoy_config(
+            listen_port=1, epp_address="127.0.0.1", epp_port=2, failure_mode_allow=True
+        )
+    )
+    closed = _ext_proc(build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2))
+    assert open_["failure_mode_allow"] is True
+    assert closed["failure_mode_allow"] is False
+    mode = closed["processing_mode"]
+    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
+    config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)
+    lb = config["static_resources"]["clusters"][1]["original_dst_lb_config"]
+    assert lb["use_http_header"] is True
+    assert lb["http_header_name"] == DESTINATION_HEADER
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="port"):
+        build_envoy_config(listen_port=70000, epp_address="127.0.0.1", epp_port=9002)
+    with pytest.raises(ValueError, match="route_timeout_s"):
+        build_envoy_config(
+            listen_port=8081, epp_address="127.0.0.1", epp_port=9002, route_timeout_s=0
+        )
+
+
+def _start_upstream(processes: ProcessGroup, directory: Path) -> int:
+    port = free_port()
+    (directory / "hello.txt").write_text("hello from the pool\n")
+    processes.start(
+        "upstream",
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=directory,
+        ready=tcp_ready("127.0.0.1", port),
+        timeout=30,
+    )
+    return port
+
+
+def _start_envoy(processes: ProcessGroup, tmp_path: Path, name: str, **kwargs: object) -> str:
+    listen = free_port()
+    config = build_envoy_config(
+        listen_port=listen,
+        listen_address="127.0.0.1",
+        admin_port=free_port(),
+        epp_address="127.0.0.1",
+        epp_port=free_port(),  # nothing listens there: the EPP is "down"
+        message_timeout_s=5,
+        served_header=UPSTREAM_HOST_HEADER,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    start_envoy(processes, config, tmp_path / f"{name}.yaml", name=name)
+    return f"http://127.0.0.1:{listen}"
+
+
+def test_dead_epp_fail_open_serves_from_fallback_and_fail_close_refuses(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    upstream = _start_upstream(processes, tmp_path)
+    fail_open = _start_envoy(
+        processes,
+        tmp_path,
+        "envoy-failopen",
+        failure_mode_allow=True,
+        fallback_endpoints=[("127.0.0.1", upstream)],
+    )
+    fail_close = _start_envoy(processes, tmp_path, "envoy-failclose", failure_mode_allow=False)
+    fail_open_no_pool = _start_envoy(
+        processes, tmp_path, "envoy-failopen-nopool", failure_mode_allow=True
+    )
+    with httpx.Client(timeout=20) as client:
+        served = client.get(f"{fail_open}/hello.txt")
+        assert served.status_code == 200
+        assert served.text == "hello from the pool\n"
+        assert served.headers[UPSTREAM_HOST_HEADER] == f"127.0.0.1:{upstream}"
+
+        refused = client.get(f"{fail_close}/hello.txt")
+        assert 500 <= refused.status_code < 600
+
+        # A client cannot pick the upstream itself, even when the EPP is not there to.
+        nopick = client.get(
+            f"{fail_open_no_pool}/hello.txt",
+            headers={DESTINATION_HEADER: f"127.0.0.1:{upstream}"},
+        )
+        assert nopick.status_code == 503
+        assert "endpoint picker" in nopick.json()["error"]["message"]
