@@ -5,6 +5,7 @@ and samples. Implements `infergate.engine.interfaces.ModelRunner`.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from .weights import load_model, resolve_device, resolve_dtype
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2  # CPU budget when num_blocks is not given
-CPU_MAX_FULL_SEQS = 64  # ... but never more than this many max-length sequences' worth
+CPU_MAX_FULL_SEQS = 32  # ... but never more than this many max-length sequences' worth
 
 
 class TorchModelRunner:
@@ -76,10 +77,19 @@ class TorchModelRunner:
         max_num_batched_tokens: int = 2048,
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
+        cpu_threads: int | None = None,
     ) -> TorchModelRunner:
-        """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache."""
+        """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache.
+
+        On CPU this also sets torch's intra-op threads for the process (`cpu_threads`, or
+        by default one per 512 of hidden size): a small model's ops are too short to
+        amortize a thread team, and on a shared machine idle-waiting threads cost 10x.
+        """
         cfg = ModelConfig.from_model_dir(model_dir)
         dev = resolve_device(device)
+        if dev.type == "cpu":
+            wanted = cpu_threads or max(1, cfg.hidden_size // 512)
+            torch.set_num_threads(max(1, min(wanted, os.cpu_count() or 1)))
         dt = resolve_dtype(dtype, cfg, dev)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings

@@ -26,8 +26,8 @@ class _Chunk:
 
 @dataclass
 class _Plan:
-    block_idx: torch.Tensor  # [T] block of each new token's slot
-    block_off: torch.Tensor  # [T] offset inside that block
+    key_rows: torch.Tensor  # [T] row of each new token's key in the cache viewed as
+    value_rows: torch.Tensor  # [num_blocks * 2 * block_size, Hkv, D]; value likewise
     single_rows: torch.Tensor | None  # [Sd] rows of 1-token queries
     single_tables: torch.Tensor | None  # [Sd, W] their block tables (trimmed)
     single_mask: torch.Tensor | None  # [Sd, 1, 1, W*block_size] valid keys
@@ -65,9 +65,10 @@ class TorchAttentionBackend:
             tables = meta.block_tables[idx, :width].long()
             key_pos = torch.arange(width * bs, device=dev)
             mask = (key_pos[None, :] < meta.seq_lens[idx].long()[:, None])[:, None, None, :]
+        key_rows = (meta.slot_mapping // bs) * (2 * bs) + meta.slot_mapping % bs
         meta.backend_state = _Plan(
-            block_idx=meta.slot_mapping // bs,
-            block_off=meta.slot_mapping % bs,
+            key_rows=key_rows,
+            value_rows=key_rows + bs,
             single_rows=rows,
             single_tables=tables,
             single_mask=mask,
@@ -86,8 +87,9 @@ class TorchAttentionBackend:
         plan = meta.backend_state
         if not isinstance(plan, _Plan):
             raise RuntimeError("TorchAttentionBackend.prepare was not called for this step")
-        kv_cache[plan.block_idx, 0, plan.block_off] = k.to(kv_cache.dtype)
-        kv_cache[plan.block_idx, 1, plan.block_off] = v.to(kv_cache.dtype)
+        rows = kv_cache.view(-1, *kv_cache.shape[-2:])
+        rows.index_copy_(0, plan.key_rows, k.to(kv_cache.dtype))
+        rows.index_copy_(0, plan.value_rows, v.to(kv_cache.dtype))
         out = torch.empty_like(q)
         if plan.single_rows is not None:
             assert plan.single_tables is not None
