@@ -52,8 +52,9 @@ def _settings() -> OperatorSettings:
     return settings
 
 
-async def reconcile_pool(namespace: str, name: str, why: str) -> None:
+async def reconcile_pool(namespace: str | None, name: str, why: str) -> None:
     """Reconcile one pool; coalesce bursts (a pending run covers later triggers)."""
+    namespace = namespace or "default"
     key = (namespace, name)
     if key in _pending:
         return
@@ -101,9 +102,9 @@ async def stop_resync(**_: Any) -> None:
 
 @kopf.on.event(c.POOL_GROUP, c.POOL_VERSION, c.POOL_PLURAL)
 async def pool_event(
-    event: kopf.RawEvent, namespace: str, name: str, spec: kopf.Spec, **_: Any
+    event: kopf.RawEvent, namespace: str | None, name: str, spec: kopf.Spec, **_: Any
 ) -> None:
-    key = (namespace, name)
+    key = (namespace or "default", name)
     if event.get("type") == "DELETED":
         _pools.pop(key, None)
         _locks.pop(key, None)
@@ -117,7 +118,7 @@ async def pool_event(
 
 @kopf.on.event("apps", "v1", "deployments", labels={c.LABEL_MANAGED_BY: "infergate-operator"})
 async def owned_deployment_event(
-    event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **_: Any
+    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, **_: Any
 ) -> None:
     pool = labels.get(c.LABEL_POOL)
     if pool and (namespace, pool) in _pools:
@@ -125,7 +126,7 @@ async def owned_deployment_event(
 
 
 @kopf.on.event("", "v1", "services")
-async def service_event(event: kopf.RawEvent, namespace: str, name: str, **_: Any) -> None:
+async def service_event(event: kopf.RawEvent, namespace: str | None, name: str, **_: Any) -> None:
     """Our Service changed, or a Service a pool refers to came or went (own picker)."""
     for (pool_ns, pool_name), refs in list(_pools.items()):
         if pool_ns == namespace and refs.picker == name:
@@ -133,7 +134,9 @@ async def service_event(event: kopf.RawEvent, namespace: str, name: str, **_: An
 
 
 @kopf.on.event("", "v1", "pods")
-async def pod_event(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, **_: Any) -> None:
+async def pod_event(
+    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, **_: Any
+) -> None:
     """A model-server pod changed: pools whose selector matches it update their counts."""
     for (pool_ns, pool_name), refs in list(_pools.items()):
         if pool_ns != namespace or not refs.match_labels:

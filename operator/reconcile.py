@@ -203,7 +203,7 @@ def _converge(
 
     service = live_by_key.get(("Service", pool.picker_name)) or {}
     ports = [p.get("port") for p in (service.get("spec") or {}).get("ports") or []]
-    resolved = st.true(
+    resolved_cond = st.true(
         c.RESOLVED_REFS, "ResolvedRefs",
         f"Service {pool.picker_name} exposes the Endpoint Picker on port {pool.picker_port}",
     ) if pool.picker_port in ports else st.false(
@@ -229,7 +229,7 @@ def _converge(
             if available >= 1 and current
             else st.false(c.READY, "EndpointPickerUnavailable", text)
         )
-    return [accepted, resolved, ready_cond]
+    return [accepted, resolved_cond, ready_cond]
 
 
 def reconcile(

@@ -24,12 +24,12 @@ Use it in-process (async tests)::
     async with serve_emulator(crd_paths=[Path("crds")]) as emu:
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", emu.url)
         ...  # start the operator with KUBECONFIG=kubeconfig
-        await emu.create({...})
-        emu.get("Deployment", "default", "x")
+        await emu.create_object({...})
+        emu.get_object("Deployment", "default", "x")
 
 or as a process: ``python -m infergate.testing.kube_emulator --port 8001 --crds crds``.
-The test-side helpers (:meth:`KubeEmulator.create`, :meth:`~KubeEmulator.patch`,
-:meth:`~KubeEmulator.delete`, :meth:`~KubeEmulator.set_deployment_available`,
+The test-side helpers (:meth:`KubeEmulator.create_object`, :meth:`~KubeEmulator.patch_object`,
+:meth:`~KubeEmulator.delete_object`, :meth:`~KubeEmulator.set_deployment_available`,
 :meth:`~KubeEmulator.add_pod`) go through the same code as HTTP writes, so watchers
 see them.
 """
@@ -243,14 +243,14 @@ class KubeEmulator(k8s.KubernetesEmulator):
 
     # ----------------------------------------------------------------- reading
 
-    def get(self, kind: str, namespace: str | None, name: str) -> Obj | None:
+    def get_object(self, kind: str, namespace: str | None, name: str) -> Obj | None:
         """The live object, or None (a deep copy: mutate freely)."""
         key = (self.resource_of(kind), namespace, name)
         if key not in self._objects or self._objects[key].deleted:
             return None
         return copy.deepcopy(self._objects[key].raw)
 
-    def list(self, kind: str, namespace: str | None = None) -> list[Obj]:
+    def list_objects(self, kind: str, namespace: str | None = None) -> list[Obj]:
         resource = self.resource_of(kind)
         return [
             copy.deepcopy(obj.raw)
@@ -259,12 +259,14 @@ class KubeEmulator(k8s.KubernetesEmulator):
         ]
 
     def write_requests(self, since: int = 0) -> list[rendering.Request]:
-        """API writes (create/update/patch/delete) received over HTTP, oldest first."""
-        return [
+        """API writes (create/update/patch/delete) received over HTTP, oldest first;
+        ``since`` skips the first writes (``len(emu.write_requests())`` marks "now")."""
+        writes = [
             r
-            for r in self._requests[since:]
+            for r in self._requests
             if r.resource is not None and str(r.method.value).upper() in WRITE_METHODS
         ]
+        return writes[since:]
 
     @property
     def request_count(self) -> int:
@@ -272,7 +274,7 @@ class KubeEmulator(k8s.KubernetesEmulator):
 
     # ----------------------------------------------------------------- test-side writes
 
-    async def create(self, obj: Obj) -> Obj:
+    async def create_object(self, obj: Obj) -> Obj:
         kind = obj["kind"]
         namespace = (obj.get("metadata") or {}).get("namespace")
         if self.resources[self.resource_of(kind)].namespaced:
@@ -280,7 +282,7 @@ class KubeEmulator(k8s.KubernetesEmulator):
         async with self._lock:
             return await self._create(self.resource_of(kind), namespace, copy.deepcopy(obj))
 
-    async def patch(
+    async def patch_object(
         self,
         kind: str,
         namespace: str | None,
@@ -295,13 +297,13 @@ class KubeEmulator(k8s.KubernetesEmulator):
                 self.resource_of(kind), namespace, name, patch, "merge", subresource, None
             )
 
-    async def delete(self, kind: str, namespace: str | None, name: str) -> None:
+    async def delete_object(self, kind: str, namespace: str | None, name: str) -> None:
         async with self._lock:
             await self._delete(self.resource_of(kind), namespace, name, None)
 
     async def set_deployment_available(self, namespace: str, name: str) -> Obj:
         """Play the Deployment controller: all replicas ready and available."""
-        deployment = self.get("Deployment", namespace, name)
+        deployment = self.get_object("Deployment", namespace, name)
         if deployment is None:
             raise KeyError(f"no Deployment {namespace}/{name}")
         replicas = int(deployment.get("spec", {}).get("replicas", 1))
@@ -315,7 +317,7 @@ class KubeEmulator(k8s.KubernetesEmulator):
                 {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}
             ],
         }
-        return await self.patch(
+        return await self.patch_object(
             "Deployment", namespace, name, {"status": status}, subresource="status"
         )
 
@@ -329,7 +331,7 @@ class KubeEmulator(k8s.KubernetesEmulator):
         ip: str = "10.0.0.1",
     ) -> Obj:
         """Play the kubelet: a Running pod with the given readiness."""
-        await self.create(
+        await self.create_object(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -342,7 +344,9 @@ class KubeEmulator(k8s.KubernetesEmulator):
             "podIP": ip,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
         }
-        return await self.patch("Pod", namespace, name, {"status": status}, subresource="status")
+        return await self.patch_object(
+            "Pod", namespace, name, {"status": status}, subresource="status"
+        )
 
     # ----------------------------------------------------------------- HTTP entry
 
@@ -612,10 +616,13 @@ async def wait_for(probe: Callable[[], Any], timeout: float = 30.0, what: str = 
 
 
 def pool_conditions(
-    emu: KubeEmulator, name: str, namespace: str = "default", controller: str = "infergate.io/operator"
+    emu: KubeEmulator,
+    name: str,
+    namespace: str = "default",
+    controller: str = "infergate.io/operator",
 ) -> dict[str, Obj]:
     """The conditions, by type, of one controller's ``status.parents[]`` entry ({} if none)."""
-    pool = emu.get("InferencePool", namespace, name) or {}
+    pool = emu.get_object("InferencePool", namespace, name) or {}
     for parent in (pool.get("status") or {}).get("parents") or []:
         if parent.get("controllerName") == controller:
             return {c["type"]: c for c in parent.get("conditions") or []}

@@ -32,7 +32,14 @@ def pool(**annotations: str) -> dict[str, Any]:
 
 
 def owned(emu: KubeEmulator, kind: str, name: str = EPP) -> dict[str, Any] | None:
-    return emu.get(kind, NS, name)
+    return emu.get_object(kind, NS, name)
+
+
+def ready_endpoints(emu: KubeEmulator, name: str = "qwen-pool") -> int | None:
+    body = emu.get_object("InferencePool", NS, name) or {}
+    parents = (body.get("status") or {}).get("parents") or [{}]
+    value = parents[0].get("readyEndpoints")
+    return int(value) if value is not None else None
 
 
 def status_is(emu: KubeEmulator, name: str = "qwen-pool", **expected: str) -> bool:
@@ -45,7 +52,7 @@ def status_is(emu: KubeEmulator, name: str = "qwen-pool", **expected: str) -> bo
 
 async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> None:
     await start_operator()
-    created = await emulator.create(pool())
+    created = await emulator.create_object(pool())
     uid = created["metadata"]["uid"]
 
     # Apply → every owned object appears, owned by the pool, with the right specs.
@@ -92,21 +99,18 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
     await wait_for(
         lambda: (
             status_is(emulator, Ready="True/EndpointPickerAvailable")
-            and emulator.get("InferencePool", NS, "qwen-pool")["status"]["parents"][0][
-                "readyEndpoints"
-            ]
-            == 2
-        ),  # type: ignore[index]
+            and ready_endpoints(emulator) == 2
+        ),
         what="Ready with 2 endpoints",
     )
     now = pool_conditions(emulator, "qwen-pool")
     # Unchanged statuses keep their transition time.
     assert now["Accepted"]["lastTransitionTime"] == first["Accepted"]["lastTransitionTime"]
-    reasons = {e["reason"] for e in emulator.list("Event", NS)}
+    reasons = {e["reason"] for e in emulator.list_objects("Event", NS)}
     assert {"Applied", "EndpointPickerAvailable"} <= reasons
 
     # Change → patched: two replicas (and a PDB), a new picker port.
-    await emulator.patch(
+    await emulator.patch_object(
         "InferencePool", NS, "qwen-pool",
         {"metadata": {"annotations": {"infergate.io/epp-replicas": "2"}},
          "spec": {"endpointPickerRef": {"port": {"number": 9012}}}},
@@ -122,7 +126,7 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
         what="status for generation 2",
     )
     # Back to one replica → the PDB is pruned.
-    await emulator.patch(
+    await emulator.patch_object(
         "InferencePool",
         NS,
         "qwen-pool",
@@ -131,7 +135,7 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
     await wait_for(lambda: owned(emulator, "PodDisruptionBudget") is None, what="PDB pruned")
 
     # Delete → everything it owned goes (owner-reference garbage collection).
-    await emulator.delete("InferencePool", NS, "qwen-pool")
+    await emulator.delete_object("InferencePool", NS, "qwen-pool")
     await wait_for(lambda: not any(owned(emulator, k) for k in OWNED), what="owned objects gone")
 
 
@@ -144,13 +148,13 @@ async def test_invalid_pools_get_a_false_condition_not_a_crash(
     bad = pool()
     bad["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8000}]
     with pytest.raises(KubernetesError) as rejected:
-        await emulator.create(bad)
+        await emulator.create_object(bad)
     assert rejected.value.status == 422 and "port number must be unique" in str(
         rejected.value.message
     )
 
     # Valid for the API, invalid for the operator: missing user config, bad annotation.
-    await emulator.create(pool(**{"infergate.io/epp-config": "my-epp-config"}))
+    await emulator.create_object(pool(**{"infergate.io/epp-config": "my-epp-config"}))
     await wait_for(
         lambda: status_is(
             emulator, Accepted="False/EndpointPickerConfigNotFound", Ready="False/NotAccepted"
@@ -158,12 +162,12 @@ async def test_invalid_pools_get_a_false_condition_not_a_crash(
         what="config-not-found condition",
     )
     assert owned(emulator, "Deployment") is None
-    warnings = [e for e in emulator.list("Event", NS) if e["type"] == "Warning"]
+    warnings = [e for e in emulator.list_objects("Event", NS) if e["type"] == "Warning"]
     assert any(e["reason"] == "EndpointPickerConfigNotFound" for e in warnings)
 
     # The user creates the ConfigMap → accepted, and the EPP gets the user's config.
     user_config = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n"
-    await emulator.create(
+    await emulator.create_object(
         {"apiVersion": "v1", "kind": "ConfigMap",
          "metadata": {"name": "my-epp-config", "namespace": NS},
          "data": {"config.yaml": user_config}}
@@ -174,7 +178,7 @@ async def test_invalid_pools_get_a_false_condition_not_a_crash(
     assert owned(emulator, "ConfigMap")["data"]["config.yaml"] == user_config  # type: ignore[index]
 
     # A bad annotation → InvalidAnnotation; the last good EPP keeps running.
-    await emulator.patch(
+    await emulator.patch_object(
         "InferencePool",
         NS,
         "qwen-pool",
@@ -191,7 +195,7 @@ async def test_restart_and_resync_write_nothing_new(
     emulator: KubeEmulator, start_operator: Any, processes: Any
 ) -> None:
     operator = await start_operator(resync=0.5)
-    await emulator.create(pool())
+    await emulator.create_object(pool())
     await emulator.add_pod(NS, "engine-0", {"app": "qwen-engine"})
     await wait_for(lambda: owned(emulator, "Deployment"), what="deployment")
     await emulator.set_deployment_available(NS, EPP)
@@ -202,7 +206,7 @@ async def test_restart_and_resync_write_nothing_new(
 
     mark = len(emulator.write_requests())
     await asyncio.sleep(2.0)
-    assert [str(r.url.path) for r in emulator.write_requests(0)[mark:]] == []
+    assert [str(r.url.path) for r in emulator.write_requests(mark)] == []
 
     # Restart: the new process lists everything, compares, and writes nothing.
     await asyncio.to_thread(operator.stop)
@@ -213,18 +217,18 @@ async def test_restart_and_resync_write_nothing_new(
         lambda: emulator.request_count > reads_before + 20, what="the new operator to read"
     )
     await asyncio.sleep(2.0)
-    assert [f"{r.method.value} {r.url.path}" for r in emulator.write_requests(0)[mark:]] == []
+    assert [f"{r.method.value} {r.url.path}" for r in emulator.write_requests(mark)] == []
 
 
 async def test_a_service_the_user_owns_is_resolved_not_replaced(
     emulator: KubeEmulator, start_operator: Any
 ) -> None:
     await start_operator()
-    await emulator.create(
+    await emulator.create_object(
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": EPP, "namespace": NS},
          "spec": {"selector": {"app": "my-epp"}, "ports": [{"name": "grpc", "port": 9002}]}}
     )  # fmt: skip
-    await emulator.create(pool())
+    await emulator.create_object(pool())
     await wait_for(
         lambda: status_is(
             emulator, Accepted="True/Accepted", ResolvedRefs="True/ResolvedRefs",
@@ -239,7 +243,7 @@ async def test_a_service_the_user_owns_is_resolved_not_replaced(
     other = pool()
     other["metadata"]["name"] = "custom"
     other["spec"]["endpointPickerRef"] = {"group": "example.com", "kind": "Picker", "name": "p"}
-    await emulator.create(other)
+    await emulator.create_object(other)
     await wait_for(
         lambda: status_is(emulator, "custom", ResolvedRefs="False/InvalidExtensionRef"),
         what="InvalidExtensionRef",
@@ -249,7 +253,7 @@ async def test_a_service_the_user_owns_is_resolved_not_replaced(
 async def test_standalone_envoy_sidecar(emulator: KubeEmulator, start_operator: Any) -> None:
     pytest.importorskip("infergate.stack.envoy_config", reason="envoy_config not built yet")
     await start_operator()
-    await emulator.create(pool(**{"infergate.io/standalone-envoy": "true"}))
+    await emulator.create_object(pool(**{"infergate.io/standalone-envoy": "true"}))
     await wait_for(lambda: owned(emulator, "Deployment"), what="deployment")
     containers = owned(emulator, "Deployment")["spec"]["template"]["spec"]["containers"]  # type: ignore[index]
     assert [c["name"] for c in containers] == ["epp", "envoy"]
@@ -261,7 +265,7 @@ async def test_standalone_envoy_sidecar(emulator: KubeEmulator, start_operator: 
     ports = {p["name"]: p["port"] for p in owned(emulator, "Service")["spec"]["ports"]}  # type: ignore[index]
     assert ports["http"] == 8081
     # Switching it off removes the sidecar and prunes its ConfigMap.
-    await emulator.patch(
+    await emulator.patch_object(
         "InferencePool", NS, "qwen-pool",
         {"metadata": {"annotations": {"infergate.io/standalone-envoy": "false"}}},
     )  # fmt: skip
