@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from infergate.operator.crd_validation import CRDRegistry
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
 from infergate.testing.kube_emulator import KubeEmulator, serve_emulator, write_kubeconfig
 
@@ -59,3 +60,8 @@ def start_operator(
         )  # fmt: skip
 
     return start
+
+
+@pytest.fixture(scope="session")
+def crd_registry() -> CRDRegistry:
+    return CRDRegistry.from_paths(CRDS)
