@@ -1,21 +1,167 @@
 """``infergate up``: the whole stack on one machine."""
 
+from __future__ import annotations
+
+import signal
+import time
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 import typer
 
-from infergate.unbuilt import not_built
+if TYPE_CHECKING:
+    from infergate.stack.local import LocalStack
+
+_CURL = """curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  -d '{{"model": "{model}", "stream": true, "max_tokens": 32,
+       "messages": [{{"role": "user", "content": "Hello!"}}]}}'"""
+
+_OPENAI = """from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="unused")
+stream = client.chat.completions.create(
+    model="{model}", max_tokens=32, stream=True,
+    messages=[{{"role": "user", "content": "Hello!"}}])
+for chunk in stream:
+    print(chunk.choices[0].delta.content or "", end="", flush=True)"""
+
+
+class _Stop(Exception):
+    """Raised from the SIGINT/SIGTERM handler: every stop takes the same path."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop()
 
 
 def up(
-    engines: int = typer.Option(2, "--engines", help="How many engine processes to start."),
-    simulate: bool = typer.Option(
-        True, "--simulate/--no-simulate", help="Simulated engines (timing model, no forward pass)."
+    engines: int = typer.Option(2, "--engines", min=1, help="How many engine processes to start."),
+    simulate: bool | None = typer.Option(
+        None,
+        "--simulate/--no-simulate",
+        help="Simulated engines (timing model, no forward pass). Default: simulated unless "
+        "--model is given.",
     ),
     model: Path | None = typer.Option(
-        None, "--model", help="Model directory for real engines (e.g. from make-tiny-model)."
+        None,
+        "--model",
+        help="Model directory (Hugging Face format). Default: a tiny random model made once "
+        "into ~/.cache/infergate.",
     ),
     port: int = typer.Option(8081, "--port", help="Envoy's client listener port."),
+    failure_mode: str = typer.Option(
+        "FailClose",
+        "--failure-mode",
+        help="What Envoy does when the EPP is unreachable: FailClose (5xx) or FailOpen "
+        "(serve from any engine), as InferencePool's endpointPickerRef.failureMode.",
+    ),
+    served_model_name: str | None = typer.Option(
+        None, "--served-model-name", help="Model name clients use (default: infergate-tiny)."
+    ),
+    engine_port: int = typer.Option(8000, "--engine-port", help="First engine's port (then +1…)."),
+    admin_port: int = typer.Option(19000, "--admin-port", help="Envoy admin port."),
+    epp_grpc_port: int = typer.Option(9002, "--epp-grpc-port", help="EPP ext-proc gRPC port."),
+    epp_health_port: int = typer.Option(9003, "--epp-health-port", help="EPP gRPC health port."),
+    epp_metrics_port: int = typer.Option(9090, "--epp-metrics-port", help="EPP Prometheus port."),
+    epp_config: Path | None = typer.Option(
+        None, "--epp-config", help="EndpointPickerConfig YAML for the EPP (plugins, profiles)."
+    ),
+    objectives_file: Path | None = typer.Option(
+        None, "--objectives-file", help="InferenceObjective / InferenceModelRewrite YAML."
+    ),
+    workdir: Path | None = typer.Option(
+        None,
+        "--workdir",
+        help="Keep logs, the endpoints file and envoy.yaml here (default: a temporary "
+        "directory removed on exit).",
+    ),
+    access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Envoy access log."),
 ) -> None:
-    """Run N engines, one Endpoint Picker and one real Envoy on loopback; Ctrl-C stops all."""
-    not_built("`infergate up` (the local stack)", "issue 4 (Endpoint Picker)")
+    """Run N engines, one Endpoint Picker and one real Envoy on loopback; Ctrl-C stops all.
+
+    The EPP discovers the engines from an endpoints file it hot-reloads; edit it (see
+    --workdir) to add or remove engines while the stack runs.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from infergate.stack.local import LocalStack, StackError, StackSpec
+
+    console = Console()
+    if failure_mode not in ("FailOpen", "FailClose"):
+        console.print(f"[red]--failure-mode must be FailOpen or FailClose, not {failure_mode!r}")
+        raise typer.Exit(2)
+    spec = StackSpec(
+        engines=engines,
+        simulate=(model is None) if simulate is None else simulate,
+        model=model,
+        served_model_name=served_model_name,
+        port=port,
+        admin_port=admin_port,
+        engine_port=engine_port,
+        epp_grpc_port=epp_grpc_port,
+        epp_health_port=epp_health_port,
+        epp_metrics_port=epp_metrics_port,
+        failure_mode_allow=failure_mode == "FailOpen",
+        epp_config_file=epp_config,
+        objectives_file=objectives_file,
+        workdir=workdir,
+        access_log=access_log,
+    )
+    stack = LocalStack(spec)
+    # Installed explicitly: a shell starting us in the background leaves SIGINT ignored.
+    previous = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with console.status(f"starting {engines} engine(s), the EPP and Envoy…", spinner="dots"):
+            stack.start()
+        table = Table(title="infergate up", title_justify="left")
+        for column in ("component", "where", "pid", "log"):
+            table.add_column(column, overflow="fold")
+        for name, where, process in stack.components():
+            log = process.log_path.name if process and process.log_path else "-"
+            table.add_row(name, where, str(process.pid) if process else "-", log)
+        console.print(table)
+        kept = "kept" if workdir else "removed on exit; keep them with --workdir"
+        console.print(f"logs, endpoints.yaml, envoy.yaml: {stack.workdir} ({kept})", soft_wrap=True)
+        example = {"base": stack.base_url, "model": stack.model_name}
+        console.print("\n[bold]Send a request:[/bold]")
+        console.print(_CURL.format(**example), markup=False, highlight=False, soft_wrap=True)
+        console.print("\n[bold]Or with the openai client:[/bold]")
+        console.print(_OPENAI.format(**example), markup=False, highlight=False, soft_wrap=True)
+        console.print(
+            f"\n[bold]Benchmark it:[/bold] infergate bench serve --base-url {stack.base_url} "
+            f"--model {stack.model_name} --dataset shared-prefix",
+            highlight=False,
+            soft_wrap=True,
+        )
+        console.print(f"\ninfergate up: ready on {stack.base_url} (Ctrl-C stops everything)")
+        _watch(stack)
+    except StackError as error:
+        from rich.text import Text
+
+        console.print(Text(f"infergate up: {error}", style="red"))
+        raise typer.Exit(1) from None
+    except (KeyboardInterrupt, _Stop):  # KeyboardInterrupt: Ctrl-C before our handler
+        console.print("\ninfergate up: stopping…")
+    finally:
+        for sig in previous:  # a second Ctrl-C must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    console.print("infergate up: stopped")
+
+
+def _watch(stack: LocalStack) -> None:
+    """Block until a component dies (then fail loudly) or the user stops us."""
+    from infergate.stack.local import StackError
+
+    while True:
+        time.sleep(0.5)
+        for name, _, process in stack.components():
+            if process is not None and not process.alive():
+                code = process.popen.returncode if process.popen else None
+                raise StackError(
+                    f"{name} exited unexpectedly (code {code}); stopping the stack.\n"
+                    f"--- last lines of {process.log_path} ---\n{process.log_tail()}"
+                )

@@ -1,0 +1,402 @@
+"""The whole request path on one machine: N engines, one EPP (file discovery), one real Envoy.
+
+``infergate up`` and the end-to-end tests both run this, so what the tests exercise is
+what a user starts. Every child runs under :class:`infergate.procs.ProcessGroup`: started
+in order (engines, EPP, Envoy), each awaited until it is really ready, stopped together in
+reverse order; a failed start names the component and shows its log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from infergate.procs import (
+    ManagedProcess,
+    ProcessGroup,
+    ProcessStartError,
+    ReadyCheck,
+    http_ready,
+)
+from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER, build_envoy_config
+from infergate.stack.envoy_process import start_envoy
+
+LOOPBACK = "127.0.0.1"
+TINY_MODEL_NAME = "infergate-tiny"
+
+
+class StackError(RuntimeError):
+    """The stack could not start; the message names the component and says why."""
+
+
+def infergate_argv() -> list[str]:
+    """argv prefix that runs this interpreter's ``infergate`` CLI (no PATH lookup needed)."""
+    return [sys.executable, "-m", "infergate.cli"]
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "infergate"
+
+
+def ensure_tiny_model(cache_dir: Path | None = None, *, timeout: float = 300.0) -> Path:
+    """The tiny demo model (made once with ``make-tiny-model``, then reused from the cache)."""
+    target = (cache_dir or default_cache_dir()) / "tiny-llama"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        result = subprocess.run(
+            [*infergate_argv(), "engine", "make-tiny-model", str(scratch / "model")],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise StackError(
+                "could not make the tiny model "
+                f"(`infergate engine make-tiny-model` exited {result.returncode}):\n"
+                f"{(result.stdout + result.stderr)[-3000:]}"
+            )
+        try:
+            (scratch / "model").rename(target)  # atomic: a concurrent maker may have won
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def grpc_serving(host: str, port: int) -> ReadyCheck:
+    """Ready once ``grpc.health.v1`` on host:port answers SERVING (the EPP has endpoints)."""
+
+    def check() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(f"{host}:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=1.0
+                )
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return check
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class StackSpec:
+    """What to start and on which loopback ports (DESIGN.md's defaults)."""
+
+    engines: int = 2
+    simulate: bool = True
+    model: Path | None = None
+    served_model_name: str | None = None
+    port: int = 8081
+    admin_port: int = 19000
+    engine_port: int = 8000
+    """First engine's port; engine i listens on ``engine_port + i`` unless engine_ports is set."""
+    engine_ports: Sequence[int] | None = None
+    epp_grpc_port: int = 9002
+    epp_health_port: int = 9003
+    epp_metrics_port: int = 9090
+    failure_mode_allow: bool = False
+    """FailOpen (True) or FailClose (False), as InferencePool's ``endpointPickerRef.failureMode``."""
+    epp_config_file: Path | None = None
+    objectives_file: Path | None = None
+    engine_args: Sequence[str] = ()
+    epp_args: Sequence[str] = ()
+    envoy_concurrency: int = 1
+    access_log: bool = True
+    workdir: Path | None = None
+    cache_dir: Path | None = None
+    start_timeout: float = 120.0
+
+    def resolved_engine_ports(self) -> list[int]:
+        if self.engine_ports is not None:
+            if len(self.engine_ports) != self.engines:
+                raise StackError(
+                    f"{len(self.engine_ports)} engine ports given for {self.engines} engines"
+                )
+            return list(self.engine_ports)
+        return [self.engine_port + i for i in range(self.engines)]
+
+
+@dataclass
+class LocalStack:
+    """A started (or startable) local stack; ``with LocalStack(spec) as stack: ...``."""
+
+    spec: StackSpec
+    group: ProcessGroup = field(default_factory=ProcessGroup)
+    model_dir: Path | None = None
+    workdir: Path | None = None
+    engines: list[ManagedProcess] = field(default_factory=list)
+    epp: ManagedProcess | None = None
+    envoy: ManagedProcess | None = None
+    _own_workdir: bool = False
+
+    # -- addresses ---------------------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.spec.port}"
+
+    @property
+    def engine_addresses(self) -> list[str]:
+        return [f"{LOOPBACK}:{port}" for port in self.spec.resolved_engine_ports()]
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [f"http://{address}" for address in self.engine_addresses]
+
+    @property
+    def model_name(self) -> str:
+        if self.spec.served_model_name:
+            return self.spec.served_model_name
+        if self.spec.model is None:
+            return TINY_MODEL_NAME
+        return Path(self.spec.model).name
+
+    @property
+    def endpoints_file(self) -> Path:
+        assert self.workdir is not None, "stack not started"
+        return self.workdir / "endpoints.yaml"
+
+    @property
+    def envoy_config_file(self) -> Path:
+        assert self.workdir is not None, "stack not started"
+        return self.workdir / "envoy.yaml"
+
+    @property
+    def epp_metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.spec.epp_metrics_port}/metrics"
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def check_ports(self) -> None:
+        """Refuse to start on a busy port, naming who needed it and the flag that moves it."""
+        wanted = [
+            ("Envoy listener", self.spec.port, "--port"),
+            ("Envoy admin", self.spec.admin_port, "--admin-port"),
+            ("EPP gRPC", self.spec.epp_grpc_port, "--epp-grpc-port"),
+            ("EPP health", self.spec.epp_health_port, "--epp-health-port"),
+            ("EPP metrics", self.spec.epp_metrics_port, "--epp-metrics-port"),
+        ] + [
+            (f"engine-{i}", port, "--engine-port")
+            for i, port in enumerate(self.spec.resolved_engine_ports())
+        ]
+        seen: dict[int, str] = {}
+        for who, port, flag in wanted:
+            if port in seen:
+                raise StackError(f"{who} and {seen[port]} would both use port {port}")
+            seen[port] = who
+            if port_in_use(port):
+                raise StackError(
+                    f"port {port} ({who}) is already in use; choose another with {flag}"
+                )
+
+    def start(self) -> None:
+        if self.spec.engines < 1:
+            raise StackError("--engines must be at least 1")
+        self.check_ports()
+        if self.spec.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="infergate-up-"))
+            self._own_workdir = True
+        else:
+            self.workdir = Path(self.spec.workdir)
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = (
+            Path(self.spec.model) if self.spec.model else ensure_tiny_model(self.spec.cache_dir)
+        )
+        if not (self.model_dir / "config.json").is_file():
+            raise StackError(f"--model {self.model_dir} is not a Hugging Face model directory")
+        for index, port in enumerate(self.spec.resolved_engine_ports()):
+            self.engines.append(self._start_engine(index, port))
+        self.write_endpoints(self.engine_addresses)
+        self.start_epp()
+        self.envoy = self._start(
+            "envoy",
+            lambda log: start_envoy(
+                self.group,
+                self.envoy_config(),
+                self.envoy_config_file,
+                concurrency=self.spec.envoy_concurrency,
+                timeout=self.spec.start_timeout,
+                log_path=log,
+            ),
+        )
+
+    def stop(self) -> None:
+        self.group.stop_all()
+        if self._own_workdir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def envoy_config(self, **overrides: object) -> dict:
+        """The Envoy bootstrap for this stack (tests build variants, e.g. a FailOpen twin)."""
+        fallback = [(LOOPBACK, port) for port in self.spec.resolved_engine_ports()]
+        args: dict = {
+            "listen_port": self.spec.port,
+            "listen_address": LOOPBACK,
+            "admin_port": self.spec.admin_port,
+            "admin_address": LOOPBACK,
+            "epp_address": LOOPBACK,
+            "epp_port": self.spec.epp_grpc_port,
+            "failure_mode_allow": self.spec.failure_mode_allow,
+            "fallback_endpoints": fallback if self.spec.failure_mode_allow else (),
+            "served_header": UPSTREAM_HOST_HEADER,
+            "access_log": self.spec.access_log,
+        }
+        args.update(overrides)
+        if args["failure_mode_allow"] and "fallback_endpoints" not in overrides:
+            args["fallback_endpoints"] = fallback
+        return build_envoy_config(**args)
+
+    def write_endpoints(self, addresses: Sequence[str]) -> None:
+        """(Re)write the EPP's endpoints file atomically; the EPP hot-reloads it."""
+        endpoints = []
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            endpoints.append({"address": host, "port": int(port), "labels": {"app": "infergate"}})
+        scratch = self.endpoints_file.with_suffix(".tmp")
+        scratch.write_text(yaml.safe_dump({"endpoints": endpoints}, sort_keys=False))
+        scratch.replace(self.endpoints_file)
+
+    def start_epp(self) -> ManagedProcess:
+        """Start (or restart, after :meth:`stop_epp`) the Endpoint Picker."""
+        argv = [
+            *infergate_argv(),
+            "epp",
+            "--endpoints",
+            str(self.endpoints_file),
+            "--host",
+            LOOPBACK,
+            "--grpc-port",
+            str(self.spec.epp_grpc_port),
+            "--grpc-health-port",
+            str(self.spec.epp_health_port),
+            "--metrics-port",
+            str(self.spec.epp_metrics_port),
+        ]
+        if self.spec.epp_config_file:
+            argv += ["--config-file", str(self.spec.epp_config_file)]
+        if self.spec.objectives_file:
+            argv += ["--objectives-file", str(self.spec.objectives_file)]
+        argv += list(self.spec.epp_args)
+        self.epp = self._start(
+            "epp",
+            lambda log: self.group.start(
+                "epp",
+                argv,
+                ready=grpc_serving(LOOPBACK, self.spec.epp_health_port),
+                timeout=self.spec.start_timeout,
+                log_path=log,
+            ),
+        )
+        return self.epp
+
+    def stop_epp(self) -> None:
+        if self.epp is not None:
+            self.epp.stop()
+            self.group.processes.remove(self.epp)
+            self.epp = None
+
+    def _start_engine(self, index: int, port: int) -> ManagedProcess:
+        assert self.model_dir is not None
+        argv = [
+            *infergate_argv(),
+            "engine",
+            "serve",
+            str(self.model_dir),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            "--served-model-name",
+            self.model_name,
+        ]
+        if self.spec.simulate:
+            argv.append("--simulate")
+        argv += list(self.spec.engine_args)
+        name = f"engine-{index}"
+        return self._start(
+            name,
+            lambda log: self.group.start(
+                name,
+                argv,
+                ready=http_ready(f"http://{LOOPBACK}:{port}/health"),
+                timeout=self.spec.start_timeout,
+                log_path=log,
+            ),
+        )
+
+    def _start(self, name: str, starter: Callable[[Path], ManagedProcess]) -> ManagedProcess:
+        assert self.workdir is not None
+        log = self.workdir / f"{name}.log"
+        try:
+            process = starter(log)
+        except ProcessStartError as error:
+            raise StackError(f"{name} failed to start: {error}") from error
+        return process
+
+    def components(self) -> list[tuple[str, str, ManagedProcess | None]]:
+        """(name, what/where, process) rows for a status table."""
+        rows: list[tuple[str, str, ManagedProcess | None]] = [
+            (
+                f"engine-{i}",
+                f"http://{address}  ({'simulated' if self.spec.simulate else 'real'} {self.model_name})",
+                proc,
+            )
+            for i, (address, proc) in enumerate(
+                zip(self.engine_addresses, self.engines, strict=False)
+            )
+        ]
+        rows.append(
+            (
+                "epp",
+                f"ext-proc {LOOPBACK}:{self.spec.epp_grpc_port}, health :{self.spec.epp_health_port}, "
+                f"metrics {self.epp_metrics_url}",
+                self.epp,
+            )
+        )
+        mode = "FailOpen" if self.spec.failure_mode_allow else "FailClose"
+        rows.append(
+            (
+                "envoy",
+                f"{self.base_url}  ({mode}; admin http://{LOOPBACK}:{self.spec.admin_port})",
+                self.envoy,
+            )
+        )
+        return rows
