@@ -8,6 +8,7 @@ checkpoint — so a large model never exists twice in memory.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +49,8 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
             return torch.float32
         name = (cfg.torch_dtype or "bfloat16").removeprefix("torch.")
         resolved = _DTYPES.get(name, torch.bfloat16)
-        return torch.float16 if resolved == torch.float32 else resolved
+        # fp32 checkpoints serve in bf16 on GPU (fp16's range overflows more easily).
+        return torch.bfloat16 if resolved == torch.float32 else resolved
     try:
         return _DTYPES[dtype.removeprefix("torch.")]
     except KeyError:
@@ -121,10 +123,9 @@ def load_model(
 def _dummy_init(model: torch.nn.Module, seed: int) -> None:
     """Random weights for benchmarking without a checkpoint (like vLLM's dummy format):
     norms at 1, everything else small uniform noise, seeded so runs are comparable."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
-            noise = torch.rand(p.shape, generator=gen, dtype=torch.float32) * 0.2 - 0.1
-            p.copy_(noise.to(p.dtype))
+        else:  # drawn on the parameter's device: a GPU fills billions of values in ms
+            gen = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+            p.uniform_(-0.1, 0.1, generator=gen)

@@ -62,8 +62,8 @@ def test_mixed_step_matches_dense(seed: int) -> None:
     qs = [torch.randn(n, HQ, D, generator=g) for _, n in shapes]
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes, strict=True)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes, strict=True)])
-    ctx = AttentionContext(backend, meta, [cache])
-    out = ctx.attend(0, torch.cat(qs), new_k, new_v, D**-0.5)
+    actx = AttentionContext(backend, meta, [cache])
+    out = actx.attend(0, torch.cat(qs), new_k, new_v, D**-0.5)
     expected = torch.cat(
         [dense_attention(q, k, v) for q, k, v in zip(qs, full_k, full_v, strict=True)]
     )
