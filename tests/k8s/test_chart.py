@@ -1,0 +1,186 @@
+"""The Helm chart, rendered and linted by Helm's own engine (helm-python-sdk), and every
+rendered object validated (Kubernetes OpenAPI schemas; our CRDs for custom kinds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infergate.operator import constants as c
+from infergate.operator.builders import build_role
+from infergate.operator.kube import KINDS, OWNED_KINDS
+from infergate.operator.pool import parse_pool
+from infergate.operator.settings import OperatorSettings
+
+from .validation import documents, registry, validate_object
+
+helm = pytest.importorskip("helm_python")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "infergate"
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "sample-cpu-standalone": {"sample": {"enabled": True}},
+    "sample-cpu-gateway": {
+        "sample": {
+            "enabled": True,
+            "standaloneEnvoy": False,
+            "gateway": {"enabled": True, "namespace": "gw"},
+        }
+    },
+    "sample-gpu": {"sample": {"enabled": True, "mode": "gpu", "failureMode": "FailOpen"}},
+    "scoped-standalone-ha": {
+        "operator": {"replicas": 2, "peering": "", "watchNamespaces": ["team-a", "team-b"]},
+        "epp": {"replicas": 2, "extraArgs": ["--refresh-metrics-interval", "0.1"]},
+    },
+}
+
+
+def render(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values, name="ig", namespace="infergate", is_install=True)
+    return {path: documents(text) for path, text in out.items() if not path.endswith("NOTES.txt")}
+
+
+def objects(values: dict[str, Any]) -> list[dict[str, Any]]:
+    return [doc for docs in render(values).values() for doc in docs]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_chart_lints_clean(values: dict[str, Any]) -> None:
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v1.32.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert problems == []
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_rendered_object_is_valid(values: dict[str, Any]) -> None:
+    crds = registry()
+    rendered = objects(values)
+    assert rendered
+    for obj in rendered:
+        validate_object(obj, crds)
+
+
+def test_chart_crds_are_the_repository_crds() -> None:
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        assert (CHART / "crds" / path.name).read_text() == path.read_text(), path.name
+    crds = [d for p in sorted((CHART / "crds").glob("*.yaml")) for d in documents(p.read_text())]
+    import kubernetes_validate
+
+    for crd in crds:
+        kubernetes_validate.validate(crd, "1.32", strict=True)
+
+
+def test_values_schema_rejects_bad_values() -> None:
+    chart = helm.Chart.load(str(CHART))
+    chart.validate_schema({})
+    for bad in (
+        {"sample": {"mode": "tpu"}},
+        {"operator": {"replicas": 0}},
+        {"operator": {"logFormat": "xml"}},
+        {"sample": {"failureMode": "Sometimes"}},
+        {"unknownTopLevel": True},
+    ):
+        with pytest.raises(helm.HelmError):
+            chart.validate_schema(bad)
+
+
+def _kind_rules(clusterrole: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    allowed: dict[tuple[str, str], set[str]] = {}
+    for rule in clusterrole["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                allowed.setdefault((group, resource), set()).update(rule["verbs"])
+    return allowed
+
+
+def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
+    (clusterrole,) = [o for o in objects({}) if o["kind"] == "ClusterRole"]
+    allowed = _kind_rules(clusterrole)
+    # Server-side apply creates or patches; pruning lists and deletes.
+    for kind in OWNED_KINDS:
+        ref = KINDS[kind]
+        assert {"get", "list", "watch", "create", "patch", "delete"} <= allowed[
+            (ref.group, ref.plural)
+        ], kind
+    assert {"get", "list", "watch"} <= allowed[("", "pods")]
+    assert "patch" in allowed[(c.POOL_GROUP, "inferencepools/status")]
+    assert "create" in allowed[("", "events")]
+    assert "patch" in allowed[("kopf.dev", "clusterkopfpeerings")]
+    # RBAC escalation prevention: the operator must hold every permission it grants.
+    pool = yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
+    pool["metadata"]["uid"] = "u"
+    for rule in build_role(parse_pool(pool, OperatorSettings()))["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                assert set(rule["verbs"]) <= allowed.get((group, resource), set()), (
+                    group,
+                    resource,
+                )
+
+
+def test_operator_deployment_runs_the_operator_hardened() -> None:
+    rendered = objects(VALUE_SETS["scoped-standalone-ha"])
+    (deployment,) = [o for o in rendered if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[0] == "operator" and "--standalone" in args
+    assert [a for a in args if a.startswith("--namespace")] == [
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
+    assert any(a.startswith("--liveness=http://0.0.0.0:") for a in args)
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["INFERGATE_EPP_REPLICAS"] == "2"
+    assert env["INFERGATE_EPP_EXTRA_ARGS"] == "--refresh-metrics-interval 0.1"
+    assert not [o for o in rendered if o["kind"] == "ClusterKopfPeering"]
+
+    default = objects({})
+    (peering,) = [o for o in default if o["kind"] == "ClusterKopfPeering"]
+    (deployment,) = [o for o in default if o["kind"] == "Deployment"]
+    assert (
+        f"--peering={peering['metadata']['name']}"
+        in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    assert "--all-namespaces" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_sample_pool_selects_the_sample_engine_pods() -> None:
+    rendered = objects(VALUE_SETS["sample-cpu-gateway"])
+    by_kind = {o["kind"]: o for o in rendered}
+    pool, engine = (
+        by_kind["InferencePool"],
+        next(
+            o
+            for o in rendered
+            if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+        ),
+    )
+    labels = engine["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert engine["spec"]["template"]["spec"]["initContainers"][0]["args"][:2] == [
+        "engine",
+        "make-tiny-model",
+    ]
+    assert (
+        by_kind["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][0]["name"]
+        == pool["metadata"]["name"]
+    )
+    assert by_kind["InferenceObjective"]["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
+    gpu = {
+        o["kind"]: o
+        for o in objects(VALUE_SETS["sample-gpu"])
+        if o["metadata"]["name"].endswith("-engine")
+    }
+    container = gpu["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--device=cuda" in container["args"] and container["image"].endswith("-cuda")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
