@@ -44,6 +44,7 @@ class _Sampling(_Open):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     user: str | None = None
+    return_token_ids: bool | None = None  # vLLM extension: token ids in the response
 
 
 class CompletionRequest(_Sampling):

@@ -151,8 +151,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
             first = error.errors()[0]
             if first["type"] == "json_invalid":
                 raise APIError(400, f"Invalid JSON body: {first['msg']}") from None
-            loc = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(400, f"Invalid value for '{loc}': {first['msg']}", loc) from None
+            # OpenAI's ``param`` names the top-level field; union branches are noise.
+            param = str(first["loc"][0]) if first["loc"] else None
+            raise APIError(400, f"Invalid value for '{param}': {first['msg']}", param) from None
         extra = sorted((parsed.model_extra or {}).keys())
         new = [name for name in extra if name not in config.warned_fields]
         if new:
@@ -261,7 +262,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
 
     async def run_to_end(
         request: Request, stream: AsyncIterator[RequestOutput]
-    ) -> list[RequestOutput]:
+    ) -> list[RequestOutput] | None:
         """Collect a whole generation, aborting it if the client disconnects first."""
 
         async def collect() -> list[RequestOutput]:
@@ -280,7 +281,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            raise asyncio.CancelledError("client disconnected")
+            return None  # the client is gone; the generator's exit aborted the request
         return work.result()
 
     def usage(out: RequestOutput | None, prompt_len: int) -> dict[str, Any]:
@@ -292,6 +293,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
             "total_tokens": prompt_len + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+
+    def token_ids(req: _Sampling, prompt: list[int], outs: list[RequestOutput]) -> dict[str, Any]:
+        if not req.return_token_ids:
+            return {}
+        return {"prompt_token_ids": prompt, "token_ids": [t for o in outs for t in o.new_token_ids]}
 
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -372,6 +378,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
 
         if not req.stream:
             outs = await run_to_end(request, stream)
+            if outs is None:
+                return Response(status_code=499)  # nginx's "client closed request"
             for out in outs:
                 check_error(out)
             last = outs[-1] if outs else None
@@ -381,6 +389,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
                     "index": 0, "text": "".join(o.new_text for o in outs), "logprobs": None,
                     "finish_reason": last.finish_reason if last else None,
                     "stop_reason": last.stop_reason if last else None,
+                    **token_ids(req, ids, outs),
                 }],
                 "usage": usage(last, len(ids)),
             })  # fmt: skip
@@ -430,6 +439,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
 
         if not req.stream:
             outs = await run_to_end(request, stream)
+            if outs is None:
+                return Response(status_code=499)  # nginx's "client closed request"
             for out in outs:
                 check_error(out)
             last = outs[-1] if outs else None
@@ -441,6 +452,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
                     "logprobs": None,
                     "finish_reason": last.finish_reason if last else None,
                     "stop_reason": last.stop_reason if last else None,
+                    **token_ids(req, ids, outs),
                 }],
                 "usage": usage(last, len(ids)),
             })  # fmt: skip

@@ -1,0 +1,92 @@
+"""KV events from a running engine, received by a ZMQ SUB and decoded as vLLM's format."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from infergate.engine.block_hash import block_hashes
+from infergate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+
+from .conftest import API_KEY, MODEL, Server
+
+
+@pytest.fixture
+def subscriber(sim_server: Server) -> Iterator[zmq.Socket[bytes]]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sock.connect(f"tcp://127.0.0.1:{sim_server.kv_events_port}")
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher first
+    yield sock
+    sock.close(linger=0)
+
+
+def receive(sock: zmq.Socket[bytes], until: type, timeout: float = 10.0) -> list[object]:
+    """Decode batches until an event of type ``until`` arrives; check the framing."""
+    events: list[object] = []
+    deadline = time.monotonic() + timeout
+    last_seq = -1
+    while time.monotonic() < deadline:
+        if not sock.poll(200):
+            continue
+        topic, seq, payload = sock.recv_multipart()
+        assert topic == b""
+        number = int.from_bytes(seq, "big")
+        assert number > last_seq
+        last_seq = number
+        raw = msgspec.msgpack.decode(payload)
+        assert isinstance(raw, list) and isinstance(raw[0], float) and raw[2] == 0
+        batch = decode_batch(payload)
+        events += batch.events
+        if any(isinstance(e, until) for e in batch.events):
+            return events
+    raise AssertionError(f"no {until.__name__} within {timeout}s; got {events}")
+
+
+def complete(server: Server, prompt: str, **extra: object) -> dict[str, object]:
+    res = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    assert res.status_code == 200, res.text
+    return dict(res.json())
+
+
+def test_block_stored_hashes_match_the_shared_recipe(
+    sim_server: Server, subscriber: zmq.Socket[bytes]
+) -> None:
+    prompt = "Once upon a time there was a small town by the sea. " * 3
+    ids = httpx.post(f"{sim_server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    complete(sim_server, prompt, cache_salt="kv-events-test")
+    stored = [e for e in receive(subscriber, BlockStored) if isinstance(e, BlockStored)]
+    hashes = [h for e in stored for h in e.block_hashes]
+    expected = block_hashes(ids, 16, cache_salt="kv-events-test")
+    assert hashes[: len(expected)] == expected  # the EPP can predict them from the prompt
+    first = stored[0]
+    assert first.parent_block_hash is None and first.block_size == 16
+    assert first.token_ids[: len(expected) * 16] == ids[: len(expected) * 16]
+    assert first.medium == "GPU"
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(first))
+    assert raw[0] == "BlockStored" and len(raw) == 8  # tagged array, vLLM's field order
+
+
+def test_evictions_and_reset_are_published(
+    sim_server: Server, subscriber: zmq.Socket[bytes]
+) -> None:
+    sim_server.wait_idle()
+    # 128 blocks of 16 tokens: distinct ~600-token prompts soon reuse cached blocks.
+    for i in range(5):
+        complete(sim_server, f"{i} " + "A scheduler decides which requests run. " * 40)
+    events = receive(subscriber, BlockRemoved)
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed
+    sim_server.wait_idle()
+    res = httpx.post(f"{sim_server.url}/reset_prefix_cache")
+    assert res.status_code == 200
+    receive(subscriber, AllBlocksCleared)
