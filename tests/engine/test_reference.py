@@ -162,3 +162,24 @@ def test_prefix_hit_and_mixed_batches(model) -> None:
         assert s.out == hf_greedy(hf, s.prompt), s.rid
     # A degenerate model (one token forever) would make the comparison meaningless.
     assert len({t for s in seqs for t in s.out}) > 8
+
+
+@pytest.mark.gpu
+def test_cuda_runner_matches_transformers(model) -> None:
+    """Same mixed scenario on CUDA: float32 must match exactly; "auto" picks bfloat16."""
+    d, hf, prompts = model
+    runner = TorchModelRunner.from_model_dir(d, block_size=16, num_blocks=64, device="cuda",
+                                             dtype="float32")  # fmt: skip
+    seqs = [Seq("a", prompts[0], chunk=7), Seq("b", prompts[1], chunk=64),
+            Seq("c", prompts[0][:16] + prompts[3][:5], chunk=5, reuse=("a", 1), after="a")]  # fmt: skip
+    drive(runner, seqs)
+    for s in seqs:
+        assert s.out == hf_greedy(hf, s.prompt), s.rid
+    auto = TorchModelRunner.from_model_dir(d, num_blocks=64, device="cuda")
+    assert auto.dtype == torch.bfloat16
+    ids = prompts[2]
+    step = ScheduledSeq("x", ids, 0, list(range(-(-len(ids) // 16))), True)
+    got = auto.compute_logits(ScheduledBatch([step])).cpu()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1:]
+    torch.testing.assert_close(got, ref, atol=0.5, rtol=0.1)
