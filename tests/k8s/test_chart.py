@@ -67,7 +67,8 @@ def test_every_rendered_object_is_valid(values: dict[str, Any]) -> None:
 
 
 def test_chart_crds_are_the_repository_crds() -> None:
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
+    ours = [p for p in sorted((ROOT / "crds").glob("*.yaml")) if p.name != "kustomization.yaml"]
+    for path in [*ours, ROOT / "crds/kopf/kopf.dev_peerings.yaml"]:
         assert (CHART / "crds" / path.name).read_text() == path.read_text(), path.name
     crds = [d for p in sorted((CHART / "crds").glob("*.yaml")) for d in documents(p.read_text())]
     import kubernetes_validate

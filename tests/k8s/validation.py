@@ -44,3 +44,59 @@ def validate_object(obj: dict[str, Any], crds: CRDRegistry) -> str:
 
 def documents(text: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
+
+
+CLUSTER_SCOPED = {
+    "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ClusterKopfPeering",
+}  # fmt: skip
+KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "labels", "resources", "patches"}
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = _merge(base.get(key), value)
+        return out
+    return patch
+
+
+def _targets(obj: dict[str, Any], target: dict[str, Any]) -> bool:
+    group, _, version = obj["apiVersion"].rpartition("/")
+    wanted = {
+        "group": group,
+        "version": version,
+        "kind": obj["kind"],
+        "name": obj["metadata"]["name"],
+    }
+    return all(wanted[k] == v for k, v in target.items())
+
+
+def build_kustomization(directory: Path) -> list[dict[str, Any]]:
+    """The subset of `kustomize build` our manifests use: resources (files and bases),
+    namespace, labels (pairs, no selectors) and patches (merge patches with a target).
+    Anything else in a kustomization is an error here, so nothing is silently ignored."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    unknown = set(spec) - KUSTOMIZE_FIELDS
+    assert not unknown, f"{directory}: kustomization fields this loader cannot check: {unknown}"
+    objs: list[dict[str, Any]] = []
+    for entry in spec.get("resources", []):
+        path = (directory / entry).resolve()
+        objs += build_kustomization(path) if path.is_dir() else documents(path.read_text())
+    for patch in spec.get("patches", []):
+        body = yaml.safe_load((directory / patch["path"]).read_text())
+        hits = [i for i, obj in enumerate(objs) if _targets(obj, patch["target"])]
+        assert hits, f"{directory}: patch {patch['path']} matches nothing"
+        for i in hits:
+            objs[i] = _merge(objs[i], body)
+    namespace = spec.get("namespace")
+    for obj in objs:
+        if namespace and obj["kind"] not in CLUSTER_SCOPED:
+            obj["metadata"]["namespace"] = namespace
+        if namespace and obj["kind"] in ("RoleBinding", "ClusterRoleBinding"):
+            for subject in obj.get("subjects", []):
+                if subject.get("kind") == "ServiceAccount":
+                    subject["namespace"] = namespace
+        for group in spec.get("labels", []):
+            obj["metadata"].setdefault("labels", {}).update(group["pairs"])
+    return objs
