@@ -93,6 +93,8 @@ class TorchModelRunner:
         dt = resolve_dtype(dtype, cfg, dev)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
+        elif max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         elif max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's "

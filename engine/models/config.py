@@ -8,7 +8,7 @@ clear message instead of producing wrong tokens.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +92,8 @@ class ModelConfig:
         if gen_path.is_file():
             gen_eos = _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
             merged = tuple(dict.fromkeys((*cfg.eos_token_ids, *gen_eos)))
-            cfg = _replace(cfg, eos_token_ids=merged)
+            cfg = replace(cfg, eos_token_ids=merged)
         return cfg
-
-
-def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(cfg, **changes)
 
 
 def _as_ids(v: Any) -> tuple[int, ...]:
