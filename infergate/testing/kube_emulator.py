@@ -52,7 +52,7 @@ from typing import Any
 import attrs
 import kmock
 import yaml
-from kmock._internal import apps, dicts, k8s, rendering
+from kmock._internal import apps, dicts, k8s, parsing, rendering
 
 from infergate.operator.crd_validation import CRDRegistry, CRDVersion, load_crds
 
@@ -74,11 +74,33 @@ BUILTIN_KINDS: dict[str, tuple[str, str, str, bool]] = {
     "ClusterRoleBinding": ("rbac.authorization.k8s.io", "v1", "clusterrolebindings", False),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets", True),
     "Lease": ("coordination.k8s.io", "v1", "leases", True),
+    "CustomResourceDefinition": ("apiextensions.k8s.io", "v1", "customresourcedefinitions", False),
 }
 #: Built-in kinds with a status subresource.
 BUILTIN_STATUS = {"Pod", "Service", "Deployment", "PodDisruptionBudget", "Namespace"}
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 _VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+
+
+_kmock_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """KMock reads ``/api/v1/namespaces[/NAME[/status]]`` as a namespace prefix and fails;
+    here it is the cluster-scoped ``namespaces`` resource, as on a real server."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        return parsing.ParsedPath(
+            group="", version="v1", plural="namespaces",
+            name=parts[3] if len(parts) > 3 else None,
+            subresource=parts[4] if len(parts) > 4 else None,
+        )  # fmt: skip
+    return _kmock_parse_path(path)
+
+
+parsing.parse_path = _parse_path  # rendering.Request._parse looks it up on the module
 
 
 def _error(status: int, reason: str, message: str) -> k8s.KubernetesError:
