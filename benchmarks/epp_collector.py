@@ -15,11 +15,12 @@ import argparse
 import asyncio
 import multiprocessing
 import time
+from typing import Any
 
 from infergate.procs import free_port
 
 
-def serve(ports: list[int], ready: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
+def serve(ports: list[int], ready: Any) -> None:
     from aiohttp import web
     from infergate.engine.metrics import EngineMetrics
 
@@ -74,7 +75,7 @@ def main() -> None:
     if args.no_filter:
         import infergate.epp.dialects as dialects
 
-        dialects._relevant_lines = lambda text, wanted: text.decode()  # type: ignore[assignment]
+        dialects._relevant_lines = lambda text, wanted: text.decode()
     ports = [free_port() for _ in range(args.endpoints)]
     ready = multiprocessing.Event()
     server = multiprocessing.Process(target=serve, args=(ports, ready), daemon=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -31,7 +32,7 @@ schedulingProfiles:
 """
 
 
-def batch(*events: list[object]) -> bytes:
+def batch(*events: Sequence[object]) -> bytes:
     """A vLLM KVEventBatch: ``[ts, [tagged events…], data_parallel_rank]``."""
     return msgspec.msgpack.encode([time.time(), list(events), 0])
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
+from infergate.epp.objectives import parse_object
 from infergate.epp.types import Endpoint
 
 from .conftest import (
@@ -165,7 +166,7 @@ async def test_rejections(epp_factory, channel_for) -> None:
     # metrics yet, hence stale); critical traffic is still routed.
     epp.objectives.replace(
         [
-            __import__("infergate.epp.objectives", fromlist=["x"]).parse_object(
+            parse_object(
                 {
                     "kind": "InferenceObjective",
                     "metadata": {"name": "batch"},
