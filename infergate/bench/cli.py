@@ -1,12 +1,28 @@
 """``infergate bench``: serving benchmarks."""
 
+from __future__ import annotations
+
 from pathlib import Path
 
 import typer
 
-from infergate.unbuilt import not_built
-
 app = typer.Typer(help="Benchmarks that print numbers (never timed tests).", no_args_is_help=True)
+
+
+def _parse_goodput(items: list[str]) -> dict[str, float] | None:
+    slos: dict[str, float] = {}
+    for item in items:
+        for part in item.split():
+            name, sep, value = part.partition(":")
+            if not sep:
+                raise typer.BadParameter(f"expected NAME:MS, got {part!r}", param_hint="--goodput")
+            try:
+                slos[name] = float(value)
+            except ValueError:
+                raise typer.BadParameter(
+                    f"{value!r} is not a number", param_hint="--goodput"
+                ) from None
+    return slos or None
 
 
 @app.command("serve")
@@ -22,11 +38,133 @@ def serve(
         "--request-rate",
         help="Poisson arrival rate in requests/s (inf = all at once).",
     ),
-    num_prompts: int = typer.Option(100, "--num-prompts", help="How many requests to send."),
+    num_prompts: int = typer.Option(100, "--num-prompts", min=1, help="How many requests to send."),
     max_concurrency: int | None = typer.Option(
-        None, "--max-concurrency", help="Cap on requests in flight."
+        None, "--max-concurrency", min=1, help="Cap on requests in flight."
     ),
     result_file: Path | None = typer.Option(None, "--result-file", help="Write results as JSON."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model name to request (default: the first in /v1/models)."
+    ),
+    endpoint: str = typer.Option(
+        "/v1/completions", "--endpoint", help="/v1/completions or /v1/chat/completions."
+    ),
+    burstiness: float = typer.Option(
+        1.0, "--burstiness", help="Gamma shape of the arrival gaps: 1 = Poisson, <1 burstier."
+    ),
+    input_len: int = typer.Option(
+        256, "--input-len", min=1, help="random: prompt tokens; shared-prefix: per-request suffix."
+    ),
+    output_len: int = typer.Option(64, "--output-len", min=1, help="max_tokens per request."),
+    range_ratio: float = typer.Option(
+        0.0, "--range-ratio", help="random: lengths uniform in [len·(1−r), len·(1+r)]."
+    ),
+    prefix_len: int = typer.Option(
+        1024, "--prefix-len", min=1, help="shared-prefix: tokens in each group's system prompt."
+    ),
+    num_prefix_groups: int = typer.Option(
+        8, "--num-prefix-groups", min=1, help="shared-prefix: how many distinct prefixes."
+    ),
+    tokenizer: Path | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="Model dir (or tokenizer.json) for exact token lengths; else lengths count words.",
+    ),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Ask for exactly --output-len."),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    metric_percentiles: str = typer.Option(
+        "50,90,99", "--metric-percentiles", help="Comma-separated percentiles to report."
+    ),
+    goodput: list[str] = typer.Option(
+        [], "--goodput", help="SLOs for goodput, e.g. 'ttft:200 tpot:50' (ms); may repeat."
+    ),
+    header: list[str] = typer.Option(
+        [], "--header", help="Extra request header NAME=VALUE (e.g. an objective); may repeat."
+    ),
+    seed: int = typer.Option(0, "--seed"),
+    disable_tqdm: bool = typer.Option(False, "--disable-tqdm", help="No progress bar."),
 ) -> None:
-    """Load an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E and throughput."""
-    not_built("`infergate bench serve`", "issue 4 (Endpoint Picker)")
+    """Load an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E and throughput.
+
+    Metrics follow `vllm bench serve`'s definitions and key names, so results compare.
+    """
+    import asyncio
+    import json
+
+    from rich.console import Console
+
+    from infergate.bench.datasets import (
+        Tokens,
+        jsonl_dataset,
+        random_dataset,
+        shared_prefix_dataset,
+    )
+    from infergate.bench.metrics import format_summary
+    from infergate.bench.runner import BenchConfig, run_benchmark
+
+    console = Console(stderr=True)
+    try:
+        percentiles = [float(p) for p in metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise typer.BadParameter(metric_percentiles, param_hint="--metric-percentiles") from None
+    headers = {}
+    for item in header:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise typer.BadParameter(f"expected NAME=VALUE, got {item!r}", param_hint="--header")
+        headers[name] = value
+    if endpoint not in ("/v1/completions", "/v1/chat/completions"):
+        raise typer.BadParameter(endpoint, param_hint="--endpoint")
+    try:
+        tokens = Tokens(tokenizer)
+        if dataset == "random":
+            samples = random_dataset(
+                num_prompts,
+                input_len,
+                output_len,
+                range_ratio=range_ratio,
+                tokens=tokens,
+                seed=seed,
+            )
+        elif dataset == "shared-prefix":
+            samples = shared_prefix_dataset(
+                num_prompts,
+                num_groups=num_prefix_groups,
+                prefix_len=prefix_len,
+                suffix_len=input_len,
+                output_len=output_len,
+                tokens=tokens,
+                seed=seed,
+            )
+        elif Path(dataset).is_file():
+            samples = jsonl_dataset(Path(dataset), num_prompts, output_len, tokens)
+        else:
+            raise ValueError(f"--dataset {dataset!r}: not random, shared-prefix, or a file")
+        config = BenchConfig(
+            base_url=base_url,
+            samples=samples,
+            endpoint=endpoint,
+            model=model,
+            request_rate=request_rate,
+            burstiness=burstiness,
+            max_concurrency=max_concurrency,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            temperature=temperature,
+            headers=headers,
+            percentiles=percentiles,
+            goodput_slos_ms=_parse_goodput(goodput),
+            progress=not disable_tqdm,
+        )
+        result = asyncio.run(run_benchmark(config))
+    except (ValueError, RuntimeError, OSError) as error:
+        console.print(f"bench serve: {error}", style="red", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    result["dataset"] = dataset
+    typer.echo(format_summary(result, percentiles=percentiles))
+    failed = [e for e in result["errors"] if e]
+    if failed:
+        console.print(f"{len(failed)} request(s) failed; first: {failed[0]}", markup=False)
+    if result_file is not None:
+        result_file.write_text(json.dumps(result, indent=2))
+        console.print(f"results written to {result_file}", markup=False)

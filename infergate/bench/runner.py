@@ -1,0 +1,128 @@
+"""Drive a whole serving benchmark: arrivals, concurrency cap, progress bar, results."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from infergate.bench.client import build_payload, send_request
+from infergate.bench.datasets import SampleRequest
+from infergate.bench.metrics import RequestResult, arrival_times, compute_metrics
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    samples: Sequence[SampleRequest]
+    endpoint: str = "/v1/completions"
+    model: str | None = None
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    extra_body: dict[str, Any] | None = None
+    percentiles: Sequence[float] = (50, 90, 99)
+    goodput_slos_ms: dict[str, float] | None = None
+    request_timeout_s: float = 600.0
+    progress: bool = True
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model the server lists (``vllm bench serve``'s default)."""
+    async with session.get(f"{base_url}/v1/models") as response:
+        if response.status != 200:
+            raise RuntimeError(
+                f"GET {base_url}/v1/models answered {response.status}: "
+                f"{(await response.text())[:300]}; pass --model"
+            )
+        data = await response.json()
+    models = data.get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
+    """Send every sample, then return metrics plus per-request detail (vLLM's JSON keys)."""
+    if config.max_concurrency is not None and config.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    base = config.base_url.rstrip("/")
+    url = base + config.endpoint
+    limit = config.max_concurrency or 0
+    connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = config.model or await first_model(session, base)
+        offsets = arrival_times(
+            len(config.samples), config.request_rate, config.burstiness, seed=config.seed
+        )
+        gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+        bar = tqdm(total=len(config.samples), disable=not config.progress, unit="req")
+
+        async def one(sample: SampleRequest) -> RequestResult:
+            payload = build_payload(
+                sample,
+                endpoint=config.endpoint,
+                model=model,
+                ignore_eos=config.ignore_eos,
+                temperature=config.temperature,
+                extra_body=config.extra_body,
+            )
+            if gate is None:
+                result = await send_request(
+                    session, url, payload, prompt_len=sample.prompt_len, headers=config.headers
+                )
+            else:
+                async with gate:
+                    result = await send_request(
+                        session,
+                        url,
+                        payload,
+                        prompt_len=sample.prompt_len,
+                        headers=config.headers,
+                    )
+            bar.update(1)
+            return result
+
+        started = time.perf_counter()
+        tasks = []
+        for sample, offset in zip(config.samples, offsets, strict=True):
+            delay = started + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(sample)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+        bar.close()
+
+    metrics = compute_metrics(
+        results,
+        duration,
+        percentiles=config.percentiles,
+        goodput_slos_ms=config.goodput_slos_ms,
+    )
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "base_url": base,
+        "endpoint": config.endpoint,
+        "model_id": model,
+        "num_prompts": len(config.samples),
+        "request_rate": config.request_rate if config.request_rate != float("inf") else "inf",
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        **metrics,
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "errors": [r.error for r in results],
+    }
