@@ -16,7 +16,8 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from infergate.engine.core import EngineCore, RequestOutput
@@ -40,6 +41,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: str | None = None  # why the step loop stopped, if it did
+        self.log_interval = 10.0  # seconds between stats lines while there is traffic
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -58,13 +60,22 @@ class AsyncEngine:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     # -- API --------------------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit ``request`` and yield its outputs; leaving early aborts it."""
+    def generate(self, request: Request) -> AsyncGenerator[RequestOutput, None]:
+        """Submit ``request`` now and return the stream of its outputs.
+
+        Submitting before the caller starts iterating lets the engine work while the
+        HTTP response is being set up; closing the stream early aborts the request.
+        """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
+        return self._outputs(request.request_id, stream)
+
+    async def _outputs(
+        self, request_id: str, stream: asyncio.Queue[RequestOutput]
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -72,9 +83,9 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._streams.pop(request.request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -88,12 +99,19 @@ class AsyncEngine:
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         core = self.core
+        stats = (time.monotonic(), 0, 0)
         try:
             while True:
+                if time.monotonic() - stats[0] >= self.log_interval:
+                    line, new = core.stats_line(stats)
+                    if new[1:] != stats[1:] or core.has_work():
+                        log.info("%s", line)
+                    stats = new
                 block = not core.has_work()
                 while True:
                     try:
-                        command = self._commands.get(block=block)
+                        # Idle: wake up now and then anyway, for the periodic log line.
+                        command = self._commands.get(block=block, timeout=self.log_interval)
                     except queue.Empty:
                         break
                     if command[0] == "stop":
@@ -133,6 +151,10 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            # A finished request's queue is dropped here too, in case its stream was
+            # never iterated (client gone before the response started).
+            stream = (self._streams.pop if out.finished else self._streams.get)(
+                out.request_id, None
+            )
             if stream is not None:
                 stream.put_nowait(out)

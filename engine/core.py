@@ -100,6 +100,8 @@ class EngineCore:
         self._text: dict[str, _TextState] = {}
         self._begin_step = getattr(runner, "begin_step", None)
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
+        self.num_prompt_tokens = 0  # totals, for the periodic log line
+        self.num_generation_tokens = 0
         if metrics is not None:
             metrics.bind(
                 lambda: self.scheduler.num_running,
@@ -155,8 +157,10 @@ class EngineCore:
     def _on_token(self, request: Request, now: float) -> RequestOutput:
         token = request.output_token_ids[-1]
         m = self.metrics
+        self.num_generation_tokens += 1
         if request.first_token_time is None:
             request.first_token_time = now
+            self.num_prompt_tokens += request.num_prompt_tokens
             if m is not None:
                 m.ttft.observe(now - request.arrival_time)
                 m.prompt_tokens.inc(request.num_prompt_tokens)
@@ -191,6 +195,19 @@ class EngineCore:
             if m is not None:
                 m.e2e.observe(now - request.arrival_time)
         return out
+
+    def stats_line(self, since: tuple[float, int, int]) -> tuple[str, tuple[float, int, int]]:
+        """vLLM-style one-line summary of throughput and load since the last call."""
+        now = (time.monotonic(), self.num_prompt_tokens, self.num_generation_tokens)
+        elapsed = max(now[0] - since[0], 1e-9)
+        hit_rate = self.kv.hits / self.kv.queries if self.kv.queries else 0.0
+        line = (
+            f"prompt throughput: {(now[1] - since[1]) / elapsed:.1f} tokens/s, "
+            f"generation throughput: {(now[2] - since[2]) / elapsed:.1f} tokens/s, "
+            f"running: {self.scheduler.num_running} reqs, waiting: {self.scheduler.num_waiting} "
+            f"reqs, KV cache usage: {self.kv.usage():.1%}, prefix cache hit rate: {hit_rate:.1%}"
+        )
+        return line, now
 
     def _finished(self, request: Request) -> None:
         self._text.pop(request.request_id, None)

@@ -35,13 +35,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size, enable_events=enable_events)
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[Block]] = {}
+        self._ids: dict[str, list[int]] = {}  # the same tables as block ids, kept in step
         self._num_committed: dict[str, int] = {}
         # Prefix-cache statistics, in tokens (vLLM's prefix_cache_queries / _hits).
         self.queries = 0
         self.hits = 0
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._tables.get(request_id, ())]
+        return list(self._ids.get(request_id, ()))
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -75,6 +76,7 @@ class KVCacheManager:
         request's ``num_computed_tokens`` must already count them.
         """
         table = self._tables.setdefault(request.request_id, [])
+        ids = self._ids.setdefault(request.request_id, [])
         hit = cached.blocks if cached else []
         total_tokens = request.num_computed_tokens + num_new_tokens
         needed = -(-total_tokens // self.block_size) - len(table) - len(hit)
@@ -83,13 +85,17 @@ class KVCacheManager:
         if needed + reclaimed > self.pool.num_free_blocks:
             if not table:
                 del self._tables[request.request_id]
+                del self._ids[request.request_id]
             return False
         if hit:
             self.pool.touch(hit)
             table.extend(hit)
+            ids.extend(b.block_id for b in hit)
             self._num_committed[request.request_id] = len(table)
         if needed > 0:
-            table.extend(self.pool.take_new(needed))
+            new = self.pool.take_new(needed)
+            table.extend(new)
+            ids.extend(b.block_id for b in new)
         return True
 
     def commit_full_blocks(self, request: Request) -> None:
@@ -117,6 +123,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks go first in the eviction order."""
         table = self._tables.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._num_committed.pop(request.request_id, None)
         if table:
             self.pool.free(reversed(table))

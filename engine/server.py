@@ -417,7 +417,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
                     yield sse({**base, "choices": [], "usage": usage(last, len(ids))})
                 yield "data: [DONE]\n\n"
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -485,7 +485,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
                     yield sse({**chunk_base, "choices": [], "usage": usage(last, len(ids))})
                 yield "data: [DONE]\n\n"
             finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                await stream.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
