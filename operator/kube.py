@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -199,5 +200,9 @@ def new_api_client() -> Any:
     try:
         kubernetes.config.load_incluster_config(client_configuration=configuration)
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config(client_configuration=configuration)
+        # The client reads $KUBECONFIG once, at import; read it now instead.
+        path = os.environ.get("KUBECONFIG") or None
+        if path and os.pathsep in path:
+            path = None  # a list of files: let the client merge them
+        kubernetes.config.load_kube_config(config_file=path, client_configuration=configuration)
     return kubernetes.client.ApiClient(configuration)
