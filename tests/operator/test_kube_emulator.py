@@ -102,15 +102,15 @@ async def test_label_selectors_and_owner_garbage_collection(
            "uid": owner["metadata"]["uid"], "controller": True}  # fmt: skip
     child = cm("child")
     child["metadata"]["ownerReferences"] = [ref]
-    await call(kube.apply, child)
+    child_uid = (await call(kube.apply, child))["metadata"]["uid"]
     grandchild = cm("grandchild")
     grandchild["metadata"]["ownerReferences"] = [
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "name": "child",
-            "uid": emulator.get_object("ConfigMap", "default", "child")["metadata"]["uid"],
-        }  # type: ignore[index]
+            "uid": child_uid,
+        }
     ]
     await call(kube.apply, grandchild)
     assert await call(kube.delete, "InferencePool", "default", "qwen-pool")
