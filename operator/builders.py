@@ -152,7 +152,11 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "--metrics-port", str(c.EPP_METRICS_PORT),
         *settings.extra_epp_args,
     ]  # fmt: skip
-    probe = {"grpc": {"port": c.EPP_HEALTH_PORT}}
+    # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
+    # and "liveness" (SERVING while the process works): a pool without ready model
+    # servers makes the EPP unready, never restarts it.
+    readiness = {"grpc": {"port": c.EPP_HEALTH_PORT, "service": "readiness"}}
+    liveness = {"grpc": {"port": c.EPP_HEALTH_PORT, "service": "liveness"}}
     return {
         "name": EPP_CONTAINER,
         "image": pool.epp_image,
@@ -171,8 +175,8 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
             },
             {"name": "INFERGATE_LOG_LEVEL", "value": settings.epp_log_level},
         ],
-        "readinessProbe": {**probe, "periodSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {**probe, "initialDelaySeconds": 5, "periodSeconds": 10},
+        "readinessProbe": {**readiness, "periodSeconds": 2, "failureThreshold": 3},
+        "livenessProbe": {**liveness, "initialDelaySeconds": 5, "periodSeconds": 10},
         "resources": {
             "requests": {"cpu": settings.epp_cpu_request, "memory": settings.epp_memory_request},
             "limits": {"memory": settings.epp_memory_limit},

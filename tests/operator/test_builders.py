@@ -136,7 +136,8 @@ def test_deployment_is_hardened_and_wired() -> None:
         "--config-file", "/etc/infergate/epp/config.yaml",
         "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090",
     ]  # fmt: skip
-    assert epp["readinessProbe"]["grpc"]["port"] == 9003 == epp["livenessProbe"]["grpc"]["port"]
+    assert epp["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert epp["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     security = epp["securityContext"]
     assert security == {
         "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

@@ -68,7 +68,7 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "registry.example/infergate-epp:test"
     assert container["args"][:5] == ["epp", "--pool-name", "qwen-pool", "--pool-namespace", NS]
-    assert container["readinessProbe"]["grpc"] == {"port": 9003}
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     service = owned(emulator, "Service")
     assert service is not None
