@@ -50,6 +50,12 @@ def serve(
     sim_us_per_seq: float = typer.Option(
         15.0, "--sim-us-per-seq", help="Simulated per-sequence cost per step (µs)."
     ),
+    sim_default_max_tokens: int = typer.Option(
+        256,
+        "--sim-default-max-tokens",
+        min=1,
+        help="Simulated mode: output length when a request gives no max_tokens (no EOS).",
+    ),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve`."""
@@ -76,6 +82,7 @@ def serve(
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,
         timing=TimingModel(sim_base_ms, sim_us_per_token, sim_us_per_kv_token, sim_us_per_seq),
+        sim_default_max_tokens=sim_default_max_tokens,
         log_level=log_level,
     )
     try:

@@ -38,6 +38,7 @@ class ServeOptions:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     timing: TimingModel = field(default_factory=TimingModel)
+    sim_default_max_tokens: int = 256
     log_level: str = "info"
 
 
@@ -175,6 +176,7 @@ def build(opts: ServeOptions) -> Any:
         max_model_len=max_model_len,
         vocab_size=vocab_size,
         api_key=opts.api_key,
+        default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "

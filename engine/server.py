@@ -57,6 +57,8 @@ class ServerConfig:
     vocab_size: int
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    # Cap on the default max_tokens (simulated engines never emit EOS on their own).
+    default_max_tokens_cap: int | None = None
     warned_fields: set[str] = field(default_factory=set)
 
 
@@ -242,11 +244,19 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed,
-            max_tokens=max_tokens if max_tokens is not None else min(default_max or room, room),
+            max_tokens=max_tokens
+            if max_tokens is not None
+            else default_max_tokens(default_max, room),
             stop=tuple(s for s in stop if s),
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
         )
+
+    def default_max_tokens(default: int | None, room: int) -> int:
+        value = min(default or room, room)
+        if config.default_max_tokens_cap is not None:
+            value = min(value, config.default_max_tokens_cap)
+        return value
 
     def new_request(
         rid: str, prompt: list[int], params: SamplingParams, salt: str | None

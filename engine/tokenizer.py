@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +131,12 @@ def _compile_template(source: str) -> Any:
     def tojson(value: Any, indent: int | None = None) -> str:
         return json.dumps(value, indent=indent, ensure_ascii=False)
 
+    def strftime_now(fmt: str) -> str:  # used by Llama 3.1+ templates for the date
+        return datetime.now().strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = tojson
     return env.from_string(source)
 

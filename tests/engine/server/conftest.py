@@ -52,6 +52,12 @@ class Server:
                 out[f"{sample.name}{{{labels}}}"] = sample.value
         return out
 
+    def max_model_len(self) -> int:
+        models = httpx.get(
+            f"{self.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10
+        ).json()
+        return int(models["data"][0]["max_model_len"])
+
     def gauge(self, name: str) -> float:
         return self.metrics()[f"{name}{{model_name={MODEL}}}"]
 
@@ -106,6 +112,13 @@ def real_server(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Serv
             "--device", "cpu", "--dtype", "float32", "--max-num-batched-tokens", "8",
             "--num-gpu-blocks-override", "256",
         )  # fmt: skip
+
+
+@pytest.fixture(params=["sim_server", "real_server"])
+def any_server(request: pytest.FixtureRequest) -> Server:
+    """The same API checks against the simulated and the real engine."""
+    server: Server = request.getfixturevalue(request.param)
+    return server
 
 
 @pytest.hookimpl(wrapper=True)

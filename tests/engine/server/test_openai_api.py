@@ -1,4 +1,9 @@
-"""The OpenAI API of a simulated engine, through the real `openai` client and raw HTTP."""
+"""The OpenAI API through the real `openai` client and raw HTTP.
+
+Behaviour that does not depend on the model runs on the simulated engine (deterministic
+filler makes streamed and non-streamed outputs comparable); input validation and the
+API key run against both the simulated and the real engine (``any_server``).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import pytest
 from .conftest import API_KEY, MODEL, Server
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+TOO_LONG = "<longer than max_model_len>"
 
 
 def test_completion_and_its_stream_agree(sim_server: Server) -> None:
@@ -69,6 +75,13 @@ def test_chat_stream_and_not(sim_server: Server) -> None:
     # Content parts are accepted too.
     parts: Any = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     assert client.chat.completions.create(model=MODEL, messages=parts, max_tokens=2).choices
+
+
+def test_simulated_chat_without_max_tokens_gets_the_sim_default(sim_server: Server) -> None:
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    done = sim_server.client().chat.completions.create(model=MODEL, messages=messages)
+    assert done.usage is not None and done.usage.completion_tokens == 256
+    assert done.choices[0].finish_reason == "length"
 
 
 def test_stop_string_ends_the_text_before_it(sim_server: Server) -> None:
@@ -128,7 +141,7 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": "word " * 1100}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": TOO_LONG}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         (
@@ -142,7 +155,7 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
             {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": "x"}],
-                "max_completion_tokens": 5000,
+                "max_completion_tokens": TOO_LONG,
             },
             400,
             "max_tokens",
@@ -187,29 +200,35 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
     ],
 )
 def test_bad_input_gets_openai_errors(
-    sim_server: Server, path: str, body: Any, status: int, param: str | None
+    any_server: Server, path: str, body: Any, status: int, param: str | None
 ) -> None:
+    if isinstance(body, dict):  # sizes relative to this server's context length
+        limit = any_server.max_model_len()
+        if body.get("prompt") == TOO_LONG:
+            body = {**body, "prompt": "word " * (limit + 8)}
+        if body.get("max_completion_tokens") == TOO_LONG:
+            body = {**body, "max_completion_tokens": limit + 1}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    with sim_server.http() as http:
+    with any_server.http() as http:
         res = http.post(path, content=content, headers={"content-type": "application/json"})
     assert res.status_code == status, res.text
     error = res.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == status and error["message"]
     assert error["param"] == param
-    assert http_still_serves(sim_server)
+    assert http_still_serves(any_server)
 
 
 def http_still_serves(server: Server) -> bool:
     return httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
-def test_openai_client_raises_typed_errors(sim_server: Server) -> None:
-    client = sim_server.client()
+def test_openai_client_raises_typed_errors(any_server: Server) -> None:
+    client = any_server.client()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=5000)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=any_server.max_model_len())
 
 
 def test_huge_body_is_rejected_cleanly(sim_server: Server) -> None:
@@ -230,14 +249,14 @@ def test_unknown_router_fields_are_ignored(sim_server: Server) -> None:
     assert "ignoring unknown request fields" in sim_server.process.log_tail(100_000)
 
 
-def test_api_key_guards_v1_only(sim_server: Server) -> None:
-    bad = openai.OpenAI(base_url=f"{sim_server.url}/v1", api_key="wrong", max_retries=0)
+def test_api_key_guards_v1_only(any_server: Server) -> None:
+    bad = openai.OpenAI(base_url=f"{any_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    res = httpx.post(f"{sim_server.url}/v1/completions", json={"prompt": "x"})
+    res = httpx.post(f"{any_server.url}/v1/completions", json={"prompt": "x"})
     assert res.status_code == 401 and res.json()["error"]["code"] == 401
     for path in ("/health", "/metrics", "/version"):
-        assert httpx.get(f"{sim_server.url}{path}").status_code == 200
+        assert httpx.get(f"{any_server.url}{path}").status_code == 200
 
 
 def test_models_version_tokenize_detokenize(sim_server: Server) -> None:
