@@ -172,6 +172,19 @@ def _matches_selector(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def _matches_fields(obj: Obj, selector: str) -> bool:
+    """Field selectors: ``path=value``, ``path==value``, ``path!=value`` on dotted paths."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        negate = "!=" in term
+        path, value = term.replace("!=", "=").replace("==", "=").split("=", 1)
+        current: Any = obj
+        for part in path.strip().split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        if (str(current if current is not None else "") == value.strip()) == negate:
+            return False
+    return True
+
+
 def _split_selector(selector: str) -> list[str]:
     terms, depth, current = [], 0, ""
     for char in selector:
@@ -607,20 +620,34 @@ class KubeEmulator(k8s.KubernetesEmulator):
             else:
                 await self._remove(dep_key)
 
-    # ----------------------------------------------------------------- list filtering
+    # ----------------------------------------------------------------- list/watch filtering
+
+    @staticmethod
+    def _selected(obj: Obj, labels: str | None, fields: str | None) -> bool:
+        meta = obj.get("metadata") or {}
+        if labels and not _matches_selector(meta.get("labels") or {}, labels):
+            return False
+        return not fields or _matches_fields(obj, fields)
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         result = await super()._serve_list(request)
-        selector = request.params.get("labelSelector")
-        if selector and isinstance(result, dict):
-            result["items"] = [
-                item
-                for item in result.get("items", [])
-                if _matches_selector((item.get("metadata") or {}).get("labels") or {}, selector)
-            ]
+        labels = request.params.get("labelSelector")
+        fields = request.params.get("fieldSelector")
         if isinstance(result, dict):
+            result["items"] = [
+                item for item in result.get("items", []) if self._selected(item, labels, fields)
+            ]
             result["metadata"] = {"resourceVersion": str(next(self._rv))}
         return result
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        labels = request.params.get("labelSelector")
+        fields = request.params.get("fieldSelector")
+        async for item in super()._serve_watch(request):
+            event_obj = item.get("object") if isinstance(item, dict) else None
+            if event_obj is not None and not self._selected(event_obj, labels, fields):
+                continue
+            yield item
 
 
 async def wait_for(probe: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
