@@ -1,6 +1,7 @@
 """``infergate epp``: the Endpoint Picker."""
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -131,10 +132,20 @@ def epp(
         typer.echo(f"infergate epp: invalid configuration: {error}", err=True)
         raise typer.Exit(2) from None
     try:
-        asyncio.run(run(options))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(run(options))
     except OSError as error:
         typer.echo(f"infergate epp: {error}", err=True)
         raise typer.Exit(1) from None
+
+
+def _loop_factory() -> Any:
+    """uvloop when installed (it ships with uvicorn[standard]): a cheaper event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 epp.__doc__ = HELP

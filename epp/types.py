@@ -14,13 +14,16 @@ class Endpoint:
     address: str
     port: int
     labels: tuple[tuple[str, str], ...] = ()
+    #: ``ip:port`` — the value Envoy's ORIGINAL_DST cluster understands (computed once).
+    key: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def key(self) -> str:
-        """``ip:port`` — the value Envoy's ORIGINAL_DST cluster understands."""
-        if ":" in self.address and not self.address.startswith("["):
-            return f"[{self.address}]:{self.port}"
-        return f"{self.address}:{self.port}"
+    def __post_init__(self) -> None:
+        host = (
+            f"[{self.address}]"
+            if ":" in self.address and not self.address.startswith("[")
+            else self.address
+        )
+        object.__setattr__(self, "key", f"{host}:{self.port}")
 
     def label(self, name: str, default: str | None = None) -> str | None:
         for key, value in self.labels:
