@@ -31,12 +31,15 @@ lint: install typecheck ## ruff + mypy
 # mypy cannot follow setuptools' package-dir mapping, so it reads a symlink tree that
 # mirrors the installed layout (operator/ -> infergate/operator, and so on).
 typecheck: install
-	@rm -rf build/typecheck && mkdir -p build/typecheck/infergate
-	@for f in infergate/*; do ln -s "$(CURDIR)/$$f" build/typecheck/infergate/; done
-	@for c in epp engine; do ln -s "$(CURDIR)/$$c" build/typecheck/infergate/$$c; done
-	@for d in tests conformance benchmarks; do test -d $$d && ln -s "$(CURDIR)/$$d" build/typecheck/$$d; done; true
-	cd build/typecheck && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml infergate \
-		$$(for d in tests conformance benchmarks; do find -L $$d -name '*.py' 2>/dev/null | head -1 | grep -q . && echo $$d; done)
+	@set -e; tree=$$(mktemp -d $(CURDIR)/build/typecheck.XXXXXX 2>/dev/null || { mkdir -p build; mktemp -d $(CURDIR)/build/typecheck.XXXXXX; }); \
+	trap 'rm -rf "$$tree"' EXIT; mkdir -p "$$tree/infergate"; \
+	for f in infergate/*; do ln -s "$(CURDIR)/$$f" "$$tree/infergate/"; done; \
+	for c in epp engine; do ln -s "$(CURDIR)/$$c" "$$tree/infergate/$$c"; done; \
+	dirs=""; for d in tests conformance benchmarks; do \
+	  if find $$d -name '*.py' 2>/dev/null | grep -q .; then ln -s "$(CURDIR)/$$d" "$$tree/$$d"; dirs="$$dirs $$d"; fi; done; \
+	echo "mypy infergate$$dirs"; \
+	cd "$$tree" && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml \
+	  --cache-dir $(CURDIR)/.mypy_cache infergate $$dirs
 
 bench: install ## Run the benchmarks that print figures (see docs/benchmarks.md)
 	@ls benchmarks/*.py >/dev/null 2>&1 || { echo "no benchmarks yet"; exit 0; }
