@@ -113,7 +113,9 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         if request.max_model_len is None:
             request.max_model_len = self.config.max_model_len
-        decoder = self.tokenizer.decode_stream() if self.tokenizer is not None else None
+        decoder = None
+        if self.tokenizer is not None:
+            decoder = self.tokenizer.decode_stream(skip_special_tokens=request.skip_special_tokens)
         self._text[request.request_id] = _TextState(decoder, request.sampling.stop)
         self.scheduler.add(request)
 
@@ -174,7 +176,7 @@ class EngineCore:
         state = self._text[request.request_id]
         # A stop token (EOS or stop_token_ids) ends the text without adding to it.
         stop_string = state.add(token, include=not finished or not _ended_by_token(request))
-        if stop_string is not None and not finished:
+        if stop_string is not None:  # takes precedence over a simultaneous length limit
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
             finished = True

@@ -45,6 +45,7 @@ class Request:
     cache_salt: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
+    skip_special_tokens: bool = True  # in the output text
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

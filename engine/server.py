@@ -259,13 +259,14 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
         return value
 
     def new_request(
-        rid: str, prompt: list[int], params: SamplingParams, salt: str | None
+        rid: str, prompt: list[int], params: SamplingParams, req: _Sampling
     ) -> EngineRequest:
         return EngineRequest(
             request_id=rid,
             prompt_token_ids=prompt,
             sampling=params,
-            cache_salt=salt,
+            cache_salt=req.cache_salt,
+            skip_special_tokens=req.skip_special_tokens,
             eos_token_ids=tokenizer.eos_token_ids,
             max_model_len=config.max_model_len,
         )
@@ -382,7 +383,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
             check_tokens(ids, "prompt")
         params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = engine.generate(new_request(rid, ids, params, req.cache_salt))
+        stream = engine.generate(new_request(rid, ids, params, req))
         now = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
 
@@ -443,7 +444,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
         )
         params = sampling_params(req, len(ids), max_tokens, None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.generate(new_request(rid, ids, params, req.cache_salt))
+        stream = engine.generate(new_request(rid, ids, params, req))
         now = int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": now, "model": model}
 
