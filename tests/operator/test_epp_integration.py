@@ -141,9 +141,9 @@ async def test_standalone_mode_serves_a_request_end_to_end(
     epp_container, envoy_container = deployment["spec"]["template"]["spec"]["containers"]
 
     config = tmp_path / "epp.yaml"
-    config.write_text(
-        emulator.get_object("ConfigMap", "default", "qwen-pool-epp")["data"]["config.yaml"]
-    )  # type: ignore[index]
+    epp_cm = emulator.get_object("ConfigMap", "default", "qwen-pool-epp")
+    assert epp_cm is not None
+    config.write_text(epp_cm["data"]["config.yaml"])
     ports = {f: free_port() for f in ("--grpc-port", "--grpc-health-port", "--metrics-port")}
     await asyncio.to_thread(
         processes.start, "epp", [*infergate_cli, *_rebind(epp_container["args"], config, ports)],
