@@ -1,0 +1,1 @@
+"""infergate's InferencePool conformance suite (see conformance/README.md)."""

@@ -1,0 +1,119 @@
+"""Conformance suite wiring: the driver (``--conformance-driver local|cluster``), the
+logs of its processes on failures, and the GIE-shaped report (``--conformance-report``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Generator, Iterator
+from pathlib import Path
+
+import pytest
+
+from conformance.drivers.base import Driver
+from conformance.report import FAILED, PASSED, SKIPPED, build_report, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+_DRIVER_KEY = pytest.StashKey[Driver]()
+_OUTCOMES_KEY = pytest.StashKey[dict[str, list[str]]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("conformance", "InferencePool conformance suite")
+    group.addoption(
+        "--conformance-driver",
+        choices=("local", "cluster"),
+        default=os.environ.get("CONFORMANCE_DRIVER", "local"),
+        help="local: processes on loopback (default); cluster: the cluster in $KUBECONFIG",
+    )
+    group.addoption(
+        "--conformance-report",
+        default=os.environ.get("CONFORMANCE_REPORT"),
+        help="write a GIE-shaped conformance report (YAML) here",
+    )
+    group.addoption(
+        "--gateway-class",
+        default=os.environ.get("CONFORMANCE_GATEWAY_CLASS", "istio"),
+        help="cluster driver: the GatewayClass of the Gateway API implementation",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_OUTCOMES_KEY] = {}
+
+
+@pytest.fixture(scope="session")
+def driver(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Driver]:
+    """The session's driver; its processes (or port-forwards) are shared by every test."""
+    kind = request.config.getoption("--conformance-driver")
+    made: Driver
+    if kind == "local":
+        from conformance.drivers.local import LocalDriver
+
+        made = LocalDriver(tmp_path_factory.mktemp("conformance"), _cli())
+    else:
+        from conformance.drivers.cluster import ClusterDriver
+
+        made = ClusterDriver(
+            tmp_path_factory.mktemp("conformance"),
+            gateway_class=request.config.getoption("--gateway-class"),
+        )
+    request.config.stash[_DRIVER_KEY] = made
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _cli() -> list[str]:
+    import shutil
+
+    exe = shutil.which("infergate") or str(Path(sys.executable).parent / "infergate")
+    if not Path(exe).exists():
+        pytest.fail("`infergate` is not installed: run `make install` first")
+    return [exe]
+
+
+def _short_name(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("conformance")
+    return str(marker.args[0]) if marker is not None and marker.args else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    made = item.config.stash.get(_DRIVER_KEY, None)
+    if made is not None and report.failed:
+        for name, tail in made.logs():
+            report.sections.append((f"log of {name}", tail))
+    short_name = _short_name(item)
+    if short_name is not None:
+        if _OUTCOMES_KEY not in item.config.stash:
+            item.config.stash[_OUTCOMES_KEY] = {}
+        outcomes = item.config.stash[_OUTCOMES_KEY].setdefault(short_name, [])
+        if hasattr(report, "wasxfail"):
+            outcomes.append(FAILED)
+        elif report.when == "call" or report.outcome != "passed":
+            outcomes.append(
+                {"passed": PASSED, "failed": FAILED, "skipped": SKIPPED}[report.outcome]
+            )
+    return report
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--conformance-report")
+    outcomes = session.config.stash.get(_OUTCOMES_KEY, {})
+    if not path or not outcomes:
+        return
+    mode = session.config.getoption("--conformance-driver")
+    gateway = (
+        "Envoy (infergate.stack.envoy_config) per pool"
+        if mode == "local"
+        else f"GatewayClass {session.config.getoption('--gateway-class')}"
+    )
+    write_report(Path(path), build_report(outcomes, mode=mode, root=ROOT, gateway=gateway))

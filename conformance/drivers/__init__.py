@@ -1,0 +1,1 @@
+"""Drivers: where the suite's objects live and where its requests go (local or cluster)."""

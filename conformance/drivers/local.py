@@ -1,0 +1,470 @@
+"""The local driver: the suite against real processes on loopback (what CI runs).
+
+* **Pods** are echo servers (``conformance/echo/server.py``), one process per pod, each
+  on its own loopback address (``127.X.Y.N``: Linux routes all of 127/8 to ``lo``), so
+  pod IPs are distinct as in a cluster and GIE's ports (3000, 3002, 3004) are used as is.
+* **Each pool** gets a real ``infergate epp`` (file discovery: the pool's pods ×
+  ``targetPorts``, and the pool's EndpointPickerConfig from base.yaml) and a real Envoy
+  whose bootstrap is :func:`infergate.stack.envoy_config.build_envoy_config` — the
+  pool's ``failureMode`` becomes ``failure_mode_allow`` (FailOpen falls back to the
+  pool's endpoints). A route of :mod:`conformance.topology` with one pool is that Envoy.
+* **Weighted routes** (an HTTPRoute with two InferencePool backendRefs) have no
+  counterpart in the per-pool bootstrap: the driver builds one front Envoy listener with
+  ``weighted_clusters`` over the two pool listeners, so each request is split by weight
+  first and then routed by the chosen pool's own EPP, as a Gateway does.
+* **Status** comes from the real operator process (``infergate operator``) against the
+  KMock API-server emulator (:mod:`infergate.testing.kube_emulator`) with the base
+  objects applied. The emulator runs no controllers, so the driver plays the kubelet:
+  it registers each echo process as a Ready Pod with its loopback IP.
+
+Everything starts lazily (status tests need no Envoy; routing tests no operator) and
+once per session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from conformance import topology as topo
+from conformance.drivers.base import STOP_PODS, Driver, Pod, Reply
+from conformance.kube import KubeApi, api_client_for, wait_for
+from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
+from infergate.stack.envoy_config import build_envoy_config
+from infergate.stack.envoy_process import start_envoy
+from infergate.testing.kube_emulator import write_kubeconfig
+
+ECHO_SERVER = topo.HERE / "echo" / "server.py"
+LB_NAMESPACE = "envoy.lb"
+_HTTP = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+
+
+def _loopback_subnet() -> str:
+    """A random ``127.X.Y`` prefix, so concurrent sessions never share pod addresses."""
+    return f"127.{random.randint(100, 250)}.{random.randint(1, 250)}"
+
+
+def _all_ready(checks: Sequence[Any]) -> Any:
+    return lambda: all(check() for check in checks)
+
+
+def weighted_front_config(
+    *, listen_port: int, admin_port: int, backends: Sequence[tuple[str, int, int]]
+) -> dict[str, Any]:
+    """An Envoy bootstrap splitting requests by weight over pool listeners.
+
+    ``backends`` is ``(name, port, weight)`` per pool listener on 127.0.0.1. This is the
+    HTTPRoute backendRef ``weight`` layer that the per-pool bootstrap does not express.
+    """
+    clusters = [
+        {
+            "name": name,
+            "type": "STATIC",
+            "connect_timeout": "5s",
+            "load_assignment": {
+                "cluster_name": name,
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {
+                                "endpoint": {
+                                    "address": {
+                                        "socket_address": {
+                                            "address": "127.0.0.1",
+                                            "port_value": port,
+                                        }
+                                    }
+                                }
+                            }
+                        ]
+                    }
+                ],
+            },
+        }
+        for name, port, _ in backends
+    ]
+    hcm = {
+        "@type": _HTTP,
+        "stat_prefix": "weighted_front",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "weighted",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {
+                                "timeout": "60s",
+                                "weighted_clusters": {
+                                    "clusters": [
+                                        {"name": name, "weight": weight}
+                                        for name, _, weight in backends
+                                    ]
+                                },
+                            },
+                        }
+                    ],
+                }
+            ]
+        },
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+    }
+    return {
+        "node": {"id": "conformance-weighted-front", "cluster": "conformance"},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
+        },
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "weighted_front",
+                    "address": {
+                        "socket_address": {"address": "127.0.0.1", "port_value": listen_port}
+                    },
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def _forwards_lb_metadata(config: dict[str, Any]) -> bool:
+    """Does this bootstrap send ``envoy.lb`` metadata to the ext_proc server?"""
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net_filter in chain["filters"]:
+                for http_filter in net_filter["typed_config"].get("http_filters", []):
+                    if http_filter["name"] != "envoy.filters.http.ext_proc":
+                        continue
+                    options = http_filter["typed_config"].get("metadata_options") or {}
+                    forwarded = (options.get("forwarding_namespaces") or {}).get("untyped") or []
+                    return LB_NAMESPACE in forwarded
+    return False
+
+
+class _Epp:
+    """One pool's `infergate epp`, restartable on the same ports."""
+
+    def __init__(self, name: str, argv: list[str], grpc_port: int) -> None:
+        self.name = name
+        self.argv = argv
+        self.grpc_port = grpc_port
+        self.process: ManagedProcess | None = None
+
+
+class LocalDriver(Driver):
+    name = "local"
+    capabilities = frozenset({STOP_PODS})
+    settle_timeout = 60.0
+
+    def __init__(self, workdir: Path, cli: Sequence[str]) -> None:
+        self.workdir = workdir
+        self.cli = list(cli)
+        self.group = ProcessGroup()
+        self.subnet = _loopback_subnet()
+        self._lock = threading.Lock()
+        self._http = httpx.Client(timeout=30.0)
+        self._pods: dict[str, list[Pod]] = {}
+        self._echo: dict[str, ManagedProcess] = {}
+        self._epps: dict[str, _Epp] = {}
+        self._listeners: dict[str, int] = {}
+        self._envoy_configs: dict[str, dict[str, Any]] = {}
+        self._plane_up = False
+        self._kube: KubeApi | None = None
+        self._assign_pods()
+
+    # -- topology ---------------------------------------------------------------------
+    def _assign_pods(self) -> None:
+        by_app: dict[str, list[Pod]] = {}
+        host = 11
+        for pool in topo.pools().values():
+            if pool.app not in by_app:
+                pods = []
+                for index in range(pool.replicas):
+                    pods.append(
+                        Pod(f"{pool.app}-{index}", f"{self.subnet}.{host}", pool.target_ports)
+                    )
+                    host += 1
+                by_app[pool.app] = pods
+            self._pods[pool.name] = by_app[pool.app]
+
+    def pods(self, pool: str) -> list[Pod]:
+        return list(self._pods[pool])
+
+    # -- data plane -------------------------------------------------------------------
+    def _start_echo(self, pod: Pod) -> ManagedProcess:
+        argv = [sys.executable, str(ECHO_SERVER), "--host", pod.ip, "--pod-name", pod.name,
+                "--namespace", topo.APP_NS]  # fmt: skip
+        for port in pod.ports:
+            argv += ["--port", str(port)]
+        process = self.group.start(
+            f"echo-{pod.name}", argv, timeout=60.0,
+            ready=_all_ready([tcp_ready(pod.ip, port) for port in pod.ports]),
+        )  # fmt: skip
+        self._echo[pod.name] = process
+        return process
+
+    def _start_epp(self, epp: _Epp) -> None:
+        epp.process = self.group.start(
+            epp.name, epp.argv, ready=tcp_ready("127.0.0.1", epp.grpc_port), timeout=90.0
+        )
+
+    def _ensure_data_plane(self) -> None:
+        with self._lock:
+            if self._plane_up:
+                return
+            started: set[str] = set()
+            for pods in self._pods.values():
+                for pod in pods:
+                    if pod.name not in started:
+                        self._start_echo(pod)
+                        started.add(pod.name)
+            for pool in topo.pools().values():
+                self._start_pool(pool)
+            self._start_weighted_routes()
+            self._plane_up = True
+
+    def _start_pool(self, pool: topo.PoolModel) -> None:
+        pods = self._pods[pool.name]
+        endpoints = [(pod.ip, port) for pod in pods for port in pool.target_ports]
+        folder = self.workdir / pool.name
+        folder.mkdir(parents=True, exist_ok=True)
+        endpoints_file = folder / "endpoints.yaml"
+        endpoints_file.write_text(
+            yaml.safe_dump(
+                {
+                    "endpoints": [
+                        {"address": ip, "port": port, "labels": {"app": pool.app}}
+                        for ip, port in endpoints
+                    ]
+                }
+            )
+        )
+        config_file = folder / "epp-config.yaml"
+        config_file.write_text(topo.epp_config_text(pool.epp_config))
+        grpc_port = free_port()
+        epp = _Epp(
+            f"epp-{pool.name}",
+            [*self.cli, "epp", "--endpoints", str(endpoints_file), "--config-file", str(config_file),
+             "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+             "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port())],
+            grpc_port,
+        )  # fmt: skip
+        self._epps[pool.name] = epp
+        self._start_epp(epp)
+        fail_open = pool.failure_mode == "FailOpen"
+        listen_port = free_port()
+        config = build_envoy_config(
+            listen_port=listen_port,
+            epp_address="127.0.0.1",
+            epp_port=grpc_port,
+            failure_mode_allow=fail_open,
+            admin_port=free_port(),
+            listen_address="127.0.0.1",
+            fallback_endpoints=endpoints if fail_open else (),
+            access_log=True,
+            stat_prefix=pool.name.replace("-", "_"),
+        )
+        start_envoy(
+            self.group, config, folder / "envoy.yaml", name=f"envoy-{pool.name}", timeout=90.0
+        )
+        self._envoy_configs[pool.name] = config
+        for key, route in topo.ROUTES.items():
+            if route.pools == (pool.name,):
+                self._listeners[key] = listen_port
+
+    def _start_weighted_routes(self) -> None:
+        for key, route in topo.ROUTES.items():
+            if len(route.backends) < 2:
+                continue
+            listen_port = free_port()
+            config = weighted_front_config(
+                listen_port=listen_port,
+                admin_port=free_port(),
+                backends=[
+                    (f"pool_{pool.replace('-', '_')}", self._pool_listener(pool), weight)
+                    for pool, weight in route.backends
+                ],
+            )
+            folder = self.workdir / f"route-{key}"
+            folder.mkdir(parents=True, exist_ok=True)
+            start_envoy(
+                self.group, config, folder / "envoy.yaml", name=f"envoy-route-{key}", timeout=90.0
+            )
+            self._listeners[key] = listen_port
+
+    def _pool_listener(self, pool: str) -> int:
+        for key, route in topo.ROUTES.items():
+            if route.pools == (pool,) and key in self._listeners:
+                return self._listeners[key]
+        raise LookupError(f"no single-pool route serves {pool}")
+
+    def send(
+        self,
+        route: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        body: Any = None,
+        method: str = "POST",
+    ) -> Reply:
+        self._ensure_data_plane()
+        spec = topo.ROUTES[route]
+        request_headers = {"host": spec.hostname, **(headers or {})}
+        url = f"http://127.0.0.1:{self._listeners[route]}{spec.path}"
+        if method in ("GET", "HEAD", "DELETE"):
+            response = self._http.request(method, url, headers=request_headers)
+        else:
+            response = self._http.request(
+                method,
+                url,
+                headers=request_headers,
+                json=topo.REQUEST_BODY if body is None else body,
+            )
+        return Reply.build(response.status_code, response.headers, response.content)
+
+    @contextlib.contextmanager
+    def epp_unavailable(self, pool: str) -> Iterator[None]:
+        self._ensure_data_plane()
+        epp = self._epps[pool]
+        self._stop(epp.process)
+        try:
+            yield
+        finally:
+            self._start_epp(epp)
+
+    @contextlib.contextmanager
+    def pod_stopped(self, pod: Pod) -> Iterator[None]:
+        self._ensure_data_plane()
+        self._stop(self._echo[pod.name])
+        try:
+            yield
+        finally:
+            self._start_echo(pod)
+
+    def _stop(self, process: ManagedProcess | None) -> None:
+        if process is None:
+            return
+        process.stop()
+        # Forget it, so the final stop_all never signals a process group id that the
+        # kernel may have handed to someone else meanwhile.
+        with contextlib.suppress(ValueError):
+            self.group.processes.remove(process)
+
+    def served_reporting_gap(self) -> str | None:
+        self._ensure_data_plane()
+        config = next(iter(self._envoy_configs.values()))
+        if _forwards_lb_metadata(config):
+            return None
+        return (
+            "infergate.stack.envoy_config.build_envoy_config does not send the served endpoint "
+            "to the EPP: its ext_proc filter has no metadata_options.forwarding_namespaces "
+            "for 'envoy.lb', and nothing writes 'x-gateway-destination-endpoint-served' into "
+            "that namespace on the response path (GIE EPP protocol, 'Destination Endpoint Served')"
+        )
+
+    # -- API server + operator ----------------------------------------------------------
+    @property
+    def kube(self) -> KubeApi:
+        with self._lock:
+            if self._kube is None:
+                self._kube = self._start_control_plane()
+            return self._kube
+
+    def _start_control_plane(self) -> KubeApi:
+        api_port = free_port()
+        kubeconfig = self.workdir / "kubeconfig"
+        self.group.start(
+            "kube-emulator",
+            [sys.executable, "-m", "infergate.testing.kube_emulator", "--port", str(api_port),
+             "--crds", str(topo.CRDS)],
+            ready=tcp_ready("127.0.0.1", api_port), timeout=60.0,
+        )  # fmt: skip
+        write_kubeconfig(kubeconfig, f"http://127.0.0.1:{api_port}")
+        kube = KubeApi(api_client_for(str(kubeconfig)))
+        liveness = free_port()
+        env = dict(os.environ, KUBECONFIG=str(kubeconfig), INFERGATE_RESYNC_SECONDS="2")
+        self.group.start(
+            "operator",
+            [*self.cli, "operator", "--standalone", "--liveness",
+             f"http://127.0.0.1:{liveness}/healthz"],
+            ready=http_ready(f"http://127.0.0.1:{liveness}/healthz"), timeout=90.0, env=env,
+        )  # fmt: skip
+        kube.apply_all(topo.base_objects())
+        self._register_pods(kube)
+        return kube
+
+    def _register_pods(self, kube: KubeApi) -> None:
+        """Play the kubelet: each echo pod becomes a Running, Ready Pod with its IP."""
+        seen: set[str] = set()
+        for pool in topo.pools().values():
+            for pod in self._pods[pool.name]:
+                if pod.name in seen:
+                    continue
+                seen.add(pod.name)
+                kube.apply(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {"name": pod.name, "namespace": pool.namespace,
+                                     "labels": {"app": pool.app}},
+                        "spec": {"containers": [{"name": "echo", "image": "infergate/conformance-echo:dev",
+                                                 "ports": [{"containerPort": p} for p in pod.ports]}]},
+                    }
+                )  # fmt: skip
+                kube.patch_status(
+                    "Pod", pool.namespace, pod.name,
+                    {"phase": "Running", "podIP": pod.ip, "podIPs": [{"ip": pod.ip}],
+                     "conditions": [{"type": "Ready", "status": "True"}]},
+                )  # fmt: skip
+
+    def picker_available(self, pool: str) -> None:
+        """Play the Deployment controller for the operator's EPP Deployment: locally that
+        pool's Endpoint Picker is a real ``infergate epp`` process, so once it serves, the
+        Deployment that stands for it is reported available."""
+        self._ensure_data_plane()
+        epp = self._epps[pool]
+        if not tcp_ready("127.0.0.1", epp.grpc_port)():
+            self._start_epp(epp)
+        model = topo.pools()[pool]
+        kube = self.kube
+        deployment = wait_for(
+            lambda: kube.get("Deployment", model.namespace, model.picker_service),
+            timeout=self.settle_timeout, what=f"the operator's Deployment {model.picker_service}",
+        )  # fmt: skip
+        replicas = int(deployment["spec"].get("replicas") or 1)
+        kube.patch_status(
+            "Deployment", model.namespace, model.picker_service,
+            {"observedGeneration": deployment["metadata"].get("generation", 1), "replicas": replicas,
+             "readyReplicas": replicas, "availableReplicas": replicas, "updatedReplicas": replicas,
+             "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}]},
+        )  # fmt: skip
+
+    # -- housekeeping ---------------------------------------------------------------------
+    def logs(self) -> Iterator[tuple[str, str]]:
+        for process in self.group:
+            yield process.name, process.log_tail(3000)
+
+    def close(self) -> None:
+        self._http.close()
+        self.group.stop_all()
