@@ -47,6 +47,7 @@ M = TypeVar("M", bound=BaseModel)
 
 MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+LONG_TEXT_CHARS = 16_384  # tokenize longer texts off the event loop
 
 
 @dataclass
@@ -112,8 +113,12 @@ class _Guard:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
-              metrics: EngineMetrics | None = None) -> FastAPI:  # fmt: skip
+def build_app(
+    engine: AsyncEngine,
+    tokenizer: Tokenizer,
+    config: ServerConfig,
+    metrics: EngineMetrics | None = None,
+) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -153,8 +158,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
             first = error.errors()[0]
             if first["type"] == "json_invalid":
                 raise APIError(400, f"Invalid JSON body: {first['msg']}") from None
+            if not first["loc"]:
+                raise APIError(400, "The request body must be a JSON object.") from None
             # OpenAI's ``param`` names the top-level field; union branches are noise.
-            param = str(first["loc"][0]) if first["loc"] else None
+            param = str(first["loc"][0])
             raise APIError(400, f"Invalid value for '{param}': {first['msg']}", param) from None
         extra = sorted((parsed.model_extra or {}).keys())
         new = [name for name in extra if name not in config.warned_fields]
@@ -177,7 +184,15 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
                 400, f"Token id {bad} is out of vocabulary (size {config.vocab_size}).", param
             )
 
-    def render_chat(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def encode(text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize; long texts on a worker thread so the event loop keeps serving."""
+        if len(text) < LONG_TEXT_CHARS:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(
+            tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+
+    async def render_chat(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         plain = []
         for message in messages:
             content = message.content
@@ -194,7 +209,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
             raise APIError(400, str(error), "messages") from None
         except Exception as error:  # a template that fails on this input
             raise APIError(400, f"Could not apply the chat template: {error}", "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return await encode(text, add_special_tokens=False)
 
     def sampling_params(req: _Sampling, prompt_len: int, max_tokens: int | None,
                         default_max: int | None) -> SamplingParams:  # fmt: skip
@@ -347,9 +362,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
         req = parse(await read_body(request), TokenizeRequest)
         check_model(req.model)
         if req.messages is not None:
-            ids = render_chat(req.messages, req.add_generation_prompt)
+            ids = await render_chat(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "Either 'prompt' or 'messages' is required.", "prompt")
         return {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
@@ -377,7 +392,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
                 raise APIError(400, "Batched prompts are not supported; send one prompt.", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
+            ids = await encode(prompt)
         else:
             ids = list(prompt)  # type: ignore[arg-type]
             check_tokens(ids, "prompt")
@@ -438,7 +453,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig,
         model = check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty.", "messages")
-        ids = render_chat(req.messages, req.add_generation_prompt)
+        ids = await render_chat(req.messages, req.add_generation_prompt)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )

@@ -129,6 +129,7 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
         (
