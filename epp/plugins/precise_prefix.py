@@ -30,6 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 log = logging.getLogger("infergate.epp.precise_prefix")
 
 KV_EVENTS_PORT_LABEL = "infergate.io/kv-events-port"
+#: ``context.extras`` key: callables(endpoint_key) told when an engine cleared its KV cache.
+CACHE_CLEARED_LISTENERS = "kv_cache_cleared_listeners"
 
 
 class PrecisePrefixParams(BaseModel):
@@ -195,6 +197,11 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer):
                 except Exception as error:
                     log.warning("bad KV event batch from %s: %s", endpoint.key, error)
                     continue
+                if counts.get("AllBlocksCleared"):
+                    # A real, total eviction: whatever the approximate index believes
+                    # about this endpoint is now wrong too.
+                    for listener in self.context.extras.get(CACHE_CLEARED_LISTENERS, ()):
+                        listener(endpoint.key)
                 if metrics is not None:
                     for tag, n in counts.items():
                         metrics.kv_events.labels(tag).inc(n)

@@ -140,6 +140,8 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest):
         self.max_blocks = p.maxPrefixBlocksToMatch
         self.index = PrefixIndex(p.lruCapacityPerServer)
         context.datastore.subscribe(self._on_endpoints)
+        # Real evictions reported by engines (precise-prefix-cache-scorer) correct this index.
+        context.extras.setdefault("kv_cache_cleared_listeners", []).append(self.index.clear_server)
         self.lookups = 0
         self.hit_blocks = 0
         self.total_blocks = 0

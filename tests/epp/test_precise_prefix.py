@@ -23,6 +23,7 @@ kind: EndpointPickerConfig
 plugins:
 - type: precise-prefix-cache-scorer
   parameters: {blockSize: 4}
+- type: prefix-cache-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -79,9 +80,15 @@ async def test_index_follows_stored_removed_cleared(epp_factory) -> None:
         await publish_until(lambda: hashes[1] not in plugin.index.holders)
         assert await _score(plugin, tokens, states) == [1 / 3, 0.0]  # leading run breaks at block 1
 
+        approximate = epp.scheduler.plugins["prefix-cache-scorer"]
+        approximate.index.add(a.key, [1, 2, 3])
+        approximate.index.add(b.key, [1, 2])
         current = batch(["AllBlocksCleared"])
         await publish_until(lambda: not plugin.index.holders)
         assert await _score(plugin, tokens, states) == [0.0, 0.0]
+        # The real eviction corrects the approximate index too (only for that engine).
+        assert approximate.index.size(a.key) == 0
+        assert approximate.index.size(b.key) == 2
 
         # Garbage on the wire is logged and skipped; the subscriber keeps going.
         current = b"\xc1not msgpack"
