@@ -63,9 +63,12 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.queries += request.num_tokens
-        self.hits += len(blocks) * self.block_size
         return CachedPrefix(blocks)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's prefix lookup (only admissions that went through)."""
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
 
     def allocate(
         self, request: Request, num_new_tokens: int, cached: CachedPrefix | None = None

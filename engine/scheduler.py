@@ -121,6 +121,7 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
+                self.kv.record_lookup(request.num_tokens, num_cached)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
                 request.status = RequestStatus.RUNNING

@@ -187,6 +187,20 @@ def test_preemption_by_recompute_when_blocks_run_out() -> None:
     assert all_free(s)
 
 
+def test_prefix_stats_count_admissions_not_retries() -> None:
+    s = make(num_blocks=4)
+    s.add(req("a", list(range(40)), max_tokens=20))  # 60 tokens: 4 blocks at the end
+    step(s)
+    b = req("b", list(range(100, 140)))  # needs 3 blocks, 1 is free: waits for a to end
+    s.add(b)
+    for _ in range(10):
+        step(s)
+        assert b.status is RequestStatus.WAITING
+    drain(s)
+    assert s.kv.queries == 40 + 40  # one lookup per admission, however long b waited
+    assert all_free(s)
+
+
 def test_abort_frees_blocks_wherever_the_request_is() -> None:
     s = make(max_seqs=1)
     a, b = req("a", list(range(40)), 100), req("b", list(range(50, 90)), 100)
