@@ -6,7 +6,13 @@ kv-cache-utilization-scorer 2, prefix-cache-scorer 3, max-score-picker) over 8, 
 long prefixes in groups (so the prefix index is populated and matched, as in production).
 Prints p50/p99 per pool size. Target: <= 1 ms per decision at 64 endpoints.
 
+With ``--extproc`` it instead drives a real ``infergate epp`` process over gRPC the way
+Envoy does (request headers, body, response headers, response body per stream; no
+Envoy, no engine) and prints streams/s, stream latency and the EPP process's CPU per
+stream, sequentially and at 16 concurrent streams.
+
     .venv/bin/python benchmarks/epp_decision.py [--requests 3000] [--sizes 8,64,256]
+    .venv/bin/python benchmarks/epp_decision.py --extproc [--requests 3000]
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import sys
 import time
 
 from infergate.epp.config import load_config
@@ -88,12 +96,98 @@ async def measure(n: int, requests: int) -> tuple[float, float, float, float, fl
     )
 
 
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def extproc(requests: int, endpoints: int) -> None:
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from infergate.procs import ProcessGroup, free_port, tcp_ready
+
+    def hdrs(items: dict[str, str]) -> pb.HttpHeaders:
+        values = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
+        return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values))
+
+    request_headers = pb.ProcessingRequest(
+        request_headers=hdrs({":method": "POST", ":path": "/v1/chat/completions"})
+    )
+    response_headers = pb.ProcessingRequest(response_headers=hdrs({":status": "200"}))
+    usage = b'{"usage":{"prompt_tokens":300,"completion_tokens":64}}'
+    response_body = pb.ProcessingRequest(response_body=pb.HttpBody(body=usage, end_of_stream=True))
+    payloads = [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=b, end_of_stream=True))
+        for b in bodies(256)
+    ]
+
+    port = free_port()
+    argv = [sys.executable, "-m", "infergate.cli", "epp", "--host", "127.0.0.1", "--grpc-port", str(port),
+            "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port()),
+            "--refresh-metrics-interval", "3600", "--log-level", "error"]  # fmt: skip
+    for i in range(endpoints):
+        argv += ["--endpoint", f"127.0.0.1:{20000 + i}"]
+    with ProcessGroup() as group:
+        epp = group.start("epp", argv, ready=tcp_ready("127.0.0.1", port), timeout=60)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+
+            async def one(i: int) -> None:
+                call = stub.Process()
+                await call.write(request_headers)
+                await call.write(payloads[i % len(payloads)])
+                await call.read()
+                await call.read()
+                await call.write(response_headers)
+                await call.read()
+                await call.write(response_body)
+                await call.read()
+                await call.done_writing()
+
+            for i in range(200):
+                await one(i)
+            print(
+                f"ext-proc streams against a real `infergate epp` ({endpoints} endpoints), client in this process"
+            )
+            for concurrency in (1, 16):
+                limit = asyncio.Semaphore(concurrency)
+                latencies: list[float] = []
+
+                async def timed(
+                    i: int, limit: asyncio.Semaphore = limit, latencies: list[float] = latencies
+                ) -> None:
+                    async with limit:
+                        started = time.perf_counter()
+                        await one(i)
+                        latencies.append(time.perf_counter() - started)
+
+                cpu0, wall0 = _cpu_seconds(epp.pid), time.perf_counter()
+                await asyncio.gather(*(timed(i) for i in range(requests)))
+                wall, cpu = time.perf_counter() - wall0, _cpu_seconds(epp.pid) - cpu0
+                latencies.sort()
+                print(
+                    f"  concurrency {concurrency:>2}: {requests / wall:6.0f} streams/s, "
+                    f"p50 {latencies[len(latencies) // 2] * 1e3:.2f} ms, "
+                    f"p99 {latencies[int(len(latencies) * 0.99)] * 1e3:.2f} ms, "
+                    f"EPP CPU {cpu / requests * 1e3:.3f} ms per stream"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--sizes", default="8,64,256")
+    parser.add_argument("--extproc", action="store_true", help="drive a real EPP over gRPC")
+    parser.add_argument("--endpoints", type=int, default=8, help="pool size for --extproc")
     args = parser.parse_args()
     random.seed(0)
+    if args.extproc:
+        asyncio.run(extproc(args.requests, args.endpoints))
+        return
     print("wall = elapsed time per decision; cpu = this thread's CPU time (immune to other")
     print("processes preempting us on a shared machine, which is what inflates wall p99)")
     header = ["endpoints", "wall p50", "wall p99", "wall mean", "cpu p50", "cpu p99"]
