@@ -248,6 +248,7 @@ def build_envoy_config(
     access_log: bool = False,
     max_requests: int = 40000,
     stat_prefix: str = "infergate",
+    epp_health_check_interval_s: float | None = 1.0,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -255,7 +256,9 @@ def build_envoy_config(
     requests the EPP could not handle go round-robin (least-request) over
     ``fallback_endpoints`` when given, else get a local 503. ``served_header`` (e.g.
     :data:`UPSTREAM_HOST_HEADER`) adds the upstream that really served to each response.
-    ``admin_port=None`` disables the admin interface.
+    ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
+    (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
+    FailOpen starts to apply to requests with a body.
     """
     if route_timeout_s <= 0:
         raise ValueError("route_timeout_s must be > 0")
@@ -322,16 +325,32 @@ def build_envoy_config(
             },
         },
     }
-    clusters = [
-        _static_cluster(
-            EPP_CLUSTER,
-            [(epp_address, epp_port)],
-            connect_timeout_s=connect_timeout_s,
-            max_requests=max_requests,
-            http2=True,
-        ),
-        pool_cluster,
-    ]
+    epp_cluster = _static_cluster(
+        EPP_CLUSTER,
+        [(epp_address, epp_port)],
+        connect_timeout_s=connect_timeout_s,
+        max_requests=max_requests,
+        http2=True,
+    )
+    if epp_health_check_interval_s is not None:
+        # With FULL_DUPLEX_STREAMED, Envoy can fail open only until the first body chunk
+        # went to the EPP; a dead EPP found at connect time is already too late for a POST.
+        # A health-checked EPP with no healthy host fails the gRPC stream at once, in the
+        # headers phase, where failure_mode_allow still applies. Panic routing (Envoy's
+        # "use unhealthy hosts anyway" below 50% healthy) would defeat that: it is off.
+        interval = _duration(epp_health_check_interval_s)
+        epp_cluster["health_checks"] = [
+            {
+                "timeout": _duration(min(1.0, epp_health_check_interval_s)),
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "tcp_health_check": {},
+            }
+        ]
+        epp_cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    clusters = [epp_cluster, pool_cluster]
     if fallback_endpoints:
         clusters.append(
             _static_cluster(
