@@ -146,3 +146,17 @@ async def test_metrics_endpoint_exposes_decisions(epp_factory, channel_for) -> N
         s.name.endswith("_count") and s.value == 3
         for s in families["infergate_epp_prefix_indexer_hit_ratio"]
     )
+
+
+async def test_debug_log_line_has_per_scorer_scores(epp_factory, channel_for, caplog) -> None:
+    import logging
+
+    epp = await epp_factory(static_endpoints=[A, B])
+    caplog.set_level(logging.DEBUG, logger="infergate.epp.director")
+    stream = Stream(channel_for(epp))
+    await stream.send(headers({**POST, "x-request-id": "req-42"}), body(CHAT))
+    await stream.recv(2)
+    (line,) = [r.getMessage() for r in caplog.records if "req-42" in r.getMessage()]
+    for scorer in ("queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"):
+        assert scorer in line
+    assert A.key in line and B.key in line
