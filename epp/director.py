@@ -22,6 +22,9 @@ from infergate.epp.types import EndpointState, InferenceRequest
 
 log = logging.getLogger("infergate.epp.director")
 
+#: GIE's header to force the target model (wins over InferenceModelRewrite rules).
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+
 
 class Rejected(Exception):
     """Answer the client directly with ``status`` (429, 503, 400…)."""
@@ -78,7 +81,8 @@ class Director:
                 body = parse_body(raw_body, request)
             except BadRequest as error:
                 raise Rejected(400, str(error), error.param) from None
-            target = self.objectives.rewrite(request.model) if request.model else ""
+            forced = request.headers.get(MODEL_REWRITE_HEADER, "").strip()
+            target = forced or (self.objectives.rewrite(request.model) if request.model else "")
             if target and target != request.model:
                 request.target_model = target
                 body["model"] = target

@@ -139,6 +139,16 @@ spec:
     assert json.loads(sent)["model"] == "food-review-v2"
     assert set_headers(header_response)["content-length"] == str(len(sent))
 
+    # GIE's x-gateway-model-name-rewrite header forces the target model.
+    stream = Stream(channel_for(epp))
+    await stream.send(
+        headers({**POST, "x-gateway-model-name-rewrite": "forced"}),
+        body(_completion(model="food-review")),
+    )
+    _, body_response = await stream.recv(2)
+    sent = body_response.request_body.response.body_mutation.streamed_response.body
+    assert json.loads(sent)["model"] == "forced"
+
 
 async def test_rejections(epp_factory, channel_for) -> None:
     epp = await epp_factory(static_endpoints=[A], max_request_body_bytes=1000)
