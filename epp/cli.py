@@ -55,17 +55,17 @@ def epp(
         9003, "--grpc-health-port", help="grpc.health.v1 port (NOT_SERVING with no endpoints)."
     ),
     metrics_port: int = typer.Option(9090, "--metrics-port", help="Prometheus port."),
-    refresh_metrics_interval: float = typer.Option(
-        0.05, "--refresh-metrics-interval", help="Seconds between scrapes of each endpoint."
+    refresh_metrics_interval: str = typer.Option(
+        "50ms",
+        "--refresh-metrics-interval",
+        help="Time between scrapes of each endpoint (seconds, or a duration like 50ms).",
     ),
-    metrics_staleness_threshold: float = typer.Option(
-        2.0,
+    metrics_staleness_threshold: str = typer.Option(
+        "2s",
         "--metrics-staleness-threshold",
-        help="Seconds after which an endpoint's metrics are stale (treated as saturated).",
+        help="Age after which an endpoint's metrics are stale (treated as saturated).",
     ),
-    metrics_timeout: float = typer.Option(
-        1.0, "--metrics-timeout", help="Scrape timeout, seconds."
-    ),
+    metrics_timeout: str = typer.Option("1s", "--metrics-timeout", help="Scrape timeout."),
     max_request_body_bytes: int = typer.Option(
         8 << 20, "--max-request-body-bytes", help="Larger request bodies get 413."
     ),
@@ -103,6 +103,13 @@ def epp(
     except ValueError as error:
         typer.echo(f"infergate epp: --endpoint: {error}", err=True)
         raise typer.Exit(2) from None
+    try:
+        interval = parse_duration(refresh_metrics_interval, "--refresh-metrics-interval")
+        staleness = parse_duration(metrics_staleness_threshold, "--metrics-staleness-threshold")
+        scrape_timeout = parse_duration(metrics_timeout, "--metrics-timeout")
+    except ValueError as error:
+        typer.echo(f"infergate epp: {error}", err=True)
+        raise typer.Exit(2) from None
 
     from infergate.epp.app import Epp, EppOptions, run
 
@@ -121,9 +128,9 @@ def epp(
             grpc_port=grpc_port,
             grpc_health_port=grpc_health_port,
             metrics_port=metrics_port,
-            refresh_metrics_interval=refresh_metrics_interval,
-            metrics_staleness_threshold=metrics_staleness_threshold,
-            metrics_timeout=metrics_timeout,
+            refresh_metrics_interval=interval,
+            metrics_staleness_threshold=staleness,
+            metrics_timeout=scrape_timeout,
             max_request_body_bytes=max_request_body_bytes,
             scores_header=scores_header,
         )
@@ -137,6 +144,26 @@ def epp(
     except OSError as error:
         typer.echo(f"infergate epp: {error}", err=True)
         raise typer.Exit(1) from None
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0}
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """``0.05``, ``50ms``, ``2s``, ``1m`` → seconds (> 0); GIE's flags take Go durations."""
+    value = text.strip().lower()
+    scale = 1.0
+    for unit in ("ms", "s", "m"):
+        if value.endswith(unit):
+            value, scale = value[: -len(unit)], _UNITS[unit]
+            break
+    try:
+        seconds = float(value) * scale
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a duration (e.g. 0.05, 50ms, 2s)") from None
+    if not seconds > 0:
+        raise ValueError(f"{flag}: must be > 0, got {text!r}")
+    return seconds
 
 
 def _loop_factory() -> Any:

@@ -87,3 +87,16 @@ def test_needs_exactly_one_endpoint_source(infergate_cli) -> None:
     result = subprocess.run([*infergate_cli, "epp"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "exactly one of" in result.stderr
+
+
+def test_durations_accept_seconds_and_go_style() -> None:
+    import pytest
+    from infergate.epp.cli import parse_duration
+
+    assert parse_duration("0.05", "f") == 0.05
+    assert parse_duration("50ms", "f") == 0.05
+    assert parse_duration("2s", "f") == 2.0
+    assert parse_duration("1m", "f") == 60.0
+    for bad in ("fast", "0", "-1s", "5h"):
+        with pytest.raises(ValueError):
+            parse_duration(bad, "--refresh-metrics-interval")
