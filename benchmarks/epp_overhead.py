@@ -1,0 +1,101 @@
+"""EPP overhead: latency through Envoy + EPP minus Envoy straight to the same upstream.
+
+Both paths are real Envoys with the same generated listener (infergate.stack.envoy_config);
+the gateway one adds ext_proc (FULL_DUPLEX_STREAMED request and response bodies) to a real
+``infergate epp`` over a 4-endpoint pool. Short non-streaming completions arrive open-loop
+(Poisson) at each rate; the two paths run one after the other, twice, in alternating order,
+and the overhead is the difference of their percentiles. The upstream answers from Envoy's
+``direct_response`` (fixed, tiny latency) unless ``--upstream engine``.
+
+Targets: <= 2 ms added at p50 and <= 10 ms at p99 at 500 requests/s.
+
+    .venv/bin/python benchmarks/epp_overhead.py [--rates 100,500] [--seconds 6] [--upstream static|engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+from infergate.bench.gateway_rig import open_loop, process_cpu_seconds, start_rig
+from infergate.procs import ProcessGroup
+from infergate.stack.probes import metric_sum
+
+TARGET_P50_MS, TARGET_P99_MS = 2.0, 10.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="100,500", help="requests/s, comma-separated")
+    parser.add_argument("--seconds", type=float, default=6.0, help="per path, per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--upstream", default="static", choices=["static", "engine"])
+    parser.add_argument("--endpoints", type=int, default=4)
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
+        f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
+        f"{args.endpoints} endpoints"
+    )
+    with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
+        rig = start_rig(group, Path(tmp), upstream=args.upstream, endpoints=args.endpoints)
+        header = (
+            f"{'rate':>6} {'path':>8} {'ok/sent':>11} {'p50 ms':>8} {'p90 ms':>8} "
+            f"{'p99 ms':>8} {'lag99':>7}"
+        )
+        print(header)
+        summary = []
+        for rate in rates:
+            runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
+            cpu_before = process_cpu_seconds(rig.epp_pid)
+            gateway_requests = 0
+            for round_index in range(args.rounds):
+                order = ["direct", "gateway"] if round_index % 2 == 0 else ["gateway", "direct"]
+                for path in order:
+                    url = rig.direct_url if path == "direct" else rig.gateway_url
+                    result = asyncio.run(open_loop(url, rate, args.seconds, seed=round_index))
+                    runs[path].append(result)
+                    if path == "gateway":
+                        gateway_requests += int(result["ok"]) + 50
+                    print(
+                        f"{rate:>6.0f} {path:>8} {int(result['ok']):>5}/{int(result['sent']):<5} "
+                        f"{result['p50_ms']:>8.2f} {result['p90_ms']:>8.2f} "
+                        f"{result['p99_ms']:>8.2f} {result['send_lag_p99_ms']:>7.2f}"
+                    )
+            cpu_ms = (process_cpu_seconds(rig.epp_pid) - cpu_before) * 1000 / gateway_requests
+
+            def mean(path: str, key: str, runs: dict = runs) -> float:
+                return sum(r[key] for r in runs[path]) / len(runs[path])
+
+            p50 = mean("gateway", "p50_ms") - mean("direct", "p50_ms")
+            p99 = mean("gateway", "p99_ms") - mean("direct", "p99_ms")
+            summary.append((rate, p50, p99, cpu_ms))
+        scheduling = metric_sum(
+            rig.epp_metrics_url, "infergate_epp_scheduling_duration_seconds_sum"
+        ) / max(
+            1.0, metric_sum(rig.epp_metrics_url, "infergate_epp_scheduling_duration_seconds_count")
+        )
+
+    print("\nEPP overhead (gateway minus direct, mean of rounds):")
+    print(f"{'rate':>6} {'p50 +ms':>9} {'p99 +ms':>9} {'EPP CPU ms/req':>15}  verdict")
+    for rate, p50, p99, cpu_ms in summary:
+        verdict = []
+        if rate >= 500:
+            verdict.append(
+                "p50 ok" if p50 <= TARGET_P50_MS else f"p50 misses by {p50 - TARGET_P50_MS:.2f} ms"
+            )
+            verdict.append(
+                "p99 ok" if p99 <= TARGET_P99_MS else f"p99 misses by {p99 - TARGET_P99_MS:.2f} ms"
+            )
+        print(f"{rate:>6.0f} {p50:>9.2f} {p99:>9.2f} {cpu_ms:>15.2f}  {', '.join(verdict)}")
+    print(f"EPP scheduling decision (its own histogram): mean {scheduling * 1000:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Rig for the EPP overhead and throughput benchmarks (benchmarks/epp_*.py).
+
+Two real Envoys in front of the same upstream: the gateway (ext_proc to a real
+``infergate epp``, ORIGINAL_DST on its pick) and a direct twin with the identical listener
+and timeouts but no ext_proc filter. The upstream is, by default, a third Envoy answering
+``/v1/completions`` and ``/metrics`` (vLLM metric names) from ``direct_response`` on
+several ports: a fixed, tiny latency, so the difference between the two paths is the
+EPP's cost and nothing else. ``--upstream engine`` uses ``infergate engine serve
+--simulate`` processes instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from infergate.bench.metrics import arrival_times
+from infergate.procs import ProcessGroup, free_port, http_ready
+from infergate.stack.envoy_config import EPP_CLUSTER, build_envoy_config
+from infergate.stack.envoy_process import start_envoy
+from infergate.stack.local import (
+    LOOPBACK,
+    ensure_tiny_model,
+    grpc_serving,
+    infergate_argv,
+)
+
+MODEL = "bench"
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
+)
+METRICS = (
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+    "# TYPE vllm:num_requests_running gauge\n"
+    f'vllm:num_requests_running{{model_name="{MODEL}"}} 0\n'
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.1\n'
+)
+
+
+def _direct(status: int, body: str, content_type: str) -> dict[str, Any]:
+    return {
+        "direct_response": {"status": status, "body": {"inline_string": body}},
+        "response_headers_to_add": [{"header": {"key": "content-type", "value": content_type}}],
+    }
+
+
+def static_upstream_config(ports: Sequence[int], admin_port: int) -> dict[str, Any]:
+    """An Envoy that answers like a tiny vLLM on every port in ``ports``."""
+    routes = [
+        {"match": {"prefix": "/metrics"}, **_direct(200, METRICS, "text/plain; version=0.0.4")},
+        {"match": {"prefix": "/health"}, **_direct(200, "", "text/plain")},
+        {"match": {"prefix": "/v1/completions"}, **_direct(200, COMPLETION, "application/json")},
+    ]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "upstream",
+        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]},
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    listeners = [
+        {
+            "name": f"upstream_{port}",
+            "address": {"socket_address": {"address": LOOPBACK, "port_value": port}},
+            "filter_chains": [
+                {
+                    "filters": [
+                        {
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": hcm,
+                        }
+                    ]
+                }
+            ],
+        }
+        for port in ports
+    ]
+    return {
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
+        "static_resources": {"listeners": listeners},
+    }
+
+
+def direct_twin(config: dict[str, Any]) -> dict[str, Any]:
+    """The gateway config minus ext_proc: every request takes the no-pick route to the
+    fallback cluster (the same upstreams), through the same listener and router."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    hcm["typed_config"]["http_filters"] = [
+        f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
+    ]
+    config["static_resources"]["clusters"] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] != EPP_CLUSTER
+    ]
+    return config
+
+
+@dataclass
+class Rig:
+    gateway_url: str
+    direct_url: str
+    epp_metrics_url: str
+    epp_pid: int
+    group: ProcessGroup = field(repr=False)
+
+
+def start_rig(
+    group: ProcessGroup,
+    workdir: Path,
+    *,
+    upstream: str = "static",
+    endpoints: int = 4,
+    envoy_concurrency: int = 1,
+) -> Rig:
+    ports = [free_port() for _ in range(endpoints)]
+    if upstream == "static":
+        start_envoy(
+            group,
+            static_upstream_config(ports, free_port()),
+            workdir / "upstream.yaml",
+            name="upstream",
+        )
+    elif upstream == "engine":
+        model = ensure_tiny_model()
+        for i, port in enumerate(ports):
+            group.start(
+                f"engine-{i}",
+                [
+                    *infergate_argv(),
+                    "engine",
+                    "serve",
+                    str(model),
+                    "--simulate",
+                    "--host",
+                    LOOPBACK,
+                    "--port",
+                    str(port),
+                    "--served-model-name",
+                    MODEL,
+                ],
+                ready=http_ready(f"http://{LOOPBACK}:{port}/health"),
+                timeout=120,
+            )
+    else:
+        raise ValueError(f"--upstream must be static or engine, not {upstream!r}")
+
+    grpc, health, metrics = free_port(), free_port(), free_port()
+    argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
+    for port in ports:
+        argv += ["--endpoint", f"{LOOPBACK}:{port}"]
+    argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health)]
+    argv += ["--metrics-port", str(metrics)]
+    epp = group.start("epp", argv, ready=grpc_serving(LOOPBACK, health), timeout=120)
+
+    gateway_port, direct_port = free_port(), free_port()
+    common = {
+        "listen_address": LOOPBACK,
+        "epp_address": LOOPBACK,
+        "epp_port": grpc,
+        "fallback_endpoints": [(LOOPBACK, p) for p in ports],
+        "access_log": False,
+    }
+    start_envoy(
+        group,
+        build_envoy_config(listen_port=gateway_port, admin_port=free_port(), **common),  # type: ignore[arg-type]
+        workdir / "gateway.yaml",
+        name="envoy-gateway",
+        concurrency=envoy_concurrency,
+    )
+    start_envoy(
+        group,
+        direct_twin(
+            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)  # type: ignore[arg-type]
+        ),
+        workdir / "direct.yaml",
+        name="envoy-direct",
+        concurrency=envoy_concurrency,
+    )
+    return Rig(
+        gateway_url=f"http://{LOOPBACK}:{gateway_port}/v1/completions",
+        direct_url=f"http://{LOOPBACK}:{direct_port}/v1/completions",
+        epp_metrics_url=f"http://{LOOPBACK}:{metrics}/metrics",
+        epp_pid=epp.pid,
+        group=group,
+    )
+
+
+BODY = {"model": MODEL, "prompt": "Say ok.", "max_tokens": 1, "stream": False}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float | None:
+    start = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as response:
+            await response.read()
+            if response.status != 200:
+                return None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return time.perf_counter() - start
+
+
+async def open_loop(url: str, rate: float, seconds: float, *, seed: int = 0) -> dict[str, float]:
+    """Poisson arrivals at ``rate`` for ``seconds``; latency percentiles (ms) of successes."""
+    n = max(1, int(rate * seconds))
+    offsets = arrival_times(n, rate, seed=seed)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=30)
+    ) as session:
+        for _ in range(50):  # warm connections and the EPP's code paths
+            await _one(session, url, BODY)
+        started = time.perf_counter()
+        tasks = []
+        lag = []
+        for offset in offsets:
+            delay = started + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                lag.append(-delay)
+            tasks.append(asyncio.create_task(_one(session, url, BODY)))
+        results = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
+    ok = [r for r in results if r is not None]
+    ms = np.asarray(ok or [0.0]) * 1000
+    return {
+        "sent": n,
+        "ok": len(ok),
+        "achieved_rps": len(ok) / elapsed,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(statistics.fmean(ms)),
+        "send_lag_p99_ms": float(np.percentile(np.asarray(lag or [0.0]) * 1000, 99)),
+    }
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, float]:
+    """``concurrency`` clients back to back for ``seconds``: the sustained request rate."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    latencies: list[float] = []
+    failures = 0
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=30)
+    ) as session:
+        for _ in range(50):
+            await _one(session, url, BODY)
+        deadline = time.perf_counter() + seconds
+
+        async def client() -> None:
+            nonlocal failures
+            while time.perf_counter() < deadline:
+                latency = await _one(session, url, BODY)
+                if latency is None:
+                    failures += 1
+                else:
+                    latencies.append(latency)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    ms = np.asarray(latencies or [0.0]) * 1000
+    return {
+        "concurrency": concurrency,
+        "rps": len(latencies) / elapsed,
+        "failures": failures,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds used so far by ``pid`` (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
