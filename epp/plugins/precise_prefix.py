@@ -37,7 +37,12 @@ CACHE_CLEARED_LISTENERS = "kv_cache_cleared_listeners"
 class PrecisePrefixParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kvEventsPort: int = Field(5557, gt=0, lt=65536)
-    blockSize: int = Field(16, ge=1, description="Tokens per KV block (the engines' --block-size).")
+    blockSize: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per KV block (the engines' --block-size); default: what the "
+        "engines report in vllm:cache_config_info, else 16.",
+    )
     tokenizerPath: str | None = Field(
         None,
         description="Directory or tokenizer.json for plain prompts; else the engine's /tokenize.",
@@ -247,7 +252,9 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer):
         if not tokens:
             cycle["precise.hashes"] = []
             return
-        block = self.p.blockSize
+        block = self.p.blockSize or next(
+            (e.metrics.block_size for e in endpoints if e.metrics.block_size > 0), 16
+        )
         tokens = tokens[: block * self.p.maxPrefixBlocksToMatch]
         hashes = block_hashes(tokens, block, cache_salt=request.cache_salt or None)
         cycle["precise.hashes"] = hashes

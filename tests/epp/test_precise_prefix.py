@@ -117,7 +117,7 @@ async def test_real_engine_metrics_events_and_tokenize(
         timeout=120,
     )  # fmt: skip
     engine = Endpoint("127.0.0.1", port, ((KV_EVENTS_PORT_LABEL, str(kv_port)),))
-    config = CONFIG.replace("blockSize: 4", "blockSize: 16")
+    config = CONFIG.replace("parameters: {blockSize: 4}", "parameters: {}")  # learnt: 16
     epp = await epp_factory(static_endpoints=[engine], config=parse_config(config))
     state = epp.datastore.get(engine.key)
     assert state is not None
