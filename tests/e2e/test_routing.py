@@ -228,6 +228,10 @@ def test_an_engine_with_stale_metrics_is_avoided_until_it_recovers(stack: LocalS
     assert frozen in spread
 
 
+def _epp_healthy(admin_url: str) -> bool:
+    return envoy_cluster_healthy(admin_url, EPP_CLUSTER)
+
+
 def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalStack) -> None:
     """Last in the module: it stops and restarts the shared EPP."""
     open_port, open_admin = free_port(), free_port()
@@ -246,12 +250,7 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
     try:
         # Envoy fails open on a body-carrying request only once its health check has seen
         # the EPP go (see envoy_config): at most one check interval (1 s) later.
-        for admin in admins:
-            wait_for(
-                lambda admin=admin: not envoy_cluster_healthy(admin, EPP_CLUSTER),
-                30,
-                "Envoy to see the EPP down",
-            )
+        wait_for(lambda: not any(_epp_healthy(a) for a in admins), 30, "Envoy to see the EPP down")
         with httpx.Client(timeout=60) as client:
             refused = client.post(f"{stack.base_url}/v1/completions", json=body)
             assert 500 <= refused.status_code < 600
@@ -261,6 +260,5 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
             assert served.json()["usage"]["completion_tokens"] == 2
     finally:
         stack.start_epp()
-    for admin in admins:
-        wait_for(lambda admin=admin: envoy_cluster_healthy(admin, EPP_CLUSTER), 30, "the EPP back")
+    wait_for(lambda: all(_epp_healthy(a) for a in admins), 30, "Envoy to see the EPP back")
     _served_by(_complete(stack, "the EPP is back"))
