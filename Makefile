@@ -45,12 +45,12 @@ bench: install ## Run the benchmarks that print figures (see docs/benchmarks.md)
 	@ls benchmarks/*.py >/dev/null 2>&1 || { echo "no benchmarks yet"; exit 0; }
 	@for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
-conformance: install ## The InferencePool conformance suite on a kind cluster (needs docker, kind, kubectl, helm)
-	@test -x conformance/kind.sh || { echo "conformance: the kind driver is not built yet (issue 7)"; exit 2; }
+conformance: install ## The InferencePool conformance suite on a kind cluster (needs docker, kind, kubectl, helm, istioctl)
 	conformance/kind.sh
 
-conformance-local: install ## The conformance suite against the local stack
-	$(BIN)/pytest -m conformance conformance
+conformance-local: install ## The conformance suite against the local stack; writes conformance/reports/local/
+	$(BIN)/pytest -m conformance conformance -p no:cacheprovider \
+		--conformance-report=conformance/reports/local/infergate-local-gateway-report.yaml
 
 clean: ## Remove the venv, caches and build outputs
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

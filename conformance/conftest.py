@@ -110,10 +110,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     outcomes = session.config.stash.get(_OUTCOMES_KEY, {})
     if not path or not outcomes:
         return
-    mode = session.config.getoption("--conformance-driver")
-    gateway = (
-        "Envoy (infergate.stack.envoy_config) per pool"
-        if mode == "local"
-        else f"GatewayClass {session.config.getoption('--gateway-class')}"
-    )
+    # GIE's `mode` is the implementation's operating mode: on a cluster the default one
+    # (a Gateway API implementation + the operator); locally Envoy is configured directly.
+    if session.config.getoption("--conformance-driver") == "local":
+        mode, gateway = "local", "one Envoy per pool (infergate.stack.envoy_config), no Gateway API"
+    else:
+        mode, gateway = "default", f"GatewayClass {session.config.getoption('--gateway-class')}"
     write_report(Path(path), build_report(outcomes, mode=mode, root=ROOT, gateway=gateway))

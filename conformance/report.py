@@ -99,7 +99,7 @@ def build_report(
             {
                 "core": core,
                 "name": "Gateway",
-                "summary": f"{summary} Driver: {mode}; gateway: {gateway}.",
+                "summary": f"{summary} Gateway: {gateway}.",
             }
         ],
     }
