@@ -51,6 +51,8 @@ class EppOptions:
     metrics_timeout: float = 1.0
     max_request_body_bytes: int = 8 << 20
     scores_header: bool = False
+    secure_serving: bool = False
+    cert_path: Path | None = None
 
 
 class Epp:
@@ -89,6 +91,7 @@ class Epp:
             self.metrics,
         )
         self._grpc: grpc.aio.Server | None = None
+        self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
         self._metrics_http: Any = None
@@ -124,7 +127,13 @@ class Epp:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
+        if o.secure_serving:
+            from infergate.epp.tls import server_credentials
+
+            credentials, self.certificate = server_credentials(o.cert_path)
+            self.grpc_port = self._grpc.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)
+        else:
+            self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
         self._health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{o.host}:{o.grpc_health_port}")
@@ -153,7 +162,9 @@ class Epp:
         await self._grpc.start()
         await self._health_server.start()
         log.info(
-            "endpoint picker serving ext-proc on %s:%d, health on %d, metrics on %d; %d endpoints",
+            "endpoint picker serving ext-proc (%s) on %s:%d, health on %d, metrics on %d; "
+            "%d endpoints",
+            "TLS" if o.secure_serving else "plaintext",
             o.host,
             self.grpc_port,
             self.health_port,

@@ -74,6 +74,15 @@ def epp(
         "--scores-header",
         help="Debug: add `x-infergate-epp-scores` (per-endpoint totals) to upstream requests.",
     ),
+    secure_serving: bool = typer.Option(
+        False,
+        "--secure-serving/--no-secure-serving",
+        help="Serve ext-proc over TLS (GIE's default; Istio expects it). Self-signed unless "
+        "--cert-path is given.",
+    ),
+    cert_path: Path | None = typer.Option(
+        None, "--cert-path", help="Directory with tls.crt and tls.key for --secure-serving."
+    ),
     log_level: str = typer.Option(
         "info", "--log-level", help="debug logs one line per decision with per-scorer scores."
     ),
@@ -133,6 +142,8 @@ def epp(
             metrics_timeout=scrape_timeout,
             max_request_body_bytes=max_request_body_bytes,
             scores_header=scores_header,
+            secure_serving=secure_serving,
+            cert_path=cert_path,
         )
         Epp(options)  # validate everything (plugins, parameters, files) before binding
     except (ConfigError, EndpointsFileError, ObjectivesError) as error:

@@ -257,3 +257,27 @@ async def test_garbage_never_crashes_the_server(epp_factory, channel_for) -> Non
     header_response, _ = await stream.recv(2)
     assert set_headers(header_response)["x-gateway-destination-endpoint"] == A.key
     assert isinstance(channel, grpc.aio.Channel)
+
+
+async def test_secure_serving_with_a_self_signed_certificate(epp_factory) -> None:
+    epp = await epp_factory(static_endpoints=[A], secure_serving=True)
+    assert epp.certificate is not None and b"BEGIN CERTIFICATE" in epp.certificate
+    credentials = grpc.ssl_channel_credentials(root_certificates=epp.certificate)
+    async with grpc.aio.secure_channel(
+        f"127.0.0.1:{epp.grpc_port}",
+        credentials,
+        options=[("grpc.ssl_target_name_override", "localhost")],
+    ) as channel:
+        stream = Stream(channel)
+        await stream.send(headers(POST), body(_completion()))
+        header_response, _ = await stream.recv(2)
+        assert set_headers(header_response)["x-gateway-destination-endpoint"] == A.key
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.grpc_port}") as plain:
+        stream = Stream(plain)
+        try:
+            await stream.send(headers(POST), body(_completion()))
+            await stream.recv(1, timeout=5)
+        except (grpc.aio.AioRpcError, AssertionError, TimeoutError):
+            pass  # a plaintext client cannot talk to the TLS port
+        else:
+            raise AssertionError("plaintext client was served on the TLS port")
