@@ -20,7 +20,7 @@ CRDS = ROOT / "crds"
 
 @pytest_asyncio.fixture
 async def emulator() -> AsyncIterator[KubeEmulator]:
-    async with serve_emulator([CRDS]) as emu:
+    async with serve_emulator([CRDS, CRDS / "kopf"]) as emu:
         yield emu
 
 
@@ -38,7 +38,9 @@ def start_operator(
 ) -> StartOperator:
     """Start ``infergate operator`` (standalone, liveness endpoint) and wait for liveness."""
 
-    async def start(*extra: str, resync: float = 1.0, name: str = "operator") -> ManagedProcess:
+    async def start(
+        *extra: str, resync: float = 1.0, name: str = "operator", standalone: bool = True
+    ) -> ManagedProcess:
         port = free_port()
         env = dict(
             os.environ,
@@ -49,7 +51,7 @@ def start_operator(
         argv = [
             *infergate_cli,
             "operator",
-            "--standalone",
+            *(["--standalone"] if standalone else []),
             "--liveness",
             f"http://127.0.0.1:{port}/healthz",
             *extra,
