@@ -6,7 +6,8 @@ endpoints:
 ```
 
 The watcher watches the file's directory, not the file, so editors and tools that write a
-temporary file and rename it over the original (an atomic replace) are seen too. A file
+temporary file and rename it over the original (an atomic replace) are seen too, and so
+is a mounted ConfigMap's update (kubelet swaps the ``..data`` symlink). A file
 that fails to parse is logged and ignored: the previous endpoints stay.
 """
 
@@ -61,11 +62,14 @@ async def watch_file(
     """Call ``on_change`` whenever ``path`` is written, created, replaced or removed."""
     from watchfiles import awatch
 
-    target = path.resolve()
+    target = path.absolute()
     directory = target.parent
 
     def relevant(_change: object, changed: str) -> bool:
-        return Path(changed).resolve() == target
+        changed_path = Path(changed)
+        # The file itself (in place, created, renamed over), or a kubelet ConfigMap
+        # update, which swaps the ``..data`` symlink next to it.
+        return changed_path == target or changed_path.name.startswith("..")
 
     async for _ in awatch(
         directory,

@@ -67,3 +67,22 @@ def test_static_endpoint_parsing() -> None:
     for bad in ("nohost", "1.2.3.4:", "1.2.3.4:99999", ":80"):
         with pytest.raises(ValueError):
             parse_endpoint(bad)
+
+
+async def test_configmap_style_symlink_swap_reloads(epp_factory, tmp_path: Path) -> None:
+    """kubelet mounts ConfigMap keys as FILE -> ..data/FILE and updates by swapping ..data."""
+    first = tmp_path / "..2026_11_22_a"
+    first.mkdir()
+    (first / "endpoints.yaml").write_text("endpoints:\n- {address: 10.0.1.1, port: 8000}\n")
+    (tmp_path / "..data").symlink_to(first.name)
+    path = tmp_path / "endpoints.yaml"
+    path.symlink_to("..data/endpoints.yaml")
+    epp = await epp_factory(endpoints_file=path)
+    assert keys(epp) == {"10.0.1.1:8000"}
+
+    second = tmp_path / "..2026_11_22_b"
+    second.mkdir()
+    (second / "endpoints.yaml").write_text("endpoints:\n- {address: 10.0.1.2, port: 8000}\n")
+    (tmp_path / "..data_tmp").symlink_to(second.name)
+    os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+    await eventually(lambda: keys(epp) == {"10.0.1.2:8000"})
