@@ -281,3 +281,18 @@ def test_up_to_date_needs_same_hash_and_no_drift() -> None:
     assert is_subset({"a": [1, {"b": 2}]}, {"a": [1, {"b": 2, "c": 3}], "d": 4})
     assert not is_subset({"a": [1]}, {"a": [1, 2]})
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
+
+
+def test_cli_defaults_and_peering_priority() -> None:
+    from infergate.operator.cli import kopf_argv
+
+    argv = kopf_argv([])
+    assert argv[:3] == ["run", "--module", "infergate.operator.handlers"]
+    assert "--all-namespaces" in argv and "--log-format=json" in argv
+    scoped = kopf_argv(["--namespace", "a", "--log-format=plain"])
+    assert "--all-namespaces" not in scoped and "--log-format=json" not in scoped
+    peered = [a for a in kopf_argv(["--peering", "x"]) if a.startswith("--priority=")]
+    assert len(peered) == 1 and int(peered[0].split("=")[1]) > 0
+    assert not [
+        a for a in kopf_argv(["--peering", "x", "--priority", "5"]) if a.startswith("--priority=")
+    ]
