@@ -7,8 +7,9 @@ Prints (never asserts):
    steps/s at several batch sizes;
 2. TTFT through a real ``infergate engine serve --simulate`` process: prompts of ~1k
    tokens, all distinct vs sharing a 1k-token prefix (streamed, first-token time);
-3. optionally (``--fleet N``) N simulated engines at once on this machine, each with
-   concurrent streams: measured mean inter-token latency vs the timing model's.
+3. ``--fleet N`` simulated engines at once on this machine, each with concurrent
+   streams: client-side inter-token latency, and by how much the engines' steps overran
+   their modelled time (their ``infergate_sim_*`` counters).
 """
 
 from __future__ import annotations
@@ -155,15 +156,29 @@ def main() -> None:
             with ProcessGroup() as group:
                 urls = [start_engine(group, model_dir, f"sim-{i}") for i in range(args.fleet)]
                 gaps = asyncio.run(fleet(urls, args.fleet_streams, 200))
-            ctx = 110 + 100  # mean context: ~110-token prompt + half of 200 outputs
-            modelled = (max(model.base_ms * 1e3, args.fleet_streams * model.us_per_token)
-                        + args.fleet_streams * ctx * model.us_per_kv_token
-                        + args.fleet_streams * model.us_per_seq) / 1e3  # fmt: skip
+                modelled, late, steps = sim_counters(urls)
             print(f"\n== {args.fleet} simulated engines x {args.fleet_streams} streams at once")
-            print(f"mean ITL measured {statistics.mean(gaps) * 1e3:.2f} ms, "
+            print(f"client-side ITL: mean {statistics.mean(gaps) * 1e3:.2f} ms, "
                   f"p50 {statistics.median(gaps) * 1e3:.2f} ms, "
-                  f"p99 {statistics.quantiles(gaps, n=100)[98] * 1e3:.2f} ms; "
-                  f"timing model {modelled:.2f} ms")  # fmt: skip
+                  f"p99 {statistics.quantiles(gaps, n=100)[98] * 1e3:.2f} ms")  # fmt: skip
+            print(f"engine steps: {steps}, modelled {modelled:.2f} s, overran by {late:.3f} s "
+                  f"({late / modelled:.1%} of modelled time)")  # fmt: skip
+
+
+def sim_counters(urls: list[str]) -> tuple[float, float, int]:
+    """Sum of modelled step time, lateness and steps over the engines' /metrics."""
+    modelled = late = 0.0
+    steps = 0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "infergate_sim_modelled_seconds_total":
+                modelled += float(value)
+            elif name == "infergate_sim_late_seconds_total":
+                late += float(value)
+            elif name == "infergate_sim_steps_total":
+                steps += int(float(value))
+    return modelled, late, steps
 
 
 if __name__ == "__main__":

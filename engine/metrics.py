@@ -8,9 +8,11 @@ exposition stays a few small families.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -108,3 +110,31 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SimulatorCollector(Collector):
+    """Simulated mode only: how closely the steps keep to the timing model.
+
+    ``infergate_sim_late_seconds_total / infergate_sim_modelled_seconds_total`` is the
+    fraction by which steps overran their modelled time (CPU starvation, e.g. too many
+    simulated engines on too few cores).
+    """
+
+    def __init__(self, runner: object) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        r = self.runner
+        yield CounterMetricFamily(
+            "infergate_sim_steps", "Simulated steps.", value=getattr(r, "steps", 0)
+        )
+        yield CounterMetricFamily(
+            "infergate_sim_modelled_seconds",
+            "Modelled duration of all simulated steps.",
+            value=getattr(r, "simulated_seconds", 0.0),
+        )
+        yield CounterMetricFamily(
+            "infergate_sim_late_seconds",
+            "Wall time by which simulated steps overran their modelled end, summed.",
+            value=getattr(r, "late_seconds", 0.0),
+        )

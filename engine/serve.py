@@ -12,6 +12,7 @@ from typing import Any
 from infergate.engine.sim_runner import TimingModel
 
 log = logging.getLogger("infergate.engine")
+SWITCH_INTERVAL_S = 0.0005
 
 
 class ServeError(RuntimeError):
@@ -74,7 +75,7 @@ def build(opts: ServeOptions) -> Any:
     from infergate.engine.async_engine import AsyncEngine
     from infergate.engine.core import EngineCore
     from infergate.engine.kv_events import ZmqEventPublisher
-    from infergate.engine.metrics import EngineMetrics
+    from infergate.engine.metrics import EngineMetrics, SimulatorCollector
     from infergate.engine.scheduler import SchedulerConfig
     from infergate.engine.server import ServerConfig, build_app
     from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
@@ -154,6 +155,8 @@ def build(opts: ServeOptions) -> Any:
     metrics = EngineMetrics(
         names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks
     )
+    if opts.simulate:
+        metrics.registry.register(SimulatorCollector(runner))
     events = None
     if opts.kv_events_port is not None:
         events = ZmqEventPublisher(f"tcp://*:{opts.kv_events_port}")
@@ -195,6 +198,9 @@ def serve(opts: ServeOptions) -> None:
     )
     import uvicorn
 
+    # The step loop's thread must get the GIL back as soon as its (simulated or real)
+    # forward pass returns, not after the default 5 ms of HTTP work on the other thread.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = build(opts)
     log.info("serving on http://%s:%d (OpenAI API under /v1)", opts.host, opts.port)
     uvicorn.run(

@@ -76,11 +76,24 @@ class SimulatedRunner:
         self._filler = list(filler_token_ids)
         self._sleep = sleep
         self._step_start: float | None = None
+        self._deadline: float | None = None  # when the previous step was due to end
         self.steps = 0
-        self.simulated_seconds = 0.0
+        self.simulated_seconds = 0.0  # modelled time of all steps
+        self.late_seconds = 0.0  # wall time beyond the modelled end of steps, summed
 
     def begin_step(self) -> None:
-        self._step_start = time.perf_counter()
+        """Mark the start of a step (called by the core before scheduling).
+
+        When the engine goes straight on from the previous step, that step's CPU
+        post-processing (outputs, detokenization) and this step's scheduling count inside
+        this step's modelled time — as a GPU engine overlaps them with the forward pass —
+        so back-to-back steps keep exactly the modelled pace.
+        """
+        now = time.perf_counter()
+        back_to_back = (
+            self._deadline is not None and now - self._deadline < self.timing.base_ms / 1000
+        )
+        self._step_start = self._deadline if back_to_back else now
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         duration = self.timing.step_seconds(batch)
@@ -96,9 +109,12 @@ class SimulatedRunner:
                 out.append(None)
         if self._sleep:
             start = self._step_start if self._step_start is not None else time.perf_counter()
-            remaining = start + duration - time.perf_counter()
+            deadline = start + duration
+            remaining = deadline - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
+            self.late_seconds += max(0.0, time.perf_counter() - deadline)
+            self._deadline = deadline
         self._step_start = None
         return out
 

@@ -358,5 +358,8 @@ def test_metrics_move_with_load(sim_server: Server) -> None:
         assert after[count] > before[count]
     assert after[f"vllm:num_preemptions_total{m}"] >= 0
     assert after["vllm:cache_config_info{block_size=16,num_gpu_blocks=128}"] == 1
+    steps = "infergate_sim_steps_total{}"
+    assert after[steps] > before[steps]
+    assert after["infergate_sim_modelled_seconds_total{}"] > 0
     lora = "vllm:lora_requests_info{max_lora=0,running_lora_adapters=,waiting_lora_adapters=}"
     assert after[lora] > 0
