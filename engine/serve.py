@@ -12,7 +12,6 @@ from typing import Any
 from infergate.engine.sim_runner import TimingModel
 
 log = logging.getLogger("infergate.engine")
-SWITCH_INTERVAL_S = 0.0005
 
 
 class ServeError(RuntimeError):
@@ -198,9 +197,6 @@ def serve(opts: ServeOptions) -> None:
     )
     import uvicorn
 
-    # The step loop's thread must get the GIL back as soon as its (simulated or real)
-    # forward pass returns, not after the default 5 ms of HTTP work on the other thread.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = build(opts)
     log.info("serving on http://%s:%d (OpenAI API under /v1)", opts.host, opts.port)
     uvicorn.run(
