@@ -35,16 +35,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--upstream", default="static", choices=["static", "engine"])
     parser.add_argument("--endpoints", type=int, default=4)
+    parser.add_argument(
+        "--no-response-body",
+        action="store_true",
+        help="Envoy sends the EPP no response bodies (response_body_mode NONE)",
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
         f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
-        f"{args.endpoints} endpoints"
+        f"{args.endpoints} endpoints, response bodies to EPP: {not args.no_response_body}"
     )
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
-        rig = start_rig(group, Path(tmp), upstream=args.upstream, endpoints=args.endpoints)
+        rig = start_rig(
+            group,
+            Path(tmp),
+            upstream=args.upstream,
+            endpoints=args.endpoints,
+            response_bodies=not args.no_response_body,
+        )
         header = (
             f"{'rate':>6} {'path':>8} {'ok/sent':>11} {'p50 ms':>8} {'p90 ms':>8} "
             f"{'p99 ms':>8} {'lag99':>7}"

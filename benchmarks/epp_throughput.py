@@ -28,6 +28,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--upstream", default="static", choices=["static", "engine"])
     parser.add_argument("--endpoints", type=int, default=4)
+    parser.add_argument(
+        "--no-response-body",
+        action="store_true",
+        help="Envoy sends the EPP no response bodies (response_body_mode NONE)",
+    )
     parser.add_argument("--envoy-concurrency", type=int, default=1)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -35,7 +40,8 @@ def main() -> None:
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
         f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
-        f"{args.endpoints} endpoints, Envoy --concurrency {args.envoy_concurrency}"
+        f"{args.endpoints} endpoints, Envoy --concurrency {args.envoy_concurrency}, "
+        f"response bodies to EPP: {not args.no_response_body}"
     )
     best = 0.0
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
@@ -45,6 +51,7 @@ def main() -> None:
             upstream=args.upstream,
             endpoints=args.endpoints,
             envoy_concurrency=args.envoy_concurrency,
+            response_bodies=not args.no_response_body,
         )
         print(
             f"{'clients':>7} {'path':>8} {'req/s':>9} {'fail':>5} {'p50 ms':>8} "

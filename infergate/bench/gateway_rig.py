@@ -137,6 +137,7 @@ def start_rig(
     upstream: str = "static",
     endpoints: int = 4,
     envoy_concurrency: int = 1,
+    response_bodies: bool = True,
 ) -> Rig:
     ports = [free_port() for _ in range(endpoints)]
     if upstream == "static":
@@ -185,6 +186,7 @@ def start_rig(
         "epp_port": grpc,
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
+        "stream_response_bodies": response_bodies,
     }
     start_envoy(
         group,

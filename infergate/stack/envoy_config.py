@@ -135,7 +135,11 @@ def _static_cluster(
 
 
 def _ext_proc_filter(
-    *, failure_mode_allow: bool, message_timeout_s: float, grpc_authority: str
+    *,
+    failure_mode_allow: bool,
+    message_timeout_s: float,
+    grpc_authority: str,
+    response_bodies: bool,
 ) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
@@ -149,10 +153,10 @@ def _ext_proc_filter(
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
                 "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED" if response_bodies else "NONE",
                 # FULL_DUPLEX_STREAMED requires the trailer modes to be SEND.
                 "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
+                "response_trailer_mode": "SEND" if response_bodies else "SKIP",
             },
             # The EPP answers headers only after the full body: give uploads time.
             "message_timeout": _duration(message_timeout_s),
@@ -249,6 +253,7 @@ def build_envoy_config(
     max_requests: int = 40000,
     stat_prefix: str = "infergate",
     epp_health_check_interval_s: float | None = 1.0,
+    stream_response_bodies: bool = True,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -258,7 +263,9 @@ def build_envoy_config(
     :data:`UPSTREAM_HOST_HEADER`) adds the upstream that really served to each response.
     ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
     (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
-    FailOpen starts to apply to requests with a body.
+    FailOpen starts to apply to requests with a body. ``stream_response_bodies=False``
+    stops sending response bodies to the EPP (one gRPC message pair per SSE chunk saved;
+    the EPP then reads no ``usage`` and finishes a request when its stream closes).
     """
     if route_timeout_s <= 0:
         raise ValueError("route_timeout_s must be > 0")
@@ -294,6 +301,7 @@ def build_envoy_config(
                 failure_mode_allow=failure_mode_allow,
                 message_timeout_s=message_timeout_s,
                 grpc_authority=f"{epp_address}:{epp_port}",
+                response_bodies=stream_response_bodies,
             ),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -117,6 +118,30 @@ def test_streaming_chat_reaches_the_engine_the_epp_chose(stack: LocalStack) -> N
     )
     others = [a for a in stack.engine_addresses if a != served]
     assert all(_successes(stack)[a] == before[a] for a in others)
+
+
+def test_server_sent_events_stream_through_without_buffering(stack: LocalStack) -> None:
+    """Envoy and the EPP (FULL_DUPLEX_STREAMED responses) pass each SSE chunk on as it
+    comes: the client sees the first token long before the last one is generated."""
+    body = {
+        "model": stack.model_name,
+        "prompt": f"{uuid.uuid4()} tell a long story",
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    arrivals: list[float] = []
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        started = time.perf_counter()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.perf_counter() - started)
+    assert len(arrivals) == 64
+    # 64 decode steps of the simulated engine: were the stream buffered anywhere, every
+    # chunk would arrive together at the end.
+    assert arrivals[0] < 0.5 * arrivals[-1]
 
 
 def test_shared_prefix_sticks_while_unrelated_prompts_spread(stack: LocalStack) -> None:
