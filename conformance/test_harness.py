@@ -1,0 +1,126 @@
+"""Tests of the suite's own parts (not conformance tests: no report entry): the echo
+backend, the weighted front listener, the report, and kind.sh's tool checks."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conformance.drivers.local import ECHO_SERVER, weighted_front_config
+from conformance.report import FAILED, PASSED, SKIPPED, build_report
+from infergate.procs import ProcessGroup, free_port, tcp_ready
+from infergate.stack.envoy_process import validate_config, write_config
+
+KIND_SH = Path(__file__).resolve().parent / "kind.sh"
+
+
+def test_echo_reports_identity_rank_and_body(processes: ProcessGroup) -> None:
+    ports = [free_port(), free_port()]
+    argv = [sys.executable, str(ECHO_SERVER), "--host", "127.0.0.1"]
+    for port in ports:
+        argv += ["--port", str(port)]
+    env = dict(os.environ, POD_NAME="echo-7", NAMESPACE="ns-x", POD_IP="10.1.2.3")
+    processes.start("echo", argv, env=env, ready=tcp_ready("127.0.0.1", ports[1]))
+
+    def chunks() -> Iterator[bytes]:  # a streamed (chunked) OpenAI body
+        yield b'{"model": "m-1", '
+        yield b'"prompt": "hi"}'
+
+    with httpx.Client() as client:
+        reply = client.post(
+            f"http://127.0.0.1:{ports[1]}/v1/completions?x=1",
+            content=chunks(),
+            headers={"content-type": "application/json", "x-test": "a"},
+        )
+        assert reply.status_code == 200
+        body = reply.json()
+        assert (body["pod"], body["namespace"], body["podIP"]) == ("echo-7", "ns-x", "10.1.2.3")
+        assert body["httpPort"] == str(ports[1])
+        assert (body["method"], body["path"], body["model"]) == (
+            "POST",
+            "/v1/completions?x=1",
+            "m-1",
+        )
+        assert body["bodyBytes"] == len(b'{"model": "m-1", "prompt": "hi"}')
+        assert body["headers"]["X-Test"] == ["a"]
+        other = client.delete(f"http://127.0.0.1:{ports[0]}/anything")
+        assert other.status_code == 200 and other.json()["httpPort"] == str(ports[0])
+        assert other.json()["model"] is None
+
+
+def test_weighted_front_config_is_valid_envoy(tmp_path: Path) -> None:
+    config = weighted_front_config(
+        listen_port=18080, admin_port=18081, backends=[("pool_a", 18001, 70), ("pool_b", 18002, 30)]
+    )
+    validate_config(write_config(config, tmp_path / "front.yaml"))
+
+
+def test_report_merges_parts_and_never_hides_failures() -> None:
+    report = build_report(
+        {
+            "A": [PASSED, PASSED],
+            "B": [PASSED, SKIPPED],
+            "C": [SKIPPED],
+            "D": [PASSED, FAILED],
+        },
+        mode="local",
+        root=Path(__file__).resolve().parents[1],
+        gateway="test",
+        date=datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
+    )
+    assert report["kind"] == "ConformanceReport" and report["date"] == "2026-01-02T03:04:05Z"
+    (profile,) = report["profiles"]
+    assert profile["name"] == "Gateway"
+    assert profile["core"]["statistics"] == {"Failed": 1, "Passed": 2, "Skipped": 1}
+    assert profile["core"]["result"] == "failure"
+    assert profile["core"]["failedTests"] == ["D"]
+    assert profile["core"]["skippedTests"] == ["C"]
+
+
+def _kind_sh(tmp_path: Path, stubs: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run kind.sh with a PATH holding only ``stubs`` (tool → shell body) and the few
+    coreutils the script needs before its checks, so installed tools cannot leak in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "mktemp"):
+        real = shutil.which(tool)
+        assert real is not None
+        (bin_dir / tool).symlink_to(real)
+    for tool, body in stubs.items():
+        stub = bin_dir / tool
+        stub.write_text(f"#!/bin/sh\n{body}\n")
+        stub.chmod(0o755)
+    return subprocess.run(
+        ["/bin/bash", str(KIND_SH)],
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("present", "missing"),
+    [((), "docker"), (("docker",), "kind"), (("docker", "kind"), "kubectl"),
+     (("docker", "kind", "kubectl"), "helm"), (("docker", "kind", "kubectl", "helm"), "istioctl")],
+)  # fmt: skip
+def test_kind_driver_names_the_missing_tool(
+    tmp_path: Path, present: tuple[str, ...], missing: str
+) -> None:
+    """kind.sh stops before touching anything, naming the first tool it lacks."""
+    result = _kind_sh(tmp_path, dict.fromkeys(present, "exit 0"))
+    assert result.returncode == 1, result
+    assert f"'{missing}' is not installed or not on PATH" in result.stderr
+    assert "Creating kind cluster" not in result.stdout
+
+
+def test_kind_driver_needs_a_running_docker_engine(tmp_path: Path) -> None:
+    result = _kind_sh(tmp_path, {"docker": '[ "$1" = info ] && exit 1; exit 0'})
+    assert result.returncode == 1, result
+    assert "no Docker engine answers" in result.stderr
