@@ -31,7 +31,7 @@ from conformance.checks import (
     operator_conditions,
     wait_condition,
 )
-from conformance.drivers.base import GATEWAY_API, Driver
+from conformance.drivers.base import GATEWAY_API, Driver, Reply
 from conformance.kube import KubeError, wait_for
 
 pytestmark = pytest.mark.conformance
@@ -52,6 +52,15 @@ def _pool(name: str, **spec_changes: Any) -> dict[str, Any]:
     body["metadata"] = {"name": name, "namespace": NS}
     body["spec"].update(spec_changes)
     return body
+
+
+def _route_conditions(driver: Driver, name: str) -> dict[str, Any]:
+    """Conditions of an HTTPRoute's status entry for the primary Gateway."""
+    route = driver.kube.get("HTTPRoute", NS, name) or {}
+    for parent in (route.get("status") or {}).get("parents") or []:
+        if parent.get("parentRef", {}).get("name") == topo.PRIMARY_GATEWAY:
+            return {c["type"]: c for c in parent.get("conditions") or []}
+    return {}
 
 
 @pytest.fixture
@@ -176,25 +185,40 @@ def test_picker_of_an_unsupported_kind(driver: Driver, scratch: list[tuple[str, 
 def test_request_through_an_unresolvable_picker_fails(
     driver: Driver, scratch: list[tuple[str, str]]
 ) -> None:
-    """GIE: a route to a pool whose picker cannot be resolved answers 5xx."""
+    """GIE: a route to a pool whose picker cannot be resolved answers 5xx (GIE's 'route
+    accepted' precondition, then only 5xx once the Gateway has the route)."""
     _needs_gateway_api(driver, "Routing an HTTPRoute to a pool")
-    driver.kube.apply(_pool("pool-with-missing-epp-service", endpointPickerRef={
-        "group": "example.com", "kind": "Picker", "name": "nothing", "port": {"number": 9002}}))  # fmt: skip
-    scratch.append(("InferencePool", "pool-with-missing-epp-service"))
+    driver.kube.apply(
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "unreachable-picker", "namespace": NS},
+         "spec": {"selector": {"app": "nothing"}, "ports": [{"name": "http", "port": 8080}]}}
+    )  # fmt: skip
+    scratch.append(("Service", "unreachable-picker"))
+    driver.kube.apply(_pool("pool-with-invalid-epp-service", endpointPickerRef={
+        "name": "unreachable-picker", "port": {"number": 9002}}))  # fmt: skip
+    scratch.append(("InferencePool", "pool-with-invalid-epp-service"))
+    route = "httproute-for-invalid-epp-pool"
     driver.kube.apply(
         {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
-         "metadata": {"name": "httproute-for-invalid-epp-pool", "namespace": NS},
+         "metadata": {"name": route, "namespace": NS},
          "spec": {"parentRefs": [{"name": topo.PRIMARY_GATEWAY, "namespace": topo.INFRA_NS}],
                   "hostnames": ["invalid-epp.example.com"],
                   "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/invalid-epp-test"}}],
                              "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                                              "name": "pool-with-missing-epp-service"}]}]}}
+                                              "name": "pool-with-invalid-epp-service"}]}]}}
     )  # fmt: skip
-    scratch.append(("HTTPRoute", "httproute-for-invalid-epp-pool"))
-    reply = driver.send_to_gateway(
-        topo.PRIMARY_GATEWAY, "invalid-epp.example.com", "/invalid-epp-test"
+    scratch.append(("HTTPRoute", route))
+    wait_condition(
+        driver, partial(_route_conditions, driver, route), "Accepted", "True", what=route
     )
-    assert 500 <= reply.status < 600, reply
+
+    def answered_5xx() -> Reply | None:
+        reply = driver.send_to_gateway(
+            topo.PRIMARY_GATEWAY, "invalid-epp.example.com", "/invalid-epp-test"
+        )
+        return reply if 500 <= reply.status < 600 else None
+
+    reply = wait_for(answered_5xx, timeout=driver.settle_timeout, what="a 5xx", interval=1.0)
+    assert reply.pod is None, reply
 
 
 @pytest.mark.conformance("InferencePoolInvalidPorts")
@@ -307,17 +331,9 @@ def test_httproute_to_a_missing_pool(driver: Driver, scratch: list[tuple[str, st
     )  # fmt: skip
     scratch.append(("HTTPRoute", name))
 
-    def route_conditions() -> dict[str, Any]:
-        route = driver.kube.get("HTTPRoute", NS, name) or {}
-        for parent in (route.get("status") or {}).get("parents") or []:
-            if parent.get("parentRef", {}).get("name") == topo.PRIMARY_GATEWAY:
-                return {c["type"]: c for c in parent.get("conditions") or []}
-        return {}
-
-    wait_condition(driver, route_conditions, "Accepted", "True", reason="Accepted", what=name)
-    wait_condition(
-        driver, route_conditions, "ResolvedRefs", "False", reason="BackendNotFound", what=name
-    )
+    conditions = partial(_route_conditions, driver, name)
+    wait_condition(driver, conditions, "Accepted", "True", reason="Accepted", what=name)
+    wait_condition(driver, conditions, "ResolvedRefs", "False", reason="BackendNotFound", what=name)
 
 
 @pytest.mark.conformance("InferencePoolReady")
