@@ -18,6 +18,7 @@ import kopf
 
 from infergate.operator import constants as c
 from infergate.operator.kube import Kube
+from infergate.operator.policy import POLICY_KINDS, reconcile_policy
 from infergate.operator.reconcile import reconcile
 from infergate.operator.settings import OperatorSettings
 
@@ -108,12 +109,15 @@ async def pool_event(
     if event.get("type") == "DELETED":
         _pools.pop(key, None)
         _locks.pop(key, None)
+        await _policies_of(*key)
         return  # garbage collection removes the owned objects
     _pools[key] = _PoolRefs(
         match_labels=dict((spec.get("selector") or {}).get("matchLabels") or {}),
         picker=str((spec.get("endpointPickerRef") or {}).get("name") or ""),
     )
     await reconcile_pool(namespace, name, f"pool {event.get('type') or 'listed'}")
+    if event.get("type") == "ADDED" or event.get("type") is None:
+        await _policies_of(*key)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={c.LABEL_MANAGED_BY: "infergate-operator"})
@@ -145,9 +149,49 @@ async def pod_event(
             await reconcile_pool(namespace, pool_name, f"pod {event.get('type')}")
 
 
+#: Policy objects seen on the watch: (kind, namespace, name) -> the pool they name.
+_policies: dict[tuple[str, str, str], str] = {}
+_policy_locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+
+
+async def reconcile_policy_object(kind: str, namespace: str, name: str) -> None:
+    lock = _policy_locks.setdefault((kind, namespace, name), asyncio.Lock())
+    async with lock:
+        try:
+            await asyncio.to_thread(reconcile_policy, _kube(), kind, namespace, name)
+        except Exception as error:  # retried by the next event or resync
+            log.warning("status of %s %s/%s failed: %s", kind, namespace, name, error)
+
+
+@kopf.on.event(c.X_GROUP, c.X_VERSION, c.OBJECTIVE_PLURAL)
+@kopf.on.event(c.X_GROUP, c.X_VERSION, c.REWRITE_PLURAL)
+async def policy_event(
+    event: kopf.RawEvent, namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> None:
+    obj = event.get("object") or {}
+    kind = str(obj.get("kind") or "")
+    if kind not in POLICY_KINDS:
+        return
+    key = (kind, namespace or "default", name)
+    if event.get("type") == "DELETED":
+        _policies.pop(key, None)
+        return
+    _policies[key] = str((spec.get("poolRef") or {}).get("name") or "")
+    await reconcile_policy_object(*key)
+
+
+async def _policies_of(namespace: str, pool: str) -> None:
+    """A pool came or went: the objectives and rewrites naming it re-check their status."""
+    for (kind, ns, name), target in list(_policies.items()):
+        if ns == namespace and target == pool:
+            await reconcile_policy_object(kind, ns, name)
+
+
 async def _resync_forever() -> None:
     """Full resync every ``resync_seconds``: status follows the world without events."""
     while True:
         await asyncio.sleep(_settings().resync_seconds)
         for namespace, name in list(_pools):
             await reconcile_pool(namespace, name, "resync")
+        for kind, namespace, name in list(_policies):
+            await reconcile_policy_object(kind, namespace, name)

@@ -50,6 +50,8 @@ KINDS: dict[str, Kind] = {
     "Deployment": Kind("apps", "v1", "deployments"),
     "PodDisruptionBudget": Kind("policy", "v1", "poddisruptionbudgets"),
     c.POOL_KIND: Kind(c.POOL_GROUP, c.POOL_VERSION, c.POOL_PLURAL),
+    "InferenceObjective": Kind(c.X_GROUP, c.X_VERSION, c.OBJECTIVE_PLURAL),
+    "InferenceModelRewrite": Kind(c.X_GROUP, c.X_VERSION, c.REWRITE_PLURAL),
 }
 
 #: Kinds the operator creates per pool, in the order stale ones are pruned.

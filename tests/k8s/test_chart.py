@@ -111,6 +111,8 @@ def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
         ], kind
     assert {"get", "list", "watch"} <= allowed[("", "pods")]
     assert "patch" in allowed[(c.POOL_GROUP, "inferencepools/status")]
+    assert "patch" in allowed[(c.X_GROUP, "inferenceobjectives/status")]
+    assert "patch" in allowed[(c.X_GROUP, "inferencemodelrewrites/status")]
     assert "create" in allowed[("", "events")]
     assert "patch" in allowed[("kopf.dev", "clusterkopfpeerings")]
     # RBAC escalation prevention: the operator must hold every permission it grants.

@@ -296,3 +296,14 @@ def test_cli_defaults_and_peering_priority() -> None:
     assert not [
         a for a in kopf_argv(["--peering", "x", "--priority", "5"]) if a.startswith("--priority=")
     ]
+
+
+def test_policy_conditions() -> None:
+    from infergate.operator.policy import policy_condition
+
+    objective = {"kind": "InferenceObjective", "spec": {"poolRef": {"name": "p"}}}
+    assert policy_condition(objective, True).status == "True"
+    assert policy_condition(objective, False).reason == "PoolNotFound"
+    rewrite = {"kind": "InferenceModelRewrite", "spec": {"poolRef": {"name": "p", "kind": "Other"}}}
+    cond = policy_condition(rewrite, True)
+    assert (cond.type, cond.status, cond.reason) == ("Accepted", "False", "UnsupportedPoolRef")
