@@ -21,8 +21,8 @@ import yaml
 import infergate
 
 #: The GIE release whose API (InferencePool v1) and conformance tests this suite follows.
-GIE_VERSION = "v1.0.1"
-GATEWAY_API_VERSION = "v1.4.0"
+GIE_VERSION = "v1.5.0"
+GATEWAY_API_VERSION = "v1.5.1"
 PASSED, FAILED, SKIPPED = "Passed", "Failed", "Skipped"
 
 
