@@ -158,13 +158,17 @@ def serve(
         )
         result = asyncio.run(run_benchmark(config))
     except (ValueError, RuntimeError, OSError) as error:
-        console.print(f"bench serve: {error}", style="red", markup=False, highlight=False)
+        console.print(
+            f"bench serve: {error}", style="red", markup=False, highlight=False, soft_wrap=True
+        )
         raise typer.Exit(1) from None
     result["dataset"] = dataset
     typer.echo(format_summary(result, percentiles=percentiles))
     failed = [e for e in result["errors"] if e]
     if failed:
-        console.print(f"{len(failed)} request(s) failed; first: {failed[0]}", markup=False)
+        console.print(
+            f"{len(failed)} request(s) failed; first: {failed[0]}", markup=False, soft_wrap=True
+        )
     if result_file is not None:
         result_file.write_text(json.dumps(result, indent=2))
-        console.print(f"results written to {result_file}", markup=False)
+        console.print(f"results written to {result_file}", markup=False, soft_wrap=True)
