@@ -193,6 +193,15 @@ async def test_sheddable_requests_get_429_when_the_pool_is_saturated(stack: Loca
         )
 
 
+def test_requests_without_a_body_are_routed_at_header_time(stack: LocalStack) -> None:
+    models = httpx.get(f"{stack.base_url}/v1/models", timeout=30)
+    assert models.headers[UPSTREAM_HOST_HEADER] in stack.engine_addresses
+    assert models.status_code == 200
+    assert [m["id"] for m in models.json()["data"]] == [stack.model_name]
+    health = httpx.get(f"{stack.base_url}/health", timeout=30)
+    assert health.status_code == 200
+
+
 def test_bad_bodies_get_400_and_413_and_the_epp_keeps_serving(stack: LocalStack) -> None:
     url = f"{stack.base_url}/v1/completions"
     with httpx.Client(timeout=60) as client:
