@@ -68,6 +68,8 @@ class AsyncEngine:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
@@ -134,7 +136,13 @@ class AsyncEngine:
     def _handle(self, command: _Command) -> None:
         kind, arg = command
         if kind == "add":
-            self.core.add_request(arg)
+            try:
+                self.core.add_request(arg)
+            except Exception as error:  # refuse this request, keep serving the others
+                log.exception("could not add request %s", arg.request_id)
+                self._deliver(
+                    [RequestOutput(arg.request_id, [], "", True, "abort", error=repr(error))]
+                )
         elif kind == "abort":
             self.core.abort(arg)
         elif kind == "call":

@@ -213,7 +213,10 @@ class EngineCore:
 
     def _finished(self, request: Request) -> None:
         self._text.pop(request.request_id, None)
-        self.runner.release(request.request_id)
+        try:
+            self.runner.release(request.request_id)
+        except Exception:  # a broken runner must not stop us from finishing requests
+            log.exception("runner.release(%s) failed", request.request_id)
         if self.metrics is not None and request.status.finish_reason:
             self.metrics.request_finished(request.status.finish_reason)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 from infergate.engine.async_engine import AsyncEngine
 from infergate.engine.core import EngineCore
 from infergate.engine.interfaces import ScheduledBatch
@@ -43,5 +44,38 @@ async def test_runner_failure_is_reported_not_hung(tiny_model_dir: Path) -> None
             assert health.status_code == 503 and health.json()["error"]["code"] == 503
             res = await client.post("/v1/completions", json=body)
             assert res.status_code == 503
+    finally:
+        engine.shutdown()
+
+
+async def test_a_request_the_core_refuses_fails_alone(tiny_model_dir: Path) -> None:
+    from infergate.engine.interfaces import SamplingParams
+    from infergate.engine.request import Request
+    from infergate.engine.serve import filler_token_ids
+    from infergate.engine.sim_runner import SimulatedRunner
+
+    tok = Tokenizer(tiny_model_dir)
+    runner = SimulatedRunner(block_size=16, num_blocks=64, filler_token_ids=filler_token_ids(tok))
+    core = EngineCore(runner, SchedulerConfig(), tokenizer=tok)
+    add = core.add_request
+
+    def picky_add(request: Request) -> None:  # stands in for a bug in admission
+        if request.request_id == "bad":
+            raise RuntimeError("cannot admit")
+        add(request)
+
+    core.add_request = picky_add  # type: ignore[method-assign]
+    engine = AsyncEngine(core)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=20)
+        good = engine.generate(Request("good", [5, 6, 7], params))
+        with pytest.raises(ValueError, match="already in flight"):
+            engine.generate(Request("good", [8], params))
+        bad = [out async for out in engine.generate(Request("bad", [8, 9], params))]
+        assert bad[-1].finished and "cannot admit" in (bad[-1].error or "")
+        outs = [out async for out in good]
+        assert outs[-1].finished and outs[-1].error is None and len(outs) == 20
+        assert engine.healthy
     finally:
         engine.shutdown()
