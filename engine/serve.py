@@ -132,8 +132,9 @@ def build(opts: ServeOptions) -> Any:
                 load_format=opts.load_format,
                 max_model_len=opts.max_model_len,
                 max_num_batched_tokens=opts.max_num_batched_tokens,
+                gpu_memory_utilization=opts.gpu_memory_utilization,
             )
-        except (ValueError, FileNotFoundError, KeyError) as error:
+        except (ValueError, KeyError, OSError, RuntimeError) as error:
             raise ServeError(f"cannot load {model_dir}: {error}") from None
         max_model_len = int(runner.max_model_len)
         tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(runner.eos_token_ids)
@@ -158,7 +159,12 @@ def build(opts: ServeOptions) -> Any:
         metrics.registry.register(SimulatorCollector(runner))
     events = None
     if opts.kv_events_port is not None:
-        events = ZmqEventPublisher(f"tcp://*:{opts.kv_events_port}")
+        try:
+            events = ZmqEventPublisher(f"tcp://*:{opts.kv_events_port}")
+        except Exception as error:  # zmq.ZMQError: address in use, permission denied
+            raise ServeError(
+                f"cannot bind KV events on port {opts.kv_events_port}: {error}"
+            ) from None
         log.info("publishing KV events on tcp://*:%d", opts.kv_events_port)
     core = EngineCore(
         runner,
