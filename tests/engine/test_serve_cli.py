@@ -1,0 +1,31 @@
+"""`infergate engine serve` start-up errors: one line on stderr that says what to do."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        ([], "infergate engine make-tiny-model"),
+        (["--max-model-len", "999999"], "max_position_embeddings"),
+    ],
+)
+def test_startup_errors_are_one_clear_line(
+    infergate_cli: list[str], tiny_model_dir: Path, tmp_path: Path, extra: list[str], expect: str
+) -> None:
+    model = tmp_path / "missing" if not extra else tiny_model_dir
+    result = subprocess.run(
+        [*infergate_cli, "engine", "serve", str(model), "--simulate", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and expect in lines[0]
+    assert "Traceback" not in result.stderr
