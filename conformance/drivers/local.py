@@ -3,8 +3,10 @@
 * **Pods** are echo servers (``conformance/echo/server.py``), one process per pod, each
   on its own loopback address (``127.X.Y.N``: Linux routes all of 127/8 to ``lo``), so
   pod IPs are distinct as in a cluster and GIE's ports (3000, 3002, 3004) are used as is.
-* **Each pool** gets a real ``infergate epp`` (file discovery: the pool's pods ×
-  ``targetPorts``, and the pool's EndpointPickerConfig from base.yaml) and a real Envoy
+* **Each pool** runs the Endpoint Picker the operator deployed for it: the container
+  args of the operator's EPP Deployment (``--pool-name``/``--pool-namespace``: Kubernetes
+  discovery against the API-server emulator; ports rebound to free loopback ports) and
+  the EndpointPickerConfig from the operator's ConfigMap. In front of it, a real Envoy
   whose bootstrap is :func:`infergate.stack.envoy_config.build_envoy_config` — the
   pool's ``failureMode`` becomes ``failure_mode_allow`` (FailOpen falls back to the
   pool's endpoints). A route of :mod:`conformance.topology` with one pool is that Envoy.
@@ -12,13 +14,14 @@
   counterpart in the per-pool bootstrap: the driver builds one front Envoy listener with
   ``weighted_clusters`` over the two pool listeners, so each request is split by weight
   first and then routed by the chosen pool's own EPP, as a Gateway does.
-* **Status** comes from the real operator process (``infergate operator``) against the
-  KMock API-server emulator (:mod:`infergate.testing.kube_emulator`) with the base
-  objects applied. The emulator runs no controllers, so the driver plays the kubelet:
-  it registers each echo process as a Ready Pod with its loopback IP.
+* **The API server** is the KMock emulator (:mod:`infergate.testing.kube_emulator`)
+  with the base objects applied, reconciled by the real operator process
+  (``infergate operator``). The emulator runs no controllers, so the driver plays the
+  kubelet (each echo process is registered as a Running, Ready Pod with its loopback IP,
+  which is what the EPPs discover) and the Deployment controller (the operator's EPP
+  Deployment is marked available once the EPP process run from it serves).
 
-Everything starts lazily (status tests need no Envoy; routing tests no operator) and
-once per session.
+Everything starts lazily (status tests need no Envoy) and once per session.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from conformance import topology as topo
 from conformance.drivers.base import STOP_PODS, Driver, Pod, Reply
@@ -149,6 +151,17 @@ def weighted_front_config(
     }
 
 
+def rebind_epp_args(args: Sequence[str], config: Path, ports: Mapping[str, int]) -> list[str]:
+    """The operator's EPP container args, run on this machine: the config file is a local
+    copy of the pool's ConfigMap, the ports are free loopback ports."""
+    out = list(args)
+    for flag, value in [("--config-file", str(config)), *((f, str(p)) for f, p in ports.items())]:
+        if flag not in out:
+            raise ValueError(f"the operator's EPP args lack {flag}: {list(args)}")
+        out[out.index(flag) + 1] = value
+    return [*out, "--host", "127.0.0.1"]
+
+
 def _forwards_lb_metadata(config: dict[str, Any]) -> bool:
     """Does this bootstrap send ``envoy.lb`` metadata to the ext_proc server?"""
     for listener in config["static_resources"]["listeners"]:
@@ -166,10 +179,13 @@ def _forwards_lb_metadata(config: dict[str, Any]) -> bool:
 class _Epp:
     """One pool's `infergate epp`, restartable on the same ports."""
 
-    def __init__(self, name: str, argv: list[str], grpc_port: int) -> None:
+    def __init__(
+        self, name: str, argv: list[str], grpc_port: int, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.argv = argv
         self.grpc_port = grpc_port
+        self.env = env
         self.process: ManagedProcess | None = None
 
 
@@ -183,7 +199,7 @@ class LocalDriver(Driver):
         self.cli = list(cli)
         self.group = ProcessGroup()
         self.subnet = _loopback_subnet()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._http = httpx.Client(timeout=30.0)
         self._pods: dict[str, list[Pod]] = {}
         self._echo: dict[str, ManagedProcess] = {}
@@ -227,8 +243,9 @@ class LocalDriver(Driver):
 
     def _start_epp(self, epp: _Epp) -> None:
         epp.process = self.group.start(
-            epp.name, epp.argv, ready=tcp_ready("127.0.0.1", epp.grpc_port), timeout=90.0
-        )
+            epp.name, epp.argv, ready=tcp_ready("127.0.0.1", epp.grpc_port), timeout=90.0,
+            env=epp.env,
+        )  # fmt: skip
 
     def _ensure_data_plane(self) -> None:
         with self._lock:
@@ -246,33 +263,39 @@ class LocalDriver(Driver):
             self._plane_up = True
 
     def _start_pool(self, pool: topo.PoolModel) -> None:
+        """Run the EPP the operator deployed for ``pool``, and an Envoy in front of it."""
         pods = self._pods[pool.name]
         endpoints = [(pod.ip, port) for pod in pods for port in pool.target_ports]
         folder = self.workdir / pool.name
         folder.mkdir(parents=True, exist_ok=True)
-        endpoints_file = folder / "endpoints.yaml"
-        endpoints_file.write_text(
-            yaml.safe_dump(
-                {
-                    "endpoints": [
-                        {"address": ip, "port": port, "labels": {"app": pool.app}}
-                        for ip, port in endpoints
-                    ]
-                }
+        kube = self.kube
+        deployment = wait_for(
+            lambda: kube.get("Deployment", pool.namespace, pool.picker_service),
+            timeout=self.settle_timeout, what=f"the operator's EPP Deployment for {pool.name}",
+        )  # fmt: skip
+        config_map = kube.get("ConfigMap", pool.namespace, pool.picker_service)
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        epp_container = next((c for c in containers if (c.get("args") or [""])[0] == "epp"), None)
+        if config_map is None or epp_container is None:
+            raise RuntimeError(
+                f"the operator's objects for {pool.name} have no EPP container or ConfigMap: "
+                f"{[c.get('args') for c in containers]}"
             )
-        )
         config_file = folder / "epp-config.yaml"
-        config_file.write_text(topo.epp_config_text(pool.epp_config))
-        grpc_port = free_port()
+        config_file.write_text(config_map["data"]["config.yaml"])
+        ports = {
+            flag: free_port() for flag in ("--grpc-port", "--grpc-health-port", "--metrics-port")
+        }
+        grpc_port = ports["--grpc-port"]
         epp = _Epp(
             f"epp-{pool.name}",
-            [*self.cli, "epp", "--endpoints", str(endpoints_file), "--config-file", str(config_file),
-             "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-             "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port())],
+            [*self.cli, *rebind_epp_args(epp_container["args"], config_file, ports)],
             grpc_port,
-        )  # fmt: skip
+            env=dict(os.environ, KUBECONFIG=str(self.workdir / "kubeconfig")),
+        )
         self._epps[pool.name] = epp
         self._start_epp(epp)
+        self._mark_available(pool)
         fail_open = pool.failure_mode == "FailOpen"
         listen_port = free_port()
         config = build_envoy_config(
@@ -439,22 +462,21 @@ class LocalDriver(Driver):
                 )  # fmt: skip
 
     def picker_available(self, pool: str) -> None:
-        """Play the Deployment controller for the operator's EPP Deployment: locally that
-        pool's Endpoint Picker is a real ``infergate epp`` process, so once it serves, the
-        Deployment that stands for it is reported available."""
         self._ensure_data_plane()
         epp = self._epps[pool]
         if not tcp_ready("127.0.0.1", epp.grpc_port)():
             self._start_epp(epp)
-        model = topo.pools()[pool]
+        self._mark_available(topo.pools()[pool])
+
+    def _mark_available(self, pool: topo.PoolModel) -> None:
+        """Play the Deployment controller for the operator's EPP Deployment: locally its
+        one replica is the ``infergate epp`` process this driver runs from it."""
         kube = self.kube
-        deployment = wait_for(
-            lambda: kube.get("Deployment", model.namespace, model.picker_service),
-            timeout=self.settle_timeout, what=f"the operator's Deployment {model.picker_service}",
-        )  # fmt: skip
+        deployment = kube.get("Deployment", pool.namespace, pool.picker_service)
+        assert deployment is not None, f"no EPP Deployment for {pool.name}"
         replicas = int(deployment["spec"].get("replicas") or 1)
         kube.patch_status(
-            "Deployment", model.namespace, model.picker_service,
+            "Deployment", pool.namespace, pool.picker_service,
             {"observedGeneration": deployment["metadata"].get("generation", 1), "replicas": replicas,
              "readyReplicas": replicas, "availableReplicas": replicas, "updatedReplicas": replicas,
              "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}]},
