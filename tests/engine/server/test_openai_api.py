@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -123,6 +124,10 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
         extra_body={"top_k": 5, "ignore_eos": True, "cache_salt": "tenant-a"},
     )  # fmt: skip
     assert res.usage is not None and res.usage.prompt_tokens == 4
+    client = sim_server.client()
+    for prompt in ([[5, 6, 7]], ["Hello"]):  # a batch of one is a single prompt
+        one = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert one.choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(
@@ -236,6 +241,15 @@ def test_huge_body_is_rejected_cleanly(sim_server: Server) -> None:
     blob = b'{"model": "tiny", "prompt": "' + b"a" * (17 * 2**20) + b'"}'
     with sim_server.http() as http:
         res = http.post("/v1/completions", content=blob)
+    assert res.status_code == 413 and res.json()["error"]["code"] == 413
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the cap applies while reading
+        yield blob[: 2**20]
+        for i in range(2**20, len(blob), 2**20):
+            yield blob[i : i + 2**20]
+
+    with sim_server.http() as http:
+        res = http.post("/v1/completions", content=chunks())
     assert res.status_code == 413 and res.json()["error"]["code"] == 413
     assert http_still_serves(sim_server)
 
