@@ -150,6 +150,17 @@ def test_cache_salt_isolates_tenants() -> None:
     assert same.num_cached_tokens == 32
 
 
+def test_prefix_caching_can_be_switched_off() -> None:
+    s = Scheduler(SchedulerConfig(), KVCacheManager(64, BS, enable_prefix_caching=False))
+    prompt = list(range(40))
+    for rid in ("a", "b"):
+        r = req(rid, prompt)
+        s.add(r)
+        drain(s)
+        assert r.num_cached_tokens == 0
+    assert s.kv.pool.num_cached_blocks() == 0 and all_free(s)
+
+
 def test_lru_eviction_keeps_hashes_until_blocks_are_reused() -> None:
     s = make(num_blocks=4)
     s.add(req("a", list(range(32)), max_tokens=1))
