@@ -227,6 +227,8 @@ class KubeEmulator(k8s.KubernetesEmulator):
     _status_kinds: set[kmock.resource] = attrs.field(init=False, factory=set)
     _applied: dict[tuple[Any, ...], dict[str, Obj]] = attrs.field(init=False, factory=dict)
     _rv: Any = attrs.field(init=False, factory=lambda: itertools.count(1000))
+    _direct: dict[Any, Any] = attrs.field(init=False, factory=dict)
+    _baseline_payloads: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -236,6 +238,15 @@ class KubeEmulator(k8s.KubernetesEmulator):
         self._crds = CRDRegistry(versions)
         for crd in versions:
             self._register_crd(crd)
+        self._direct = {
+            kmock.action.LIST: self._serve_list,
+            kmock.action.WATCH: self._serve_watch,
+            kmock.action.FETCH: self._serve_fetch,
+            kmock.action.CREATE: self._serve_create,
+            kmock.action.UPDATE: self._serve_update,
+            kmock.action.DELETE: self._serve_delete,
+        }
+        self._baseline_payloads = len(self._payloads)
 
     # ----------------------------------------------------------------- resources
 
@@ -393,6 +404,16 @@ class KubeEmulator(k8s.KubernetesEmulator):
         ):
             async with self._lock:
                 await self._write(request)
+        # KMock matches every request against its whole request history (cost grows with
+        # each request); with no user reactions registered, serve resources directly.
+        serve = self._direct.get(request.action) if request.action is not None else None
+        if (
+            serve is not None
+            and request.resource is not None
+            and request.resource.plural
+            and len(self._payloads) == self._baseline_payloads
+        ):
+            return await rendering.Response(payload=serve)(request)
         # Skip KubernetesEmulator's own dict-merging writes; serve via the fallbacks.
         return await super(k8s.KubernetesEmulator, self)._handle(request)
 

@@ -153,3 +153,11 @@ def test_emulator_runs_as_a_process(processes: ProcessGroup, tmp_path: Path) -> 
         assert kube._call("GET", "/api/v1/namespaces/team-a")["metadata"]["name"] == "team-a"
     finally:
         del os.environ["KUBECONFIG"]
+
+
+async def test_kmock_reactions_still_take_precedence(emulator: KubeEmulator, kube: Kube) -> None:
+    """The fast path serves resources directly only while no reaction is registered."""
+    await emulator.create_object(cm("x", a="1"))
+    assert (await call(kube.get, "ConfigMap", "default", "x"))["data"] == {"a": "1"}
+    emulator["get /api/v1/namespaces/default/configmaps/x"] << {"data": {"from": "reaction"}}
+    assert (await call(kube.get, "ConfigMap", "default", "x"))["data"] == {"from": "reaction"}
