@@ -32,10 +32,12 @@ import yaml
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 """Header (and ``envoy.lb`` metadata key) carrying the EPP's pick, per GIE's protocol."""
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
+"""GIE's served endpoint: Envoy reports it to the EPP in ``envoy.lb`` metadata."""
 UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
-"""Response header ``infergate up`` adds: the upstream Envoy really dialled (``%UPSTREAM_HOST%``).
-
-Distinct from GIE's ``x-gateway-destination-endpoint-served``, which the EPP reports."""
+"""Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
+PICKED_HEADER = "x-infergate-picked-endpoint"
+"""Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
 LB_METADATA_NAMESPACE = "envoy.lb"
 EPP_CLUSTER = "infergate_epp"
 POOL_CLUSTER = "infergate_pool_original_dst"
@@ -46,6 +48,7 @@ _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectio
 _EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
+_HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _STDOUT_LOG = _T + "extensions.access_loggers.stream.v3.StdoutAccessLog"
 
@@ -165,6 +168,8 @@ def _ext_proc_filter(
             "allow_mode_override": True,
             "metadata_options": {
                 "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
+                # The response-headers message then carries the served endpoint.
+                "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
             },
         },
     }
@@ -180,8 +185,12 @@ def _strip_client_headers_filter() -> dict[str, Any]:
     }
 
 
+def _header(key: str, value: str) -> dict[str, Any]:
+    return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+
+
 def _routes(
-    *, route_timeout_s: float, has_fallback: bool, served_header: str | None
+    *, route_timeout_s: float, has_fallback: bool, debug_headers: bool
 ) -> list[dict[str, Any]]:
     route_action: dict[str, Any] = {
         "timeout": _duration(route_timeout_s),
@@ -223,15 +232,39 @@ def _routes(
             },
         }
     routes = [picked, unpicked]
-    if served_header:
-        for route in routes:
-            route["response_headers_to_add"] = [
-                {
-                    "header": {"key": served_header, "value": "%UPSTREAM_HOST%"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                }
-            ]
+    for route in routes:
+        if "route" not in route:
+            continue
+        # The served endpoint goes back to the EPP (header -> envoy.lb metadata, see
+        # _served_to_metadata_filter); the debug pair is for people and tests.
+        headers = [_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
+        if debug_headers:
+            headers.append(_header(UPSTREAM_HOST_HEADER, "%UPSTREAM_HOST%"))
+            headers.append(_header(PICKED_HEADER, f"%REQ({DESTINATION_HEADER})%"))
+        route["response_headers_to_add"] = headers
     return routes
+
+
+def _served_to_metadata_filter() -> dict[str, Any]:
+    """Copy the served endpoint into ``envoy.lb`` on the response path (before ext_proc
+    sees the response headers), per GIE's protocol; the EPP then reports it itself."""
+    return {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": _HEADER_TO_METADATA,
+            "response_rules": [
+                {
+                    "header": SERVED_HEADER,
+                    "on_header_present": {
+                        "metadata_namespace": LB_METADATA_NAMESPACE,
+                        "key": SERVED_HEADER,
+                        "type": "STRING",
+                    },
+                    "remove": True,
+                }
+            ],
+        },
+    }
 
 
 def build_envoy_config(
@@ -248,7 +281,7 @@ def build_envoy_config(
     connect_timeout_s: float = 5.0,
     stream_idle_timeout_s: float = 300.0,
     fallback_endpoints: Sequence[tuple[str, int]] = (),
-    served_header: str | None = None,
+    debug_headers: bool = False,
     access_log: bool = False,
     max_requests: int = 40000,
     stat_prefix: str = "infergate",
@@ -259,8 +292,8 @@ def build_envoy_config(
 
     ``failure_mode_allow`` is the pool's ``failureMode`` (True = FailOpen). With FailOpen,
     requests the EPP could not handle go round-robin (least-request) over
-    ``fallback_endpoints`` when given, else get a local 503. ``served_header`` (e.g.
-    :data:`UPSTREAM_HOST_HEADER`) adds the upstream that really served to each response.
+    ``fallback_endpoints`` when given, else get a local 503. ``debug_headers`` adds
+    :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every proxied response.
     ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
     (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
     FailOpen starts to apply to requests with a body. ``stream_response_bodies=False``
@@ -290,7 +323,7 @@ def build_envoy_config(
                     "routes": _routes(
                         route_timeout_s=route_timeout_s,
                         has_fallback=bool(fallback_endpoints),
-                        served_header=served_header,
+                        debug_headers=debug_headers,
                     ),
                 }
             ],
@@ -303,6 +336,7 @@ def build_envoy_config(
                 grpc_authority=f"{epp_address}:{epp_port}",
                 response_bodies=stream_response_bodies,
             ),
+            _served_to_metadata_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }

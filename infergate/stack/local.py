@@ -27,7 +27,7 @@ from infergate.procs import (
     ReadyCheck,
     http_ready,
 )
-from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER, build_envoy_config
+from infergate.stack.envoy_config import build_envoy_config
 from infergate.stack.envoy_process import start_envoy
 
 LOOPBACK = "127.0.0.1"
@@ -276,7 +276,7 @@ class LocalStack:
             "epp_port": self.spec.epp_grpc_port,
             "failure_mode_allow": self.spec.failure_mode_allow,
             "fallback_endpoints": fallback if self.spec.failure_mode_allow else (),
-            "served_header": UPSTREAM_HOST_HEADER,
+            "debug_headers": True,
             "access_log": self.spec.access_log,
         }
         args.update(overrides)

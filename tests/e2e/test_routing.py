@@ -20,12 +20,16 @@ import httpx
 import openai
 
 from infergate.procs import free_port
-from infergate.stack.envoy_config import EPP_CLUSTER, UPSTREAM_HOST_HEADER
+from infergate.stack.envoy_config import (
+    EPP_CLUSTER,
+    PICKED_HEADER,
+    SERVED_HEADER,
+    UPSTREAM_HOST_HEADER,
+)
 from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import LocalStack
 from infergate.stack.probes import engines_idle, envoy_cluster_healthy, metric_sum, wait_for
 
-EPP_PICK_HEADER = "x-gateway-destination-endpoint-served"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 SHEDDABLE = "batch-sheddable"  # priority -1 in the stack's objectives file (conftest)
 MAX_BODY_BYTES = 64 * 1024  # the stack's --max-request-body-bytes (conftest)
@@ -106,8 +110,9 @@ def test_streaming_chat_reaches_the_engine_the_epp_chose(stack: LocalStack) -> N
         stream=True,
         stream_options={"include_usage": True},
     )
-    served = raw.headers[UPSTREAM_HOST_HEADER]
-    assert raw.headers[EPP_PICK_HEADER] == served
+    served = raw.headers[UPSTREAM_HOST_HEADER]  # where Envoy connected
+    assert raw.headers[PICKED_HEADER] == served  # what the EPP picked
+    assert raw.headers[SERVED_HEADER] == served  # what Envoy told the EPP, echoed by it
     chunks = list(raw.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = next(c.usage for c in chunks if c.usage)

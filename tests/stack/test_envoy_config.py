@@ -35,7 +35,7 @@ def _ext_proc(config: dict) -> dict:
         {"failure_mode_allow": False},
         {"failure_mode_allow": True, "fallback_endpoints": [("127.0.0.1", 8000)]},
         {"admin_port": None, "epp_address": "epp.default.svc.cluster.local"},
-        {"served_header": UPSTREAM_HOST_HEADER, "access_log": True, "route_timeout_s": 0.5},
+        {"debug_headers": True, "access_log": True, "route_timeout_s": 0.5},
         {"fallback_endpoints": [("engine-0.local", 8000), ("10.0.0.7", 8001)]},
         {"stream_response_bodies": False, "epp_health_check_interval_s": None},
     ],
@@ -106,7 +106,7 @@ def _start_envoy(processes: ProcessGroup, tmp_path: Path, name: str, **kwargs: o
         epp_address="127.0.0.1",
         epp_port=free_port(),  # nothing listens there: the EPP is "down"
         message_timeout_s=5,
-        served_header=UPSTREAM_HOST_HEADER,
+        debug_headers=True,
         **kwargs,  # type: ignore[arg-type]
     )
     start_envoy(processes, config, tmp_path / f"{name}.yaml", name=name)
