@@ -106,4 +106,8 @@ REPORT="${REPORT_DIR}/istio-${ISTIO_VERSION}-default-gateway-report.yaml"
 run .venv/bin/pytest conformance -m conformance -p no:cacheprovider \
     --conformance-driver=cluster --gateway-class=istio \
     --conformance-report="$REPORT" ${PYTEST_ARGS:-}
-step "Report written to ${REPORT}"
+if [ -f "$REPORT" ]; then
+    step "Report written to ${REPORT}"
+else
+    step "No report written (no conformance test ran)"
+fi

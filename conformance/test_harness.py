@@ -85,11 +85,13 @@ def test_report_merges_parts_and_never_hides_failures() -> None:
     assert profile["core"]["skippedTests"] == ["C"]
 
 
-def _kind_sh(tmp_path: Path, stubs: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _kind_sh(
+    tmp_path: Path, stubs: dict[str, str], extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run kind.sh with a PATH holding only ``stubs`` (tool → shell body) and the few
     coreutils the script needs before its checks, so installed tools cannot leak in."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for tool in ("dirname", "mktemp"):
         real = shutil.which(tool)
         assert real is not None
@@ -100,7 +102,7 @@ def _kind_sh(tmp_path: Path, stubs: dict[str, str]) -> subprocess.CompletedProce
         stub.chmod(0o755)
     return subprocess.run(
         ["/bin/bash", str(KIND_SH)],
-        env={"PATH": str(bin_dir), "HOME": str(tmp_path)},
+        env={"PATH": str(bin_dir), "HOME": str(tmp_path), **(extra_env or {})},
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
 
@@ -124,3 +126,37 @@ def test_kind_driver_needs_a_running_docker_engine(tmp_path: Path) -> None:
     result = _kind_sh(tmp_path, {"docker": '[ "$1" = info ] && exit 1; exit 0'})
     assert result.returncode == 1, result
     assert "no Docker engine answers" in result.stderr
+
+
+def test_kind_driver_steps_in_order_and_always_deletes_the_cluster(tmp_path: Path) -> None:
+    """A dry run: every tool is a stand-in that records its arguments; pytest only
+    collects. The script must make each call in order and delete the cluster at the end."""
+    calls = tmp_path / "calls.log"
+    record = f'echo "$(basename "$0") $*" >> {calls}; exit 0'
+    stubs = {tool: record for tool in ("docker", "kind", "kubectl", "helm", "istioctl")}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("grep", "mkdir", "rm", "basename"):
+        real = shutil.which(tool)
+        assert real is not None
+        (bin_dir / tool).symlink_to(real)
+    result = _kind_sh(tmp_path, stubs, extra_env={"PYTEST_ARGS": "--collect-only -q"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = calls.read_text().splitlines()
+    expected_order = [
+        "kind create cluster --name infergate-conformance --image kindest/node:v1.33.1",
+        "docker build -f docker/operator.Dockerfile -t ghcr.io/infergate/operator:conformance .",
+        "docker build -f docker/epp.Dockerfile -t ghcr.io/infergate/epp:conformance .",
+        "docker build -t infergate/conformance-echo:dev conformance/echo",
+        "kind load docker-image infergate/conformance-echo:dev --name infergate-conformance",
+        "kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api/releases/download/v1.5.1/standard-install.yaml",
+        "helm install infergate charts/infergate",
+        "istioctl install -y --set profile=minimal",
+        "kind delete cluster --name infergate-conformance",
+    ]
+    position = 0
+    for wanted in expected_order:
+        found = [i for i, line in enumerate(lines) if line.startswith(wanted)]
+        assert found and found[-1] >= position, f"{wanted!r} missing or out of order in {lines}"
+        position = found[-1]
+    assert "==> Running the conformance suite (cluster driver)" in result.stdout
