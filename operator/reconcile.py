@@ -31,6 +31,7 @@ class Result:
     applied: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     status_written: bool = False
+    ready_endpoints: int | None = None
     conditions: list[st.Condition] = field(default_factory=list)
 
 
@@ -142,6 +143,7 @@ def _converge(
     kube: Kube, pool: PoolSpec, settings: OperatorSettings, result: Result
 ) -> list[st.Condition]:
     ready, total = count_ready_endpoints(kube, pool)
+    result.ready_endpoints = ready
     accepted = st.true(
         c.ACCEPTED, "Accepted", f"infergate serves this pool; {_endpoints_text(ready, total)}"
     )
@@ -247,7 +249,7 @@ def reconcile(
         try:
             pool = parse_pool(body, settings)
             conditions = _converge(kube, pool, settings, result)
-            ready_endpoints = count_ready_endpoints(kube, pool)[0]
+            ready_endpoints = result.ready_endpoints
         except InvalidPool as error:
             conditions = _not_accepted(error.reason, error.message)
         except _NotAccepted as error:
