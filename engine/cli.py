@@ -50,6 +50,11 @@ def serve(
     sim_us_per_seq: float = typer.Option(
         15.0, "--sim-us-per-seq", help="Simulated per-sequence cost per step (µs)."
     ),
+    sim_ns_per_attention_pair: float = typer.Option(
+        1.0,
+        "--sim-ns-per-attention-pair",
+        help="Simulated attention compute per (query, key) pair (ns).",
+    ),
     sim_default_max_tokens: int = typer.Option(
         256,
         "--sim-default-max-tokens",
@@ -81,7 +86,13 @@ def serve(
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,
-        timing=TimingModel(sim_base_ms, sim_us_per_token, sim_us_per_kv_token, sim_us_per_seq),
+        timing=TimingModel(
+            sim_base_ms,
+            sim_us_per_token,
+            sim_us_per_kv_token,
+            sim_us_per_seq,
+            sim_ns_per_attention_pair,
+        ),
         sim_default_max_tokens=sim_default_max_tokens,
         log_level=log_level,
     )

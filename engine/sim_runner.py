@@ -32,26 +32,32 @@ def default_num_blocks(block_size: int, gpu_memory_utilization: float = 0.9) -> 
 class TimingModel:
     """Step time of an H100 serving Llama-3-8B in bf16 (sources in docs/engine.md).
 
-    ``max(base, tokens x per_token)``: a step streams all weights once (memory bound,
-    ``base_ms``) or, for large batches of tokens, is compute bound (``us_per_token``);
-    plus attention reading the KV of every scheduled sequence (``us_per_kv_token`` per
-    token of context) and a per-sequence cost (sampling, bookkeeping).
+    ``max(base, compute)``: a step streams all weights once (memory bound, ``base_ms``)
+    or, for many tokens, is compute bound: ``us_per_token`` per computed token plus
+    ``ns_per_attention_pair`` per (query, key) pair of attention, which makes long
+    prefills grow faster than linearly. On top: attention reading the KV of every
+    scheduled sequence (``us_per_kv_token`` per token of context) and a per-sequence cost
+    (sampling, bookkeeping).
     """
 
     base_ms: float = 6.0
     us_per_token: float = 30.0
     us_per_kv_token: float = 0.05
     us_per_seq: float = 15.0
+    ns_per_attention_pair: float = 1.0
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
         tokens = 0
         kv = 0
+        pairs = 0.0
         for seq in batch.seqs:
             n = len(seq.token_ids)
             tokens += n
             kv += seq.start_pos + n
+            pairs += n * (seq.start_pos + (n + 1) / 2)  # causal: query i sees start_pos + i
+        compute = tokens * self.us_per_token + pairs * self.ns_per_attention_pair / 1000.0
         us = (
-            max(self.base_ms * 1000.0, tokens * self.us_per_token)
+            max(self.base_ms * 1000.0, compute)
             + kv * self.us_per_kv_token
             + len(batch.seqs) * self.us_per_seq
         )
