@@ -66,13 +66,22 @@ async def reconcile_pool(namespace: str | None, name: str, why: str) -> None:
         try:
             result = await asyncio.to_thread(reconcile, _kube(), namespace, name, _settings())
         except Exception as error:  # a failed pass is retried by the next trigger or resync
-            log.warning("reconcile of %s/%s failed (%s): %s", namespace, name, why, error)
+            log.warning(
+                "reconcile of %s/%s failed (%s): %s", namespace, name, why, error,
+                extra={"pool": name, "namespace": namespace, "trigger": why, "error": str(error)},
+            )  # fmt: skip
             return
     if result.applied or result.deleted or result.status_written:
+        conditions = {cond.type: f"{cond.status}/{cond.reason}" for cond in result.conditions}
+        # JSON logs carry the extras as fields: pool, applied, deleted, conditions, ...
         log.info(
             "reconciled %s/%s (%s): applied=%s deleted=%s status_written=%s conditions=%s",
-            namespace, name, why, result.applied, result.deleted, result.status_written,
-            {cond.type: f"{cond.status}/{cond.reason}" for cond in result.conditions},
+            namespace, name, why, result.applied, result.deleted, result.status_written, conditions,
+            extra={
+                "pool": name, "namespace": namespace, "trigger": why, "applied": result.applied,
+                "deleted": result.deleted, "status_written": result.status_written,
+                "conditions": conditions, "ready_endpoints": result.ready_endpoints,
+            },
         )  # fmt: skip
 
 

@@ -51,7 +51,7 @@ def status_is(emu: KubeEmulator, name: str = "qwen-pool", **expected: str) -> bo
 
 
 async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> None:
-    await start_operator()
+    operator = await start_operator()
     created = await emulator.create_object(pool())
     uid = created["metadata"]["uid"]
 
@@ -107,6 +107,14 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
     # Unchanged statuses keep their transition time.
     assert now["Accepted"]["lastTransitionTime"] == first["Accepted"]["lastTransitionTime"]
     reasons = {e["reason"] for e in emulator.list_objects("Event", NS)}
+    # Structured logs: one JSON object per line, with the reconcile's facts as fields.
+    import json
+
+    records = [
+        json.loads(line) for line in operator.log_tail(200_000).splitlines() if line.startswith("{")
+    ]
+    reconciled = [r for r in records if r.get("pool") == "qwen-pool" and "applied" in r]
+    assert reconciled and reconciled[0]["applied"] and reconciled[0]["namespace"] == NS
     assert {"Applied", "EndpointPickerAvailable"} <= reasons
 
     # Change → patched: two replicas (and a PDB), a new picker port.
