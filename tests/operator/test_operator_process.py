@@ -320,3 +320,32 @@ async def test_objectives_and_rewrites_report_whether_their_pool_exists(
         lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "False/PoolNotFound",
         what="objective PoolNotFound again",
     )
+
+
+async def test_drift_is_repaired_and_a_renamed_picker_moves_everything(
+    emulator: KubeEmulator, start_operator: Any
+) -> None:
+    await start_operator()
+    await emulator.create_object(pool())
+    await wait_for(lambda: all(owned(emulator, k) for k in OWNED), what="owned objects")
+
+    # Someone scales the EPP by hand: the Deployment's watch event brings it back.
+    await emulator.patch_object("Deployment", NS, EPP, {"spec": {"replicas": 5}})
+    await wait_for(
+        lambda: (owned(emulator, "Deployment") or {}).get("spec", {}).get("replicas") == 1,
+        what="drift repaired",
+    )
+    # Someone deletes the Service: recreated.
+    await emulator.delete_object("Service", NS, EPP)
+    await wait_for(lambda: owned(emulator, "Service"), what="Service recreated")
+
+    # The pool now names another picker: new objects appear, the old ones are pruned.
+    await emulator.patch_object(
+        "InferencePool", NS, "qwen-pool", {"spec": {"endpointPickerRef": {"name": "renamed-epp"}}}
+    )
+    await wait_for(
+        lambda: all(owned(emulator, k, "renamed-epp") for k in OWNED), what="renamed objects"
+    )
+    await wait_for(lambda: not any(owned(emulator, k) for k in OWNED), what="old objects pruned")
+    rolebinding = owned(emulator, "RoleBinding", "renamed-epp")
+    assert rolebinding is not None and rolebinding["subjects"][0]["name"] == "renamed-epp"
