@@ -3,9 +3,11 @@
 Both paths are real Envoys with the same generated listener (infergate.stack.envoy_config);
 the gateway one adds ext_proc (FULL_DUPLEX_STREAMED request and response bodies) to a real
 ``infergate epp`` over a 4-endpoint pool. Short non-streaming completions arrive open-loop
-(Poisson) at each rate; the two paths run one after the other, twice, in alternating order,
-and the overhead is the difference of their percentiles. The upstream answers from Envoy's
-``direct_response`` (fixed, tiny latency) unless ``--upstream engine``.
+(Poisson) at each rate; the two paths run one after the other, in alternating order,
+``--rounds`` times, and the overhead is the difference of their percentiles (median over
+rounds, so one round disturbed by other load on the machine does not decide the figure).
+The upstream answers from Envoy's ``direct_response`` (fixed, tiny latency) unless
+``--upstream engine``.
 
 Targets: <= 2 ms added at p50 and <= 10 ms at p99 at 500 requests/s.
 
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import os
 import platform
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -32,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="100,500", help="requests/s, comma-separated")
     parser.add_argument("--seconds", type=float, default=6.0, help="per path, per round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--upstream", default="static", choices=["static", "engine"])
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument(
@@ -81,11 +84,11 @@ def main() -> None:
                     )
             cpu_ms = (process_cpu_seconds(rig.epp_pid) - cpu_before) * 1000 / gateway_requests
 
-            def mean(path: str, key: str, runs: dict = runs) -> float:
-                return sum(r[key] for r in runs[path]) / len(runs[path])
+            def median(path: str, key: str, runs: dict = runs) -> float:
+                return statistics.median(r[key] for r in runs[path])
 
-            p50 = mean("gateway", "p50_ms") - mean("direct", "p50_ms")
-            p99 = mean("gateway", "p99_ms") - mean("direct", "p99_ms")
+            p50 = median("gateway", "p50_ms") - median("direct", "p50_ms")
+            p99 = median("gateway", "p99_ms") - median("direct", "p99_ms")
             summary.append((rate, p50, p99, cpu_ms))
         scheduling = metric_sum(
             rig.epp_metrics_url, "infergate_epp_scheduling_duration_seconds_sum"
@@ -93,7 +96,7 @@ def main() -> None:
             1.0, metric_sum(rig.epp_metrics_url, "infergate_epp_scheduling_duration_seconds_count")
         )
 
-    print("\nEPP overhead (gateway minus direct, mean of rounds):")
+    print("\nEPP overhead (gateway minus direct, median of rounds):")
     print(f"{'rate':>6} {'p50 +ms':>9} {'p99 +ms':>9} {'EPP CPU ms/req':>15}  verdict")
     for rate, p50, p99, cpu_ms in summary:
         verdict = []
