@@ -195,7 +195,7 @@ class EngineCore:
             self.scheduler.finish(request, request.status)
             self._finished(request)
             if m is not None:
-                m.e2e.observe(now - request.arrival_time)
+                m.request_completed(request, now)
         return out
 
     def stats_line(self, since: tuple[float, int, int]) -> tuple[str, tuple[float, int, int]]:

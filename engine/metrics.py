@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from infergate.engine.request import Request
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -26,6 +30,8 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
 class EngineMetrics:
@@ -72,6 +78,26 @@ class EngineMetrics:
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
             buckets=E2E_BUCKETS, registry=r,
         ).labels(m)  # fmt: skip
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
+            labels, buckets=E2E_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "Time from first scheduling to first token.",
+            labels, buckets=E2E_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "Time from first token to the last.",
+            labels, buckets=E2E_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt length of finished requests.",
+            labels, buckets=TOKEN_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Output length of finished requests.",
+            labels, buckets=TOKEN_BUCKETS, registry=r,
+        ).labels(m)  # fmt: skip
         Gauge(
             "vllm:cache_config_info",
             "KV-cache configuration.",
@@ -107,6 +133,18 @@ class EngineMetrics:
         counter = self._success_by_reason.get(reason)
         if counter is not None:
             counter.inc()
+
+    def request_completed(self, request: Request, now: float) -> None:
+        """Per-request histograms of a request that ran to its end (not aborted)."""
+        self.e2e.observe(now - request.arrival_time)
+        self.request_prompt_tokens.observe(request.num_prompt_tokens)
+        self.request_generation_tokens.observe(request.num_output_tokens)
+        if request.scheduled_time is not None:
+            self.queue_time.observe(request.scheduled_time - request.arrival_time)
+            if request.first_token_time is not None:
+                self.prefill_time.observe(request.first_token_time - request.scheduled_time)
+        if request.first_token_time is not None:
+            self.decode_time.observe(now - request.first_token_time)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,6 +55,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    scheduled_time: float | None = None  # first admission (end of queueing)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0

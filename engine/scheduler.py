@@ -13,6 +13,7 @@ cache) and it goes back to the head of the waiting queue.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -124,6 +125,7 @@ class Scheduler:
                 self.kv.record_lookup(request.num_tokens, num_cached)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_cached
+                    request.scheduled_time = time.monotonic()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 chosen.append((request, n))

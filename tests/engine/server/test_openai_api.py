@@ -367,9 +367,14 @@ def test_metrics_move_with_load(sim_server: Server) -> None:
     key = f"vllm:request_success_total{{finished_reason=length,model_name={MODEL}}}"
     assert after[key] - before[key] == 4
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds"):  # fmt: skip
+                 "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):  # fmt: skip
         count = f"vllm:{hist}_count{m}"
         assert after[count] > before[count]
+    generated = f"vllm:request_generation_tokens_sum{m}"
+    assert after[generated] - before[generated] == 240
+    count = f"vllm:request_prompt_tokens_count{m}"
+    assert after[count] - before[count] == 4
     assert after[f"vllm:num_preemptions_total{m}"] >= 0
     assert after["vllm:cache_config_info{block_size=16,num_gpu_blocks=128}"] == 1
     steps = "infergate_sim_steps_total{}"
