@@ -29,6 +29,14 @@ def serve(
     kv_events_port: int | None = typer.Option(
         None, "--kv-events-port", help="Publish KV events (vLLM's format) on this ZMQ PUB port."
     ),
+    kv_events_config: str | None = typer.Option(
+        None,
+        "--kv-events-config",
+        help="vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://epp:5557", "topic": "kv@pod@model"}\' '
+        "(a concrete host connects, a * binds).",
+    ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="INFERGATE_API_KEY", help="Require this bearer token on /v1."
     ),
@@ -83,6 +91,7 @@ def serve(
         device=device,
         simulate=simulate,
         kv_events_port=kv_events_port,
+        kv_events_config=kv_events_config,
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,

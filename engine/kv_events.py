@@ -73,6 +73,38 @@ def decode_batch(payload: bytes) -> KVEventBatch:
     return msgspec.msgpack.decode(payload, type=KVEventBatch)
 
 
+def is_bind_endpoint(endpoint: str) -> bool:
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``--kv-events-config`` JSON (the fields we honour; others are refused)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    hwm: int = 100_000
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    max_queue_size: int = 100_000
+
+    @classmethod
+    def parse(cls, text: str) -> KVEventsConfig:
+        """Parse and check; raises ValueError with a readable message."""
+        try:
+            config = msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as error:  # ValidationError is a subclass
+            raise ValueError(f"invalid --kv-events-config: {error}") from None
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"unsupported KV events publisher {config.publisher!r} (zmq, null)")
+        return config
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 class ZmqEventPublisher:
     """Publishes event batches from a background thread so the step loop never blocks."""
 
@@ -81,7 +113,12 @@ class ZmqEventPublisher:
 
         self._sock: Any = zmq.Context.instance().socket(zmq.PUB)
         self._sock.set_hwm(hwm)
-        self._sock.bind(endpoint)
+        # vLLM's rule: a wildcard host (or ipc/inproc) binds; a concrete address connects
+        # (llm-d points engines at the Endpoint Picker's bound SUB socket this way).
+        if is_bind_endpoint(endpoint):
+            self._sock.bind(endpoint)
+        else:
+            self._sock.connect(endpoint)
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
         self._seq = count()

@@ -34,6 +34,7 @@ class ServeOptions:
     device: str = "auto"
     simulate: bool = False
     kv_events_port: int | None = None
+    kv_events_config: str | None = None  # vLLM's JSON form (endpoint, topic, …)
     api_key: str | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -73,7 +74,7 @@ def build(opts: ServeOptions) -> Any:
     import prometheus_client
     from infergate.engine.async_engine import AsyncEngine
     from infergate.engine.core import EngineCore
-    from infergate.engine.kv_events import ZmqEventPublisher
+    from infergate.engine.kv_events import KVEventsConfig, ZmqEventPublisher, is_bind_endpoint
     from infergate.engine.metrics import EngineMetrics, SimulatorCollector
     from infergate.engine.scheduler import SchedulerConfig
     from infergate.engine.server import ServerConfig, build_app
@@ -158,14 +159,25 @@ def build(opts: ServeOptions) -> Any:
     if opts.simulate:
         metrics.registry.register(SimulatorCollector(runner))
     events = None
-    if opts.kv_events_port is not None:
+    endpoint, topic, hwm = None, "", 100_000
+    if opts.kv_events_config is not None:
         try:
-            events = ZmqEventPublisher(f"tcp://*:{opts.kv_events_port}")
-        except Exception as error:  # zmq.ZMQError: address in use, permission denied
-            raise ServeError(
-                f"cannot bind KV events on port {opts.kv_events_port}: {error}"
-            ) from None
-        log.info("publishing KV events on tcp://*:%d", opts.kv_events_port)
+            kv_config = KVEventsConfig.parse(opts.kv_events_config)
+        except ValueError as error:
+            raise ServeError(str(error)) from None
+        if kv_config.active:
+            endpoint, topic, hwm = kv_config.endpoint, kv_config.topic, kv_config.hwm
+        if kv_config.replay_endpoint is not None:
+            log.warning("KV events replay_endpoint is not supported; ignored")
+    if opts.kv_events_port is not None:
+        endpoint = f"tcp://*:{opts.kv_events_port}"
+    if endpoint is not None:
+        try:
+            events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm)
+        except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
+            raise ServeError(f"cannot open KV events endpoint {endpoint}: {error}") from None
+        verb = "bound to" if is_bind_endpoint(endpoint) else "connected to"
+        log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, topic)
     core = EngineCore(
         runner,
         SchedulerConfig(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -11,6 +13,8 @@ import pytest
 import zmq
 from infergate.engine.block_hash import block_hashes
 from infergate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+
+from infergate.procs import ProcessGroup, free_port, http_ready
 
 from .conftest import API_KEY, MODEL, Server
 
@@ -90,3 +94,43 @@ def test_evictions_and_reset_are_published(
     res = httpx.post(f"{sim_server.url}/reset_prefix_cache")
     assert res.status_code == 200
     receive(subscriber, AllBlocksCleared)
+
+
+def test_vllm_kv_events_config_connects_to_a_bound_subscriber(
+    processes: ProcessGroup, infergate_cli: list[str], tiny_model_dir: Path
+) -> None:
+    """llm-d's layout: the router binds SUB, engines connect their PUB with a topic."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sub_port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    port = free_port()
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{sub_port}",
+        "topic": f"kv@127.0.0.1@{MODEL}",
+    }
+    try:
+        processes.start(
+            "engine-kv-connect",
+            [*infergate_cli, "engine", "serve", str(tiny_model_dir), "--simulate",
+             "--port", str(port), "--served-model-name", MODEL,
+             "--kv-events-config", json.dumps(config)],
+            ready=http_ready(f"http://127.0.0.1:{port}/health"),
+            timeout=120,
+        )  # fmt: skip
+        # A bound SUB handles the engine's connection (and sends its subscription) only
+        # when the application calls into it: poll while the connection settles.
+        sock.poll(500)
+        res = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 2},
+            timeout=60,
+        )
+        assert res.status_code == 200
+        assert sock.poll(10_000), "no KV events arrived"
+        topic, seq, payload = sock.recv_multipart()
+        assert topic == f"kv@127.0.0.1@{MODEL}".encode() and int.from_bytes(seq, "big") == 0
+        assert any(isinstance(e, BlockStored) for e in decode_batch(payload).events)
+    finally:
+        sock.close(linger=0)
