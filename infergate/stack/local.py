@@ -243,8 +243,17 @@ class LocalStack:
         )
         if not (self.model_dir / "config.json").is_file():
             raise StackError(f"--model {self.model_dir} is not a Hugging Face model directory")
-        for index, port in enumerate(self.spec.resolved_engine_ports()):
-            self.engines.append(self._start_engine(index, port))
+        # Engines boot in parallel (each imports its stack and loads a model), then each
+        # is awaited in turn.
+        ports = self.spec.resolved_engine_ports()
+        self.engines = [self._start_engine(index, port) for index, port in enumerate(ports)]
+        for process, port in zip(self.engines, ports, strict=True):
+            try:
+                process.wait_ready(
+                    http_ready(f"http://{LOOPBACK}:{port}/health"), timeout=self.spec.start_timeout
+                )
+            except ProcessStartError as error:
+                raise StackError(f"{process.name} failed to start: {error}") from error
         self.write_endpoints(self.engine_addresses)
         self.start_epp()
         self.envoy = self._start(
@@ -334,6 +343,7 @@ class LocalStack:
             self.epp = None
 
     def _start_engine(self, index: int, port: int) -> ManagedProcess:
+        """Start engine ``index`` without waiting; :meth:`start` awaits its /health."""
         assert self.model_dir is not None
         argv = [
             *infergate_argv(),
@@ -351,16 +361,7 @@ class LocalStack:
             argv.append("--simulate")
         argv += list(self.spec.engine_args)
         name = f"engine-{index}"
-        return self._start(
-            name,
-            lambda log: self.group.start(
-                name,
-                argv,
-                ready=http_ready(f"http://{LOOPBACK}:{port}/health"),
-                timeout=self.spec.start_timeout,
-                log_path=log,
-            ),
-        )
+        return self._start(name, lambda log: self.group.start(name, argv, log_path=log))
 
     def _start(self, name: str, starter: Callable[[Path], ManagedProcess]) -> ManagedProcess:
         assert self.workdir is not None
