@@ -76,6 +76,18 @@ def up(
         "directory removed on exit).",
     ),
     access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Envoy access log."),
+    engine_arg: list[str] = typer.Option(
+        [],
+        "--engine-arg",
+        help="Extra argument for every `infergate engine serve`, e.g. --engine-arg=--max-num-seqs=8; "
+        "may repeat.",
+    ),
+    epp_arg: list[str] = typer.Option(
+        [],
+        "--epp-arg",
+        help="Extra argument for `infergate epp`, e.g. --epp-arg=--log-level=debug (one line "
+        "per decision with per-scorer scores); may repeat.",
+    ),
 ) -> None:
     """Run N engines, one Endpoint Picker and one real Envoy on loopback; Ctrl-C stops all.
 
@@ -107,6 +119,8 @@ def up(
         objectives_file=objectives_file,
         workdir=workdir,
         access_log=access_log,
+        engine_args=list(engine_arg),
+        epp_args=list(epp_arg),
     )
     stack = LocalStack(spec)
     # Installed explicitly: a shell starting us in the background leaves SIGINT ignored.

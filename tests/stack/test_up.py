@@ -43,7 +43,9 @@ def test_up_serves_benchmarks_and_stops_cleanly_on_sigint(
     while port_in_use(ports["--engine-port"] + 1):
         ports["--engine-port"] = free_port()
     log = tmp_path / "up.log"
-    argv = [*infergate_cli, "up", "--engines", "2", "--workdir", str(tmp_path / "work")]
+    workdir = tmp_path / "work"
+    argv = [*infergate_cli, "up", "--engines", "2", "--workdir", str(workdir)]
+    argv += ["--epp-arg=--log-level=debug"]  # passed through: one log line per decision
     for flag, value in ports.items():
         argv += [flag, str(value)]
     up = processes.start(
@@ -66,6 +68,8 @@ def test_up_serves_benchmarks_and_stops_cleanly_on_sigint(
     assert completion.usage is not None and completion.usage.completion_tokens == 5
     engine_ports = {ports["--engine-port"], ports["--engine-port"] + 1}
     assert int(raw.headers[UPSTREAM_HOST_HEADER].rsplit(":", 1)[1]) in engine_ports
+
+    assert f"picked={raw.headers[UPSTREAM_HOST_HEADER]}" in (workdir / "epp.log").read_text()
 
     result_file = tmp_path / "bench.json"
     bench = subprocess.run(
