@@ -1,8 +1,9 @@
 """Requests through the real Envoy, routed by the real EPP, served by real (simulated) engines.
 
 What is checked is what a user would see: the engine that served (Envoy's
-``%UPSTREAM_HOST%`` in ``x-infergate-upstream-host``) against the EPP's own decision
-(``x-gateway-destination-endpoint-served``) and the engines' own Prometheus counters.
+``%UPSTREAM_HOST%`` in ``x-infergate-upstream-host``) against the EPP's own decision (the
+``x-gateway-destination-endpoint`` it set, echoed as ``x-infergate-picked-endpoint``) and
+the engines' own Prometheus counters.
 """
 
 from __future__ import annotations
