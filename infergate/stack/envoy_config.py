@@ -49,6 +49,23 @@ _EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
+_LUA = _T + "extensions.filters.http.lua.v3.Lua"
+
+# GIE: "the first valid endpoint in the list will be used". ORIGINAL_DST parses a single
+# ip:port, so keep only the first entry of an ``ip:port,ip:port`` pick in the header it
+# reads (it tries the metadata first; a list string there does not parse and is skipped).
+_FIRST_OF_LIST_LUA = f"""
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local pick = headers:get("{DESTINATION_HEADER}")
+  if pick ~= nil and string.find(pick, ",", 1, true) ~= nil then
+    local first = string.match(pick, "^%s*([^,%s]+)")
+    if first ~= nil then
+      headers:replace("{DESTINATION_HEADER}", first)
+    end
+  end
+end
+"""
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _STDOUT_LOG = _T + "extensions.access_loggers.stream.v3.StdoutAccessLog"
 
@@ -245,6 +262,16 @@ def _routes(
     return routes
 
 
+def _first_of_list_filter() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": _LUA,
+            "default_source_code": {"inline_string": _FIRST_OF_LIST_LUA},
+        },
+    }
+
+
 def _served_to_metadata_filter() -> dict[str, Any]:
     """Copy the served endpoint into ``envoy.lb`` on the response path (before ext_proc
     sees the response headers), per GIE's protocol; the EPP then reports it itself."""
@@ -336,6 +363,7 @@ def build_envoy_config(
                 grpc_authority=f"{epp_address}:{epp_port}",
                 response_bodies=stream_response_bodies,
             ),
+            _first_of_list_filter(),
             _served_to_metadata_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],

@@ -39,6 +39,31 @@ spec:
     name: local
 """
 MAX_BODY_BYTES = 64 * 1024
+# The default profile, but the picker names a fallback too: the EPP then answers
+# "primary,fallback" and every test also covers Envoy using the first of the list.
+EPP_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: saturation-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+  parameters:
+    maxNumOfEndpoints: 2
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
 
 
 @pytest.hookimpl(wrapper=True)
@@ -65,6 +90,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterato
     workdir = tmp_path_factory.mktemp("stack")
     objectives = workdir / "objectives.yaml"
     objectives.write_text(OBJECTIVES_YAML)
+    epp_config = workdir / "epp-config.yaml"
+    epp_config.write_text(EPP_CONFIG_YAML)
     spec = StackSpec(
         engines=2,
         model=tiny_model,
@@ -77,6 +104,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterato
         epp_health_port=free_port(),
         epp_metrics_port=free_port(),
         objectives_file=objectives,
+        epp_config_file=epp_config,
         # A small batch makes queues form quickly; a short staleness window keeps the
         # stale-metrics test short.
         engine_args=["--max-num-seqs", "2"],
