@@ -294,6 +294,12 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
         with httpx.Client(timeout=60) as client:
             refused = client.post(f"{stack.base_url}/v1/completions", json=body)
             assert 500 <= refused.status_code < 600
+            # (Envoy's workers see the health change a moment after its admin does.)
+            wait_for(
+                lambda: client.post(fail_open, json=body).status_code == 200,
+                10,
+                "the FailOpen listener to serve without the EPP",
+            )
             served = client.post(fail_open, json=body)
             assert served.status_code == 200, served.text
             assert served.headers[UPSTREAM_HOST_HEADER] in stack.engine_addresses
@@ -301,4 +307,7 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
     finally:
         stack.start_epp()
     wait_for(lambda: all(_epp_healthy(a) for a in admins), 30, "Envoy to see the EPP back")
-    _served_by(_complete(stack, "the EPP is back"))
+    # Envoy's workers pick up the health change a moment after its admin reports it.
+    wait_for(
+        lambda: _complete(stack, "the EPP is back").status_code == 200, 30, "routing to resume"
+    )
