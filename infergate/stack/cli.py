@@ -76,6 +76,15 @@ def up(
         "directory removed on exit).",
     ),
     access_log: bool = typer.Option(True, "--access-log/--no-access-log", help="Envoy access log."),
+    precise_prefix: bool = typer.Option(
+        False,
+        "--precise-prefix",
+        help="Engines publish KV events (ZMQ, vLLM's format) and the EPP routes on them "
+        "(precise-prefix-cache-scorer) instead of its approximate prefix index.",
+    ),
+    kv_events_port: int = typer.Option(
+        5557, "--kv-events-port", help="With --precise-prefix: first engine's KV-events port."
+    ),
     engine_arg: list[str] = typer.Option(
         [],
         "--engine-arg",
@@ -119,6 +128,8 @@ def up(
         objectives_file=objectives_file,
         workdir=workdir,
         access_log=access_log,
+        precise_prefix=precise_prefix,
+        kv_events_port=kv_events_port,
         engine_args=list(engine_arg),
         epp_args=list(epp_arg),
     )

@@ -32,6 +32,31 @@ from infergate.stack.envoy_process import start_envoy
 
 LOOPBACK = "127.0.0.1"
 TINY_MODEL_NAME = "infergate-tiny"
+KV_EVENTS_PORT_LABEL = "infergate.io/kv-events-port"  # read by precise-prefix-cache-scorer
+
+# DESIGN.md's default profile with the precise (KV-event driven) prefix scorer in place of
+# the approximate one: llm-d's "precise prefix-cache aware" routing.
+PRECISE_PREFIX_CONFIG = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: saturation-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: precise-prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: precise-prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
 
 
 class StackError(RuntimeError):
@@ -127,6 +152,11 @@ class StackSpec:
     failure_mode_allow: bool = False
     """FailOpen (True) or FailClose (False), as InferencePool's ``endpointPickerRef.failureMode``."""
     epp_config_file: Path | None = None
+    precise_prefix: bool = False
+    """Engines publish KV events (ZMQ) and the EPP scores prefixes from them."""
+    kv_events_port: int = 5557
+    """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
+    kv_events_ports: Sequence[int] | None = None
     objectives_file: Path | None = None
     engine_args: Sequence[str] = ()
     epp_args: Sequence[str] = ()
@@ -135,6 +165,17 @@ class StackSpec:
     workdir: Path | None = None
     cache_dir: Path | None = None
     start_timeout: float = 120.0
+
+    def resolved_kv_events_ports(self) -> list[int]:
+        if not self.precise_prefix:
+            return []
+        if self.kv_events_ports is not None:
+            if len(self.kv_events_ports) != self.engines:
+                raise StackError(
+                    f"{len(self.kv_events_ports)} KV-events ports given for {self.engines} engines"
+                )
+            return list(self.kv_events_ports)
+        return [self.kv_events_port + i for i in range(self.engines)]
 
     def resolved_engine_ports(self) -> list[int]:
         if self.engine_ports is not None:
@@ -208,16 +249,23 @@ class LocalStack:
 
     def check_ports(self) -> None:
         """Refuse to start on a busy port, naming who needed it and the flag that moves it."""
-        wanted = [
-            ("Envoy listener", self.spec.port, "--port"),
-            ("Envoy admin", self.spec.admin_port, "--admin-port"),
-            ("EPP gRPC", self.spec.epp_grpc_port, "--epp-grpc-port"),
-            ("EPP health", self.spec.epp_health_port, "--epp-health-port"),
-            ("EPP metrics", self.spec.epp_metrics_port, "--epp-metrics-port"),
-        ] + [
-            (f"engine-{i}", port, "--engine-port")
-            for i, port in enumerate(self.spec.resolved_engine_ports())
-        ]
+        wanted = (
+            [
+                ("Envoy listener", self.spec.port, "--port"),
+                ("Envoy admin", self.spec.admin_port, "--admin-port"),
+                ("EPP gRPC", self.spec.epp_grpc_port, "--epp-grpc-port"),
+                ("EPP health", self.spec.epp_health_port, "--epp-health-port"),
+                ("EPP metrics", self.spec.epp_metrics_port, "--epp-metrics-port"),
+            ]
+            + [
+                (f"engine-{i}", port, "--engine-port")
+                for i, port in enumerate(self.spec.resolved_engine_ports())
+            ]
+            + [
+                (f"engine-{i} KV events", port, "--kv-events-port")
+                for i, port in enumerate(self.spec.resolved_kv_events_ports())
+            ]
+        )
         seen: dict[int, str] = {}
         for who, port, flag in wanted:
             if port in seen:
@@ -295,10 +343,16 @@ class LocalStack:
 
     def write_endpoints(self, addresses: Sequence[str]) -> None:
         """(Re)write the EPP's endpoints file atomically; the EPP hot-reloads it."""
+        kv_ports = dict(
+            zip(self.engine_addresses, self.spec.resolved_kv_events_ports(), strict=False)
+        )
         endpoints = []
         for address in addresses:
             host, _, port = address.rpartition(":")
-            endpoints.append({"address": host, "port": int(port), "labels": {"app": "infergate"}})
+            labels = {"app": "infergate"}
+            if address in kv_ports:
+                labels[KV_EVENTS_PORT_LABEL] = str(kv_ports[address])
+            endpoints.append({"address": host, "port": int(port), "labels": labels})
         scratch = self.endpoints_file.with_suffix(".tmp")
         scratch.write_text(yaml.safe_dump({"endpoints": endpoints}, sort_keys=False))
         scratch.replace(self.endpoints_file)
@@ -321,6 +375,11 @@ class LocalStack:
         ]
         if self.spec.epp_config_file:
             argv += ["--config-file", str(self.spec.epp_config_file)]
+        elif self.spec.precise_prefix:
+            assert self.workdir is not None
+            generated = self.workdir / "epp-config.yaml"
+            generated.write_text(PRECISE_PREFIX_CONFIG)
+            argv += ["--config-file", str(generated)]
         if self.spec.objectives_file:
             argv += ["--objectives-file", str(self.spec.objectives_file)]
         argv += list(self.spec.epp_args)
@@ -359,6 +418,8 @@ class LocalStack:
         ]
         if self.spec.simulate:
             argv.append("--simulate")
+        if self.spec.precise_prefix:
+            argv += ["--kv-events-port", str(self.spec.resolved_kv_events_ports()[index])]
         argv += list(self.spec.engine_args)
         name = f"engine-{index}"
         return self._start(name, lambda log: self.group.start(name, argv, log_path=log))
@@ -374,16 +435,14 @@ class LocalStack:
 
     def components(self) -> list[tuple[str, str, ManagedProcess | None]]:
         """(name, what/where, process) rows for a status table."""
-        rows: list[tuple[str, str, ManagedProcess | None]] = [
-            (
-                f"engine-{i}",
-                f"http://{address}  ({'simulated' if self.spec.simulate else 'real'} {self.model_name})",
-                proc,
-            )
-            for i, (address, proc) in enumerate(
-                zip(self.engine_addresses, self.engines, strict=False)
-            )
-        ]
+        kind = "simulated" if self.spec.simulate else "real"
+        kv_ports = self.spec.resolved_kv_events_ports()
+        rows: list[tuple[str, str, ManagedProcess | None]] = []
+        for i, (address, proc) in enumerate(zip(self.engine_addresses, self.engines, strict=False)):
+            where = f"http://{address}  ({kind} {self.model_name})"
+            if kv_ports:
+                where += f", KV events tcp://{LOOPBACK}:{kv_ports[i]}"
+            rows.append((f"engine-{i}", where, proc))
         rows.append(
             (
                 "epp",

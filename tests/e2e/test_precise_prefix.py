@@ -1,0 +1,71 @@
+"""``infergate up --precise-prefix``'s wiring: engines publish KV events, the EPP routes on
+them, and requests sharing a long prefix stick to the engine that really caches it."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infergate.procs import free_port
+from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER
+from infergate.stack.local import LocalStack, StackSpec
+from infergate.stack.probes import metric_sum, wait_for
+
+
+@pytest.fixture(scope="module")
+def precise_stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[LocalStack]:
+    spec = StackSpec(
+        engines=2,
+        model=tiny_model,
+        simulate=True,
+        precise_prefix=True,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_ports=[free_port(), free_port()],
+        kv_events_ports=[free_port(), free_port()],
+        epp_grpc_port=free_port(),
+        epp_health_port=free_port(),
+        epp_metrics_port=free_port(),
+        workdir=tmp_path_factory.mktemp("precise"),
+        start_timeout=180.0,
+    )
+    with LocalStack(spec) as stack:
+        yield stack
+
+
+def test_shared_prefix_follows_the_engines_kv_events(precise_stack: LocalStack) -> None:
+    stack = precise_stack
+    assert stack.workdir is not None
+    config = (stack.workdir / "epp-config.yaml").read_text()
+    assert "precise-prefix-cache-scorer" in config
+    assert "infergate.io/kv-events-port" in stack.endpoints_file.read_text()
+
+    def stored_events() -> float:
+        return metric_sum(stack.epp_metrics_url, "infergate_epp_kv_events_total")
+
+    before = stored_events()
+    system = f"Policy {uuid.uuid4()}: " + "answer briefly and cite the handbook. " * 60
+    first = httpx.post(
+        f"{stack.base_url}/v1/completions",
+        json={"model": stack.model_name, "prompt": f"{system}\nQ0?", "max_tokens": 2},
+        timeout=60,
+    )
+    assert first.status_code == 200
+    home = first.headers[UPSTREAM_HOST_HEADER]
+    # The engine announces the blocks it stored; the EPP indexes them.
+    wait_for(lambda: stored_events() > before, 30, "the EPP to receive KV events")
+    served = {
+        httpx.post(
+            f"{stack.base_url}/v1/completions",
+            json={"model": stack.model_name, "prompt": f"{system}\nQ{i}?", "max_tokens": 2},
+            timeout=60,
+        ).headers[UPSTREAM_HOST_HEADER]
+        for i in range(1, 7)
+    }
+    assert served == {home}
