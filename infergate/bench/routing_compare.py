@@ -8,7 +8,7 @@ the shared-prefix dataset through each, alternating, with fresh prefixes every r
 run inherits another's warm caches), and prints TTFT/TPOT/E2E side by side.
 
     python -m infergate.bench.routing_compare [--engines 4] [--rate 12] [--prompts 200]
-        [--groups 8] [--prefix-len 2000] [--kv-blocks 450] [--rounds 2]
+        [--groups 8] [--prefix-len 2000] [--kv-blocks 450] [--rounds 2] [--precise-prefix]
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--kv-blocks", type=int, default=450, help="KV blocks per engine")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--precise-prefix",
+        action="store_true",
+        help="the EPP scores prefixes from the engines' KV events (up --precise-prefix)",
+    )
     args = parser.parse_args()
 
     spec = StackSpec(
@@ -47,6 +52,8 @@ def main() -> None:
         epp_metrics_port=free_port(),
         access_log=False,
         engine_args=["--num-gpu-blocks-override", str(args.kv_blocks)],
+        precise_prefix=args.precise_prefix,
+        kv_events_ports=[free_port() for _ in range(args.engines)],
     )
     print(
         f"{args.engines} simulated engines x {args.kv_blocks} KV blocks; {args.prompts} "
@@ -68,7 +75,7 @@ def main() -> None:
         tokens = Tokens(stack.model_dir)
         paths = [
             ("least-request", f"http://127.0.0.1:{baseline_port}"),
-            ("infergate EPP", stack.base_url),
+            ("EPP (precise)" if args.precise_prefix else "infergate EPP", stack.base_url),
         ]
         print(
             f"{'path':<14} {'ok':>4} {'TTFT mean':>10} {'p50':>7} {'p90':>7} {'p99':>7} "
