@@ -20,6 +20,13 @@ Why each piece is there:
   ``failure_mode_allow`` let the request through) go to a fallback
   cluster of known endpoints when one is given, else get a local 503: an ORIGINAL_DST
   cluster with nothing to dial would fail anyway, with a less helpful answer.
+* The EPP cluster is TCP health-checked with panic routing off: with FULL_DUPLEX_STREAMED
+  bodies Envoy can fail open only before the first body chunk went out, so a dead EPP
+  must be known before the request starts, not discovered at connect time.
+* A pick that is a list (``ip:port,ip:port``) is trimmed to its first entry by a tiny Lua
+  filter (ORIGINAL_DST parses one address); on the way back the upstream really used is
+  copied into ``envoy.lb`` as ``x-gateway-destination-endpoint-served`` and forwarded to
+  the EPP with the response headers, as GIE's protocol asks.
 """
 
 from __future__ import annotations
@@ -318,7 +325,7 @@ def build_envoy_config(
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
     ``failure_mode_allow`` is the pool's ``failureMode`` (True = FailOpen). With FailOpen,
-    requests the EPP could not handle go round-robin (least-request) over
+    requests the EPP could not handle are balanced (least-request) over
     ``fallback_endpoints`` when given, else get a local 503. ``debug_headers`` adds
     :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every proxied response.
     ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
