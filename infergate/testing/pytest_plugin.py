@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -90,8 +91,12 @@ def envoy_binary() -> Path:
 
 @pytest.fixture(scope="session")
 def infergate_cli() -> list[str]:
-    """argv prefix that runs this checkout's ``infergate`` command."""
-    exe = shutil.which("infergate")
+    """argv prefix that runs this checkout's ``infergate`` command.
+
+    Looks next to this interpreter first: ``make test`` runs ``.venv/bin/pytest`` without
+    the venv on PATH."""
+    beside = Path(sys.executable).parent / "infergate"
+    exe = str(beside) if beside.is_file() else shutil.which("infergate")
     if exe is None:
         pytest.fail("`infergate` is not installed: run `make install` first")
     return [exe]
