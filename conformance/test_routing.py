@@ -82,39 +82,22 @@ def test_an_unlisted_rank_is_never_used(driver: Driver) -> None:
     assert hits == {f"{pod.name}:3004": 30}
 
 
-def _fallback_gap(reply_status: int, body: bytes) -> bool:
-    return reply_status == 503 and b"no healthy upstream" in body
-
-
 @pytest.mark.conformance("GatewayEPPFallbackList")
 def test_first_endpoint_of_the_list_serves(driver: Driver) -> None:
     """The EPP answers ``first,second``: the gateway must use the first valid endpoint."""
     first, second, _ = driver.pods(topo.FALLBACK_POOL)
     reply = driver.send("fallback", headers=selection(first.ip, second.ip))
-    if _fallback_gap(reply.status, reply.body):
-        pytest.xfail(
-            "the gateway answers 503 'no healthy upstream' when x-gateway-destination-endpoint "
-            "holds a list: the ORIGINAL_DST cluster of infergate.stack.envoy_config parses the "
-            "value as one address (GIE EPP protocol: 'the first valid endpoint in the list will "
-            "be used')"
-        )
     assert reply.status == 200, reply
     assert reply.pod == first.name, reply
 
 
 @pytest.mark.conformance("GatewayEPPFallbackList")
 def test_fallback_endpoint_serves_when_the_first_is_down(driver: Driver) -> None:
+    """GIE: "if retry is configured, the proxy will go sequentially down the list"."""
     if STOP_PODS not in driver.capabilities:
         pytest.skip(f"the {driver.name} driver cannot stop a single pod behind the EPP's back")
     first, second, _ = driver.pods(topo.FALLBACK_POOL)
     with driver.pod_stopped(first):
         reply = driver.send("fallback", headers=selection(first.ip, second.ip))
-    if reply.status == 503 and reply.pod is None:
-        pytest.xfail(
-            "no fallback: with the first endpoint of x-gateway-destination-endpoint down, the "
-            "gateway does not retry the next one (infergate.stack.envoy_config has no retry "
-            "over the EPP's endpoint list); GIE EPP protocol: 'if retry is configured, the "
-            "proxy will go sequentially down the list'"
-        )
     assert reply.status == 200, reply
     assert reply.pod == second.name, reply

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -19,6 +20,7 @@ from infergate.epp.config import EndpointPickerConfig, load_config
 from infergate.epp.datastore import Datastore
 from infergate.epp.director import Director
 from infergate.epp.discovery.file import EndpointsFileError, load_endpoints_file, watch_file
+from infergate.epp.eds import EndpointDiscovery
 from infergate.epp.objectives import ObjectivesError, ObjectiveStore, load_objectives_file
 from infergate.epp.observability import EppMetrics
 from infergate.epp.plugins import PluginContext
@@ -63,6 +65,8 @@ class Epp:
         config = options.config or load_config(options.config_file)
         sat = config.saturationDetector
         self.datastore = Datastore()
+        # Envoy's pool cluster follows the same endpoint set over EDS (see eds.py).
+        self.eds = EndpointDiscovery(self.datastore)
         self.saturation = SaturationDetector(
             sat.queueDepthThreshold,
             sat.kvCacheUtilThreshold,
@@ -127,6 +131,7 @@ class Epp:
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
+        eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         if o.secure_serving:
             from infergate.epp.tls import server_credentials
 

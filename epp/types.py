@@ -14,7 +14,7 @@ class Endpoint:
     address: str
     port: int
     labels: tuple[tuple[str, str], ...] = ()
-    #: ``ip:port`` — the value Envoy's ORIGINAL_DST cluster understands (computed once).
+    #: ``ip:port`` — how Envoy names a host in its pick header and EDS (computed once).
     key: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -127,10 +127,6 @@ class Driver(ABC):
         """Within the block the pod's echo server does not answer (needs STOP_PODS)."""
         raise NotImplementedError(f"the {self.name} driver cannot stop single pods")
 
-    def served_reporting_gap(self) -> str | None:
-        """Why the gateway cannot report the served endpoint to the EPP, if it cannot."""
-        return None
-
     def logs(self) -> Iterator[tuple[str, str]]:
         """(name, tail) of the driver's own processes, for failing tests' reports."""
         return iter(())

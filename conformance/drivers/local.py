@@ -46,7 +46,6 @@ from infergate.stack.envoy_process import start_envoy
 from infergate.testing.kube_emulator import write_kubeconfig
 
 ECHO_SERVER = topo.HERE / "echo" / "server.py"
-LB_NAMESPACE = "envoy.lb"
 _HTTP = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 
@@ -160,20 +159,6 @@ def rebind_epp_args(args: Sequence[str], config: Path, ports: Mapping[str, int])
             raise ValueError(f"the operator's EPP args lack {flag}: {list(args)}")
         out[out.index(flag) + 1] = value
     return [*out, "--host", "127.0.0.1"]
-
-
-def _forwards_lb_metadata(config: dict[str, Any]) -> bool:
-    """Does this bootstrap send ``envoy.lb`` metadata to the ext_proc server?"""
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for net_filter in chain["filters"]:
-                for http_filter in net_filter["typed_config"].get("http_filters", []):
-                    if http_filter["name"] != "envoy.filters.http.ext_proc":
-                        continue
-                    options = http_filter["typed_config"].get("metadata_options") or {}
-                    forwarded = (options.get("forwarding_namespaces") or {}).get("untyped") or []
-                    return LB_NAMESPACE in forwarded
-    return False
 
 
 class _Epp:
@@ -393,18 +378,6 @@ class LocalDriver(Driver):
         # kernel may have handed to someone else meanwhile.
         with contextlib.suppress(ValueError):
             self.group.processes.remove(process)
-
-    def served_reporting_gap(self) -> str | None:
-        self._ensure_data_plane()
-        config = next(iter(self._envoy_configs.values()))
-        if _forwards_lb_metadata(config):
-            return None
-        return (
-            "infergate.stack.envoy_config.build_envoy_config does not send the served endpoint "
-            "to the EPP: its ext_proc filter has no metadata_options.forwarding_namespaces "
-            "for 'envoy.lb', and nothing writes 'x-gateway-destination-endpoint-served' into "
-            "that namespace on the response path (GIE EPP protocol, 'Destination Endpoint Served')"
-        )
 
     # -- API server + operator ----------------------------------------------------------
     @property

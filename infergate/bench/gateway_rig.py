@@ -1,7 +1,7 @@
 """Rig for the EPP overhead and throughput benchmarks (benchmarks/epp_*.py).
 
 Two real Envoys in front of the same upstream: the gateway (ext_proc to a real
-``infergate epp``, ORIGINAL_DST on its pick) and a direct twin with the identical listener
+``infergate epp``, the pool cluster on its pick) and a direct twin with the identical listener
 and timeouts but no ext_proc filter. The upstream is, by default, a third Envoy answering
 ``/v1/completions`` and ``/metrics`` (vLLM metric names) from ``direct_response`` on
 several ports: a fixed, tiny latency, so the difference between the two paths is the

@@ -1,4 +1,4 @@
-"""Envoy v3 bootstrap for an InferencePool: ext_proc to the Endpoint Picker, ORIGINAL_DST upstream.
+"""Envoy v3 bootstrap for an InferencePool: ext_proc to the Endpoint Picker, EDS upstream.
 
 One pure function builds the whole bootstrap as plain dicts, so ``infergate up``, the
 operator's standalone Envoy sidecar and the conformance helpers all run the same config.
@@ -12,21 +12,25 @@ Why each piece is there:
   EPP answers the request-headers message only after the last body chunk, the per-message
   timeout must cover the client's upload, hence seconds, not Envoy's 200 ms default.
 * The picked endpoint arrives as the ``x-gateway-destination-endpoint`` header (and the
-  same value as dynamic metadata in namespace ``envoy.lb``); the ORIGINAL_DST cluster dials
-  exactly that address. The header is stripped from client requests first, so a client
-  can never choose an upstream itself (e.g. when the EPP is down and failing open).
+  same value as dynamic metadata in namespace ``envoy.lb``). The pool cluster uses Envoy's
+  ``override_host`` policy, which dials the first endpoint of that list and, on a retry
+  (connect failure, refused stream, reset before the request went out), the next one —
+  GIE's fallback list. ``override_host`` only dials hosts its cluster has, so the cluster
+  learns the pool's endpoints from the EPP itself over EDS (the EPP serves it on the
+  ext-proc port), and keeps the last set if the EPP dies. (DESIGN.md's ORIGINAL_DST
+  cluster dials any address but cannot honour the fallback list or fail open.) The
+  header is stripped from client requests first, so a client can never choose an
+  upstream itself.
 * Only requests that carry a pick in the ``envoy.lb`` metadata (which, unlike a header,
-  only the EPP can set) are routed to ORIGINAL_DST. The rest (the EPP was unreachable and
-  ``failure_mode_allow`` let the request through) go to a fallback
-  cluster of known endpoints when one is given, else get a local 503: an ORIGINAL_DST
-  cluster with nothing to dial would fail anyway, with a less helpful answer.
+  only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
+  ``failure_mode_allow`` let the request through) are balanced least-request over a static
+  fallback cluster when one is given, else over the endpoints the EPP last announced.
 * The EPP cluster is TCP health-checked with panic routing off: with FULL_DUPLEX_STREAMED
   bodies Envoy can fail open only before the first body chunk went out, so a dead EPP
   must be known before the request starts, not discovered at connect time.
-* A pick that is a list (``ip:port,ip:port``) is trimmed to its first entry by a tiny Lua
-  filter (ORIGINAL_DST parses one address); on the way back the upstream really used is
-  copied into ``envoy.lb`` as ``x-gateway-destination-endpoint-served`` and forwarded to
-  the EPP with the response headers, as GIE's protocol asks.
+* On the way back the upstream really used is copied into ``envoy.lb`` as
+  ``x-gateway-destination-endpoint-served`` and forwarded to the EPP with the response
+  headers, as GIE's protocol asks.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ PICKED_HEADER = "x-infergate-picked-endpoint"
 """Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
 LB_METADATA_NAMESPACE = "envoy.lb"
 EPP_CLUSTER = "infergate_epp"
-POOL_CLUSTER = "infergate_pool_original_dst"
+POOL_CLUSTER = "infergate_pool"
 FALLBACK_CLUSTER = "infergate_pool_fallback"
 
 _T = "type.googleapis.com/envoy."
@@ -56,23 +60,9 @@ _EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
-_LUA = _T + "extensions.filters.http.lua.v3.Lua"
+_OVERRIDE_HOST = _T + "extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_LEAST_REQUEST = _T + "extensions.load_balancing_policies.least_request.v3.LeastRequest"
 
-# GIE: "the first valid endpoint in the list will be used". ORIGINAL_DST parses a single
-# ip:port, so keep only the first entry of an ``ip:port,ip:port`` pick in the header it
-# reads (it tries the metadata first; a list string there does not parse and is skipped).
-_FIRST_OF_LIST_LUA = f"""
-function envoy_on_request(handle)
-  local headers = handle:headers()
-  local pick = headers:get("{DESTINATION_HEADER}")
-  if pick ~= nil and string.find(pick, ",", 1, true) ~= nil then
-    local first = string.match(pick, "^%s*([^,%s]+)")
-    if first ~= nil then
-      headers:replace("{DESTINATION_HEADER}", first)
-    end
-  end
-end
-"""
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _STDOUT_LOG = _T + "extensions.access_loggers.stream.v3.StdoutAccessLog"
 
@@ -213,8 +203,63 @@ def _header(key: str, value: str) -> dict[str, Any]:
     return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
+def _pool_cluster(
+    *, connect_timeout_s: float, max_requests: int, initial_fetch_timeout_s: float
+) -> dict[str, Any]:
+    """The pool's engines, learnt from the EPP over EDS, picked by ``override_host``.
+
+    ``override_host`` dials the EPP's pick (header ``x-gateway-destination-endpoint``,
+    ``ip:port[,ip:port…]``), moves down that list on each retry, and balances
+    least-request over the known endpoints when a request carries no pick (fail open).
+    """
+    return {
+        "name": POOL_CLUSTER,
+        "type": "EDS",
+        "connect_timeout": _duration(connect_timeout_s),
+        "circuit_breakers": _circuit_breakers(max_requests),
+        "eds_cluster_config": {
+            "eds_config": {
+                "resource_api_version": "V3",
+                # Past this Envoy serves without the pool (picks then fail over to
+                # nothing) rather than holding its listener back; EDS keeps retrying.
+                "initial_fetch_timeout": _duration(initial_fetch_timeout_s),
+                "api_config_source": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": EPP_CLUSTER}}],
+                    "set_node_on_first_message_only": True,
+                },
+            }
+        },
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": _OVERRIDE_HOST,
+                            # Only the EPP can set it: client copies are stripped first.
+                            "override_host_sources": [{"header": DESTINATION_HEADER}],
+                            "fallback_policy": {
+                                "policies": [
+                                    {
+                                        "typed_extension_config": {
+                                            "name": "envoy.load_balancing_policies.least_request",
+                                            "typed_config": {"@type": _LEAST_REQUEST},
+                                        }
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                }
+            ]
+        },
+    }
+
+
 def _routes(
-    *, route_timeout_s: float, has_fallback: bool, debug_headers: bool
+    *, route_timeout_s: float, has_fallback: bool, debug_headers: bool, fallback_retries: int
 ) -> list[dict[str, Any]]:
     route_action: dict[str, Any] = {
         "timeout": _duration(route_timeout_s),
@@ -235,30 +280,21 @@ def _routes(
         },
         "route": {"cluster": POOL_CLUSTER, **route_action},
     }
-    unpicked: dict[str, Any]
-    if has_fallback:
-        unpicked = {
-            "match": {"prefix": "/"},
-            "route": {"cluster": FALLBACK_CLUSTER, **route_action},
+    if fallback_retries > 0:
+        # GIE: "if retry is configured, the proxy will go sequentially down the list".
+        # Only failures before any byte went upstream: a generation is never run twice.
+        picked["route"]["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": fallback_retries,
+            "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
         }
-    else:
-        unpicked = {
-            "match": {"prefix": "/"},
-            "direct_response": {
-                "status": 503,
-                "body": {
-                    "inline_string": (
-                        '{"error": {"message": "no endpoint was picked for this request '
-                        '(the endpoint picker is unavailable)", "type": "ServiceUnavailable", '
-                        '"code": 503}}'
-                    )
-                },
-            },
-        }
+    # No pick: the EPP was unreachable and failure_mode_allow let the request through.
+    unpicked: dict[str, Any] = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": FALLBACK_CLUSTER if has_fallback else POOL_CLUSTER, **route_action},
+    }
     routes = [picked, unpicked]
     for route in routes:
-        if "route" not in route:
-            continue
         # The served endpoint goes back to the EPP (header -> envoy.lb metadata, see
         # _served_to_metadata_filter); the debug pair is for people and tests.
         headers = [_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
@@ -267,16 +303,6 @@ def _routes(
             headers.append(_header(PICKED_HEADER, f"%REQ({DESTINATION_HEADER})%"))
         route["response_headers_to_add"] = headers
     return routes
-
-
-def _first_of_list_filter() -> dict[str, Any]:
-    return {
-        "name": "envoy.filters.http.lua",
-        "typed_config": {
-            "@type": _LUA,
-            "default_source_code": {"inline_string": _FIRST_OF_LIST_LUA},
-        },
-    }
 
 
 def _served_to_metadata_filter() -> dict[str, Any]:
@@ -321,12 +347,16 @@ def build_envoy_config(
     stat_prefix: str = "infergate",
     epp_health_check_interval_s: float | None = 1.0,
     stream_response_bodies: bool = True,
+    fallback_retries: int = 3,
+    eds_initial_fetch_timeout_s: float = 5.0,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
     ``failure_mode_allow`` is the pool's ``failureMode`` (True = FailOpen). With FailOpen,
     requests the EPP could not handle are balanced (least-request) over
-    ``fallback_endpoints`` when given, else get a local 503. ``debug_headers`` adds
+    ``fallback_endpoints`` when given, else over the endpoints the EPP last announced over
+    EDS. ``fallback_retries`` is how many further endpoints of the EPP's list a request
+    may try when one refuses the connection (0: none). ``debug_headers`` adds
     :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every proxied response.
     ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
     (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
@@ -357,6 +387,7 @@ def build_envoy_config(
                     "routes": _routes(
                         route_timeout_s=route_timeout_s,
                         has_fallback=bool(fallback_endpoints),
+                        fallback_retries=fallback_retries,
                         debug_headers=debug_headers,
                     ),
                 }
@@ -370,7 +401,6 @@ def build_envoy_config(
                 grpc_authority=f"{epp_address}:{epp_port}",
                 response_bodies=stream_response_bodies,
             ),
-            _first_of_list_filter(),
             _served_to_metadata_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
@@ -386,22 +416,11 @@ def build_envoy_config(
             }
         ]
 
-    pool_cluster: dict[str, Any] = {
-        "name": POOL_CLUSTER,
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": _duration(connect_timeout_s),
-        "circuit_breakers": _circuit_breakers(max_requests),
-        "original_dst_lb_config": {
-            "use_http_header": True,
-            "http_header_name": DESTINATION_HEADER,
-            # Metadata is consulted before the header; both carry the same pick.
-            "metadata_key": {
-                "key": LB_METADATA_NAMESPACE,
-                "path": [{"key": DESTINATION_HEADER}],
-            },
-        },
-    }
+    pool_cluster = _pool_cluster(
+        connect_timeout_s=connect_timeout_s,
+        max_requests=max_requests,
+        initial_fetch_timeout_s=eds_initial_fetch_timeout_s,
+    )
     epp_cluster = _static_cluster(
         EPP_CLUSTER,
         [(epp_address, epp_port)],

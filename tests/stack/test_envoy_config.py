@@ -2,7 +2,8 @@
 
 These run without an EPP: the dead-EPP paths (FailOpen to the fallback pool, FailClose
 5xx, client-supplied destination headers ignored) are exactly the ones that need none.
-The paths through a live EPP are covered by tests/e2e.
+The paths through a live EPP (EDS, fallback retries) are covered by tests/e2e and
+conformance/.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from infergate.procs import ProcessGroup, free_port, tcp_ready
 from infergate.stack.envoy_config import (
     DESTINATION_HEADER,
+    EPP_CLUSTER,
     UPSTREAM_HOST_HEADER,
     build_envoy_config,
     render_envoy_yaml,
@@ -50,10 +52,11 @@ def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binar
 def test_validate_reports_envoys_reason(tmp_path: Path, envoy_binary: Path) -> None:
     config = build_envoy_config(listen_port=8081, epp_address="127.0.0.1", epp_port=9002)
     pool = config["static_resources"]["clusters"][1]
-    pool["lb_policy"] = "ROUND_ROBIN"  # ORIGINAL_DST only takes CLUSTER_PROVIDED
+    source = pool["eds_cluster_config"]["eds_config"]["api_config_source"]
+    source["grpc_services"][0]["envoy_grpc"]["cluster_name"] = "nowhere"
     path = tmp_path / "bad.yaml"
     path.write_text(__import__("yaml").safe_dump(config))
-    with pytest.raises(ValueError, match="CLUSTER_PROVIDED"):
+    with pytest.raises(ValueError, match="'nowhere' does not exist"):
         validate_config(path, envoy=envoy_binary)
 
 
@@ -69,10 +72,28 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     mode = closed["processing_mode"]
     assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
+
+def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
     config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)
-    lb = config["static_resources"]["clusters"][1]["original_dst_lb_config"]
-    assert lb["use_http_header"] is True
-    assert lb["http_header_name"] == DESTINATION_HEADER
+    pool = config["static_resources"]["clusters"][1]
+    assert pool["type"] == "EDS"
+    source = pool["eds_cluster_config"]["eds_config"]["api_config_source"]
+    assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": EPP_CLUSTER}}]
+    policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert policy["typed_config"]["override_host_sources"] == [{"header": DESTINATION_HEADER}]
+    picked = _routes(config)[0]["route"]
+    assert picked["retry_policy"]["num_retries"] == 3
+    assert "connect-failure" in picked["retry_policy"]["retry_on"]
+    no_retries = build_envoy_config(
+        listen_port=1, epp_address="127.0.0.1", epp_port=2, fallback_retries=0
+    )
+    assert "retry_policy" not in _routes(no_retries)[0]["route"]
+
+
+def _routes(config: dict) -> list[dict]:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -107,6 +128,7 @@ def _start_envoy(processes: ProcessGroup, tmp_path: Path, name: str, **kwargs: o
         epp_port=free_port(),  # nothing listens there: the EPP is "down"
         message_timeout_s=5,
         debug_headers=True,
+        eds_initial_fetch_timeout_s=0.5,
         **kwargs,  # type: ignore[arg-type]
     )
     start_envoy(processes, config, tmp_path / f"{name}.yaml", name=name)
@@ -137,10 +159,11 @@ def test_dead_epp_fail_open_serves_from_fallback_and_fail_close_refuses(
         refused = client.get(f"{fail_close}/hello.txt")
         assert 500 <= refused.status_code < 600
 
-        # A client cannot pick the upstream itself, even when the EPP is not there to.
+        # A client cannot pick the upstream itself, even when the EPP is not there to:
+        # with no EPP ever reached, the pool has no endpoints to fail open to.
         nopick = client.get(
             f"{fail_open_no_pool}/hello.txt",
             headers={DESTINATION_HEADER: f"127.0.0.1:{upstream}"},
         )
         assert nopick.status_code == 503
-        assert "endpoint picker" in nopick.json()["error"]["message"]
+        assert "no healthy upstream" in nopick.text
