@@ -281,11 +281,27 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
         stack.envoy_config_file.with_name("envoy-failopen.yaml"),
         name="envoy-failopen",
     )
+    # A FailOpen listener with no static fallback list (as the operator's sidecar): it
+    # fails open over the endpoints the EPP last announced over EDS.
+    eds_port, eds_admin = free_port(), free_port()
+    start_envoy(
+        stack.group,
+        stack.envoy_config(
+            listen_port=eds_port,
+            admin_port=eds_admin,
+            failure_mode_allow=True,
+            fallback_endpoints=(),
+        ),
+        stack.envoy_config_file.with_name("envoy-failopen-eds.yaml"),
+        name="envoy-failopen-eds",
+    )
     fail_open = f"http://127.0.0.1:{open_port}/v1/completions"
+    fail_open_eds = f"http://127.0.0.1:{eds_port}/v1/completions"
     body = {"model": stack.model_name, "prompt": "is anyone there", "max_tokens": 2}
     assert httpx.post(fail_open, json=body, timeout=60).status_code == 200
+    assert httpx.post(fail_open_eds, json=body, timeout=60).status_code == 200
 
-    admins = {f"http://127.0.0.1:{p}" for p in (open_admin, stack.spec.admin_port)}
+    admins = {f"http://127.0.0.1:{p}" for p in (open_admin, eds_admin, stack.spec.admin_port)}
     stack.stop_epp()
     try:
         # Envoy fails open on a body-carrying request only once its health check has seen
@@ -295,15 +311,16 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
             refused = client.post(f"{stack.base_url}/v1/completions", json=body)
             assert 500 <= refused.status_code < 600
             # (Envoy's workers see the health change a moment after its admin does.)
-            wait_for(
-                lambda: client.post(fail_open, json=body).status_code == 200,
-                10,
-                "the FailOpen listener to serve without the EPP",
-            )
-            served = client.post(fail_open, json=body)
-            assert served.status_code == 200, served.text
-            assert served.headers[UPSTREAM_HOST_HEADER] in stack.engine_addresses
-            assert served.json()["usage"]["completion_tokens"] == 2
+            for url in (fail_open, fail_open_eds):
+                wait_for(
+                    lambda url=url: client.post(url, json=body).status_code == 200,
+                    10,
+                    f"{url} to serve without the EPP",
+                )
+                served = client.post(url, json=body)
+                assert served.status_code == 200, served.text
+                assert served.headers[UPSTREAM_HOST_HEADER] in stack.engine_addresses
+                assert served.json()["usage"]["completion_tokens"] == 2
     finally:
         stack.start_epp()
     wait_for(lambda: all(_epp_healthy(a) for a in admins), 30, "Envoy to see the EPP back")
