@@ -312,11 +312,11 @@ def test_with_the_epp_down_fail_open_serves_and_fail_close_refuses(stack: LocalS
             assert 500 <= refused.status_code < 600
             # (Envoy's workers see the health change a moment after its admin does.)
             for url in (fail_open, fail_open_eds):
-                wait_for(
-                    lambda url=url: client.post(url, json=body).status_code == 200,
-                    10,
-                    f"{url} to serve without the EPP",
-                )
+
+                def serves(url: str = url) -> bool:
+                    return client.post(url, json=body).status_code == 200
+
+                wait_for(serves, 10, f"{url} to serve without the EPP")
                 served = client.post(url, json=body)
                 assert served.status_code == 200, served.text
                 assert served.headers[UPSTREAM_HOST_HEADER] in stack.engine_addresses
