@@ -26,7 +26,7 @@ import numpy as np
 
 from infergate.bench.metrics import arrival_times
 from infergate.procs import ProcessGroup, free_port, http_ready
-from infergate.stack.envoy_config import EPP_CLUSTER, build_envoy_config
+from infergate.stack.envoy_config import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
 from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import (
     LOOPBACK,
@@ -108,15 +108,22 @@ def static_upstream_config(ports: Sequence[int], admin_port: int) -> dict[str, A
 
 
 def direct_twin(config: dict[str, Any]) -> dict[str, Any]:
-    """The gateway config minus ext_proc: every request takes the no-pick route to the
-    fallback cluster (the same upstreams), through the same listener and router."""
+    """The gateway config minus ext_proc and the EPP-fed pool cluster: every request takes
+    the no-pick route to the fallback cluster (the same upstreams), through the same
+    listener and router."""
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = hcm["typed_config"]["http_filters"]
     hcm["typed_config"]["http_filters"] = [
         f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
     ]
+    for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
+        host["routes"] = [
+            r for r in host["routes"] if r.get("route", {}).get("cluster") != POOL_CLUSTER
+        ]
     config["static_resources"]["clusters"] = [
-        c for c in config["static_resources"]["clusters"] if c["name"] != EPP_CLUSTER
+        c
+        for c in config["static_resources"]["clusters"]
+        if c["name"] not in (EPP_CLUSTER, POOL_CLUSTER)
     ]
     return config
 
