@@ -7,51 +7,25 @@ configuration, so auth and TLS come from the kubeconfig).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-Obj = dict[str, Any]
+from infergate.operator.kube import KINDS as OPERATOR_KINDS
+from infergate.operator.kube import Kind, Kube, KubeError, Obj
+
+__all__ = ["KINDS", "Kind", "KubeApi", "KubeError", "api_client_for", "wait_for"]
+
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Kind:
-    group: str
-    version: str
-    plural: str
-    namespaced: bool = True
-
-    def path(self, namespace: str | None, name: str | None = None) -> str:
-        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        if self.namespaced and namespace:
-            base += f"/namespaces/{namespace}"
-        base += f"/{self.plural}"
-        return f"{base}/{name}" if name else base
-
-
 KINDS: dict[str, Kind] = {
+    **OPERATOR_KINDS,
     "Namespace": Kind("", "v1", "namespaces", namespaced=False),
-    "ConfigMap": Kind("", "v1", "configmaps"),
-    "Service": Kind("", "v1", "services"),
-    "Pod": Kind("", "v1", "pods"),
-    "Deployment": Kind("apps", "v1", "deployments"),
     "NetworkPolicy": Kind("networking.k8s.io", "v1", "networkpolicies"),
-    "InferencePool": Kind("inference.networking.k8s.io", "v1", "inferencepools"),
     "Gateway": Kind("gateway.networking.k8s.io", "v1", "gateways"),
     "HTTPRoute": Kind("gateway.networking.k8s.io", "v1", "httproutes"),
 }
-
-FIELD_MANAGER = "infergate-conformance"
-
-
-class KubeError(RuntimeError):
-    def __init__(self, status: int, method: str, path: str, body: str) -> None:
-        super().__init__(f"{method} {path} -> HTTP {status}: {body[:800]}")
-        self.status = status
-        self.body = body
 
 
 def api_client_for(kubeconfig: str | None = None, context: str | None = None) -> Any:
@@ -64,104 +38,18 @@ def api_client_for(kubeconfig: str | None = None, context: str | None = None) ->
     return kubernetes.client.ApiClient(configuration)
 
 
-class KubeApi:
-    """Typed-by-kind REST calls (server-side apply for writes)."""
+class KubeApi(Kube):
+    """The operator's client with the suite's kinds and its own apply identity."""
+
+    kinds = KINDS
+    field_manager = "infergate-conformance"
 
     def __init__(self, api_client: Any, timeout: float = 20.0) -> None:
-        self.client = api_client
-        self.timeout = timeout
-
-    def call(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: list[tuple[str, str]] | None = None,
-        body: Any = None,
-        content_type: str | None = None,
-    ) -> Obj:
-        headers = {"Accept": "application/json"}
-        if content_type:
-            headers["Content-Type"] = content_type
-        _method, url, header_params, payload, post_params = self.client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self.client.call_api(
-            _method,
-            url,
-            header_params=header_params,
-            body=payload,
-            post_params=post_params,
-            _request_timeout=self.timeout,
-        )
-        data = response.read()
-        text = data.decode() if isinstance(data, bytes) else str(data or "")
-        if not 200 <= response.status < 300:
-            raise KubeError(response.status, method, path, text)
-        return json.loads(text) if text else {}
-
-    def apply(self, obj: Obj) -> Obj:
-        meta = obj["metadata"]
-        return self.call(
-            "PATCH",
-            KINDS[obj["kind"]].path(meta.get("namespace"), meta["name"]),
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-            body=obj,
-            content_type="application/apply-patch+yaml",
-        )
+        super().__init__(api_client, timeout)
 
     def apply_all(self, objs: Iterable[Obj]) -> None:
         for obj in objs:
             self.apply(obj)
-
-    def get(self, kind: str, namespace: str | None, name: str) -> Obj | None:
-        try:
-            return self.call("GET", KINDS[kind].path(namespace, name))
-        except KubeError as error:
-            if error.status == 404:
-                return None
-            raise
-
-    def list(
-        self, kind: str, namespace: str | None, labels: dict[str, str] | None = None
-    ) -> list[Obj]:
-        query = []
-        if labels:
-            query.append(("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(labels.items()))))
-        items: list[Obj] = (
-            self.call("GET", KINDS[kind].path(namespace), query=query).get("items") or []
-        )
-        return items
-
-    def delete(self, kind: str, namespace: str | None, name: str) -> bool:
-        try:
-            self.call(
-                "DELETE",
-                KINDS[kind].path(namespace, name),
-                body={
-                    "apiVersion": "v1",
-                    "kind": "DeleteOptions",
-                    "propagationPolicy": "Background",
-                },
-            )
-        except KubeError as error:
-            if error.status == 404:
-                return False
-            raise
-        return True
-
-    def patch_status(self, kind: str, namespace: str, name: str, status: Obj) -> Obj:
-        return self.call(
-            "PATCH",
-            KINDS[kind].path(namespace, name) + "/status",
-            body={"status": status},
-            content_type="application/merge-patch+json",
-        )
 
 
 def wait_for(

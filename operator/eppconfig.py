@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from infergate.epp.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
 
-import yaml
-
-# The DESIGN.md default profile, in GIE's EndpointPickerConfig shape.
-DEFAULT_EPP_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: prefix-cache-scorer
-    weight: 3
-  - pluginRef: max-score-picker
-"""
+# The EPP's own default (DESIGN.md's profile behind the saturation filter), so a pool
+# in a cluster schedules exactly as `infergate up` does.
+DEFAULT_EPP_CONFIG = DEFAULT_CONFIG_YAML
 
 
 class InvalidEPPConfig(ValueError):
@@ -33,31 +14,9 @@ class InvalidEPPConfig(ValueError):
 
 
 def check_epp_config(text: str, source: str) -> None:
-    """Reject a config the EPP would refuse at start-up, so the pool says so up front.
-
-    Uses the EPP's own parser when it is importable (same distribution), else checks
-    the GIE shape: a mapping of kind EndpointPickerConfig with plugins and profiles.
-    """
-    try:
-        from infergate.epp.config import ConfigError, parse_config
-    except ImportError:
-        _check_shape(text, source)
-        return
+    """Reject a config the EPP would refuse at start-up (its own parser), so the pool's
+    status says so up front instead of the EPP crash-looping."""
     try:
         parse_config(text, source)
     except ConfigError as error:
         raise InvalidEPPConfig(str(error)) from error
-
-
-def _check_shape(text: str, source: str) -> None:
-    try:
-        raw: Any = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise InvalidEPPConfig(f"{source}: not valid YAML: {error}") from error
-    if not isinstance(raw, dict):
-        raise InvalidEPPConfig(f"{source}: the top level must be a mapping")
-    if raw.get("kind", "EndpointPickerConfig") != "EndpointPickerConfig":
-        raise InvalidEPPConfig(f"{source}: kind must be EndpointPickerConfig")
-    for key in ("plugins", "schedulingProfiles"):
-        if key in raw and not isinstance(raw[key], list):
-            raise InvalidEPPConfig(f"{source}: {key} must be a list")

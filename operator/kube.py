@@ -70,10 +70,18 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, method: str, path: str, body: str) -> None:
         super().__init__(f"{method} {path} -> HTTP {status}: {body[:500]}")
         self.status = status
+        self.body = body
 
 
 class Kube:
-    """The API calls the reconciler makes; one instance per operator process."""
+    """The API calls the reconciler makes; one instance per operator process.
+
+    ``kinds`` and ``field_manager`` are class attributes so another client (the
+    conformance suite's) can reuse the calls with its own kinds and apply identity.
+    """
+
+    kinds: dict[str, Kind] = KINDS
+    field_manager: str = c.FIELD_MANAGER
 
     def __init__(self, api_client: Any = None, timeout: float = 15.0) -> None:
         if api_client is None:
@@ -81,7 +89,7 @@ class Kube:
         self.client = api_client
         self.timeout = timeout
 
-    def _call(
+    def call(
         self,
         method: str,
         path: str,
@@ -112,37 +120,42 @@ class Kube:
             raise KubeError(response.status, method, path, text)
         return json.loads(text) if text else {}
 
-    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+    def get(self, kind: str, namespace: str | None, name: str) -> Obj | None:
         try:
-            return self._call("GET", KINDS[kind].path(namespace, name))
+            return self.call("GET", self.kinds[kind].path(namespace, name))
         except KubeError as error:
             if error.status == 404:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str, label_selector: dict[str, str]) -> list[Obj]:
-        selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
-        result = self._call("GET", KINDS[kind].path(namespace), query=[("labelSelector", selector)])
+    def list(
+        self, kind: str, namespace: str | None, label_selector: dict[str, str] | None = None
+    ) -> list[Obj]:
+        query = []
+        if label_selector:
+            selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
+            query.append(("labelSelector", selector))
+        result = self.call("GET", self.kinds[kind].path(namespace), query=query)
         items: list[Obj] = result.get("items") or []
         return items
 
     def apply(self, obj: Obj) -> Obj:
         meta = obj["metadata"]
-        return self._call(
+        return self.call(
             "PATCH",
-            KINDS[obj["kind"]].path(meta.get("namespace"), meta["name"]),
-            query=[("fieldManager", c.FIELD_MANAGER), ("force", "true")],
+            self.kinds[obj["kind"]].path(meta.get("namespace"), meta["name"]),
+            query=[("fieldManager", self.field_manager), ("force", "true")],
             body=obj,
             content_type="application/apply-patch+yaml",
         )
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+    def delete(self, kind: str, namespace: str | None, name: str, uid: str | None = None) -> bool:
         """Delete (background propagation); with ``uid``, only that very object."""
         body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            self._call("DELETE", KINDS[kind].path(namespace, name), body=body)
+            self.call("DELETE", self.kinds[kind].path(namespace, name), body=body)
         except KubeError as error:
             if error.status in (404, 409):
                 return False
@@ -150,13 +163,17 @@ class Kube:
         return True
 
     def patch_status(
-        self, kind: str, namespace: str, name: str, resource_version: str, status: Obj
+        self, kind: str, namespace: str, name: str, status: Obj, resource_version: str = ""
     ) -> Obj:
-        """Merge-patch the status subresource, guarded by resourceVersion (409 if stale)."""
-        return self._call(
+        """Merge-patch the status subresource; with ``resource_version``, guarded by it
+        (409 if stale)."""
+        body: Obj = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return self.call(
             "PATCH",
-            KINDS[kind].path(namespace, name) + "/status",
-            body={"metadata": {"resourceVersion": resource_version}, "status": status},
+            self.kinds[kind].path(namespace, name) + "/status",
+            body=body,
             content_type="application/merge-patch+json",
         )
 
@@ -191,7 +208,7 @@ class Kube:
             "count": 1,
         }
         with contextlib.suppress(KubeError):
-            self._call("POST", KINDS["Event"].path(namespace), body=event)
+            self.call("POST", self.kinds["Event"].path(namespace), body=event)
 
 
 def new_api_client() -> Any:

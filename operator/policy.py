@@ -59,7 +59,11 @@ def reconcile_policy(
         return False
     try:
         kube.patch_status(
-            kind, namespace, name, obj["metadata"].get("resourceVersion", ""), {"conditions": new}
+            kind,
+            namespace,
+            name,
+            {"conditions": new},
+            resource_version=obj["metadata"].get("resourceVersion", ""),
         )
     except KubeError as error:
         if error.status == 409:

@@ -268,8 +268,8 @@ def reconcile(
                 c.POOL_KIND,
                 namespace,
                 name,
-                meta.get("resourceVersion", ""),
                 {"parents": new_parents},
+                resource_version=meta.get("resourceVersion", ""),
             )
             result.status_written = True
             return result

@@ -45,13 +45,13 @@ def namespace(kube: Kube) -> Iterator[str]:
     for path in sorted((ROOT / "crds").glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
         if doc.get("kind") == "CustomResourceDefinition":
-            kube._call(
+            kube.call(
                 "PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{doc['metadata']['name']}",
                 query=[("fieldManager", "infergate-tests"), ("force", "true")],
                 body=doc, content_type="application/apply-patch+yaml",
             )  # fmt: skip
     name = f"infergate-test-{uuid.uuid4().hex[:6]}"
-    kube._call(
+    kube.call(
         "POST",
         "/api/v1/namespaces",
         body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
@@ -60,7 +60,7 @@ def namespace(kube: Kube) -> Iterator[str]:
         yield name
     finally:
         with contextlib.suppress(KubeError):
-            kube._call("DELETE", f"/api/v1/namespaces/{name}")
+            kube.call("DELETE", f"/api/v1/namespaces/{name}")
 
 
 def test_operator_on_a_real_cluster(

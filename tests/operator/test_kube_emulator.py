@@ -73,11 +73,11 @@ async def test_crd_defaulting_validation_generation_and_status_subresource(
             {"parentRef": {"group": "g.io", "kind": "Gateway", "name": "x"}, "conditions": []}
         ]
     }
-    updated = await call(kube.patch_status, "InferencePool", "default", "qwen-pool", rv, status)
+    updated = await call(kube.patch_status, "InferencePool", "default", "qwen-pool", status, rv)
     assert updated["status"] == status and updated["metadata"]["generation"] == 1
     # A stale resourceVersion is a conflict.
     with pytest.raises(KubeError) as conflict:
-        await call(kube.patch_status, "InferencePool", "default", "qwen-pool", rv, {"parents": []})
+        await call(kube.patch_status, "InferencePool", "default", "qwen-pool", {"parents": []}, rv)
     assert conflict.value.status == 409
     # Main-resource writes cannot change status; spec changes bump generation.
     changed = copy.deepcopy(POOL)
@@ -149,8 +149,8 @@ def test_emulator_runs_as_a_process(processes: ProcessGroup, tmp_path: Path) -> 
         kube = Kube(new_api_client())
         kube.apply(copy.deepcopy(POOL))
         assert kube.get("InferencePool", "default", "qwen-pool") is not None
-        kube._call("POST", "/api/v1/namespaces", body={"metadata": {"name": "team-a"}})
-        assert kube._call("GET", "/api/v1/namespaces/team-a")["metadata"]["name"] == "team-a"
+        kube.call("POST", "/api/v1/namespaces", body={"metadata": {"name": "team-a"}})
+        assert kube.call("GET", "/api/v1/namespaces/team-a")["metadata"]["name"] == "team-a"
     finally:
         del os.environ["KUBECONFIG"]
 
