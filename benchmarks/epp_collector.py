@@ -44,8 +44,8 @@ def serve(ports: list[int], ready: Any) -> None:
 
 
 async def collect(ports: list[int], interval: float, seconds: float) -> tuple[float, float, int]:
-    from infergate.epp.collector import Collectors
-    from infergate.epp.datastore import Datastore
+    from infergate.epp.datalayer.collector import Collectors
+    from infergate.epp.datalayer.datastore import Datastore
     from infergate.epp.types import Endpoint
 
     datastore = Datastore()
@@ -73,7 +73,7 @@ def main() -> None:
     parser.add_argument("--no-filter", action="store_true", help="parse whole pages")
     args = parser.parse_args()
     if args.no_filter:
-        import infergate.epp.dialects as dialects
+        import infergate.epp.datalayer.dialects as dialects
 
         dialects._relevant_lines = lambda text, wanted: text.decode()
     ports = [free_port() for _ in range(args.endpoints)]

@@ -15,17 +15,25 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from infergate.epp.collector import Collectors
 from infergate.epp.config import EndpointPickerConfig, load_config
-from infergate.epp.datastore import Datastore
-from infergate.epp.director import Director
-from infergate.epp.discovery.file import EndpointsFileError, load_endpoints_file, watch_file
+from infergate.epp.datalayer.collector import Collectors
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.discovery.file import (
+    EndpointsFileError,
+    load_endpoints_file,
+    watch_file,
+)
 from infergate.epp.eds import EndpointDiscovery
-from infergate.epp.objectives import ObjectivesError, ObjectiveStore, load_objectives_file
+from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
-from infergate.epp.plugins import PluginContext
-from infergate.epp.saturation import SaturationDetector
-from infergate.epp.scheduler import Scheduler
+from infergate.epp.requestcontrol.director import Director
+from infergate.epp.requestcontrol.objectives import (
+    ObjectivesError,
+    ObjectiveStore,
+    load_objectives_file,
+)
+from infergate.epp.scheduling.plugins import PluginContext
+from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.server import ExtProcServer
 from infergate.epp.types import Endpoint
 from prometheus_client import start_http_server
@@ -158,7 +166,7 @@ class Epp:
         if o.objectives_file is not None:
             self._tasks.append(asyncio.create_task(self._watch_objectives(o.objectives_file)))
         if o.pool_name:
-            from infergate.epp.discovery.kube import KubeDiscovery
+            from infergate.epp.datalayer.discovery.kube import KubeDiscovery
 
             self._kube = KubeDiscovery(
                 o.pool_name, o.pool_namespace, self.datastore, self.objectives

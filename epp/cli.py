@@ -92,9 +92,9 @@ def epp(
     import logging
 
     from infergate.epp.config import ConfigError, load_config, parse_config
-    from infergate.epp.discovery.file import EndpointsFileError
-    from infergate.epp.discovery.static import parse_endpoint
-    from infergate.epp.objectives import ObjectivesError
+    from infergate.epp.datalayer.discovery.file import EndpointsFileError
+    from infergate.epp.datalayer.discovery.static import parse_endpoint
+    from infergate.epp.requestcontrol.objectives import ObjectivesError
 
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),

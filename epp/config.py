@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from infergate.epp.saturation import SaturationConfig
+from infergate.epp.flowcontrol.saturation import SaturationConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 

@@ -20,7 +20,7 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2
-from infergate.epp.datastore import Datastore
+from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.types import Endpoint
 
 log = logging.getLogger("infergate.epp.eds")

@@ -11,9 +11,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from infergate.epp.datastore import Datastore
-    from infergate.epp.plugins.base import Plugin
-    from infergate.epp.saturation import SaturationDetector
+    from infergate.epp.datalayer.datastore import Datastore
+    from infergate.epp.flowcontrol.saturation import SaturationDetector
+    from infergate.epp.scheduling.plugins.base import Plugin
 
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 from infergate.epp.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
-from infergate.epp.datastore import Datastore
-from infergate.epp.plugins import PluginContext
-from infergate.epp.saturation import SaturationDetector
-from infergate.epp.scheduler import Scheduler
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.scheduling.plugins import PluginContext
+from infergate.epp.scheduling.scheduler import Scheduler
 
 
 def build(text: str) -> Scheduler:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import time
 
-from infergate.epp.datastore import Datastore
-from infergate.epp.dialects import ENGINE_TYPE_LABEL, SGLANG, VLLM, dialect_for, parse_metrics
-from infergate.epp.saturation import SaturationDetector
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.dialects import (
+    ENGINE_TYPE_LABEL,
+    SGLANG,
+    VLLM,
+    dialect_for,
+    parse_metrics,
+)
+from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.types import Endpoint
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-from infergate.epp.discovery.file import EndpointsFileError, load_endpoints_file
-from infergate.epp.discovery.static import parse_endpoint
+from infergate.epp.datalayer.discovery.file import EndpointsFileError, load_endpoints_file
+from infergate.epp.datalayer.discovery.static import parse_endpoint
 
 from .conftest import eventually
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import yaml
-from infergate.epp.discovery.kube import READ_TIMEOUT, pool_endpoints
+from infergate.epp.datalayer.discovery.kube import READ_TIMEOUT, pool_endpoints
 
 from infergate.testing.kube_emulator import KubeEmulator, serve_emulator, write_kubeconfig
 

@@ -152,7 +152,7 @@ async def test_debug_log_line_has_per_scorer_scores(epp_factory, channel_for, ca
     import logging
 
     epp = await epp_factory(static_endpoints=[A, B])
-    caplog.set_level(logging.DEBUG, logger="infergate.epp.director")
+    caplog.set_level(logging.DEBUG, logger="infergate.epp.requestcontrol.director")
     stream = Stream(channel_for(epp))
     await stream.send(headers({**POST, "x-request-id": "req-42"}), body(CHAT))
     await stream.recv(2)

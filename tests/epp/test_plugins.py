@@ -8,11 +8,11 @@ import time
 from collections import Counter
 
 import pytest
-from infergate.epp.datastore import Datastore
-from infergate.epp.plugins import REGISTRY, PluginContext
-from infergate.epp.plugins.base import ResponseInfo, SchedulingResult
-from infergate.epp.plugins.prefix import PrefixIndex, block_hashes
-from infergate.epp.saturation import SaturationDetector
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
+from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
+from infergate.epp.scheduling.plugins.prefix import PrefixIndex, block_hashes
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
 
 

@@ -23,8 +23,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from infergate.epp.datastore import Datastore
-from infergate.epp.objectives import ObjectivesError, ObjectiveStore, parse_object
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.requestcontrol.objectives import ObjectivesError, ObjectiveStore, parse_object
 from infergate.epp.types import Endpoint
 
 log = logging.getLogger("infergate.epp.kube")

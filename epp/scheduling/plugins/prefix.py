@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import xxhash
-from infergate.epp.plugins.base import (
+from infergate.epp.scheduling.plugins.base import (
     PluginContext,
     PrepareData,
     PreRequest,

@@ -12,12 +12,12 @@ import contextlib
 import logging
 
 import aiohttp
-from infergate.epp.datastore import Datastore
-from infergate.epp.dialects import dialect_for, parse_metrics
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.dialects import dialect_for, parse_metrics
 from infergate.epp.observability import EppMetrics
 from infergate.epp.types import Endpoint
 
-log = logging.getLogger("infergate.epp.collector")
+log = logging.getLogger("infergate.epp.datalayer.collector")
 
 
 class Collectors:

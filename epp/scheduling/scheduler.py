@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from infergate.epp.config import ConfigError, EndpointPickerConfig, validate_parameters
-from infergate.epp.plugins import REGISTRY, Plugin, PluginContext
-from infergate.epp.plugins.base import (
+from infergate.epp.scheduling.plugins import REGISTRY, Plugin, PluginContext
+from infergate.epp.scheduling.plugins.base import (
     Filter,
     Picker,
     PrepareData,
@@ -27,7 +27,7 @@ from infergate.epp.plugins.base import (
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel
 
-log = logging.getLogger("infergate.epp.scheduler")
+log = logging.getLogger("infergate.epp.scheduling.scheduler")
 
 PluginTimer = Callable[[Plugin, str, float], None]
 
@@ -103,7 +103,7 @@ class Scheduler:
                 ):
                     raise ConfigError(f"{where}: {plugin} is not a filter, scorer or picker")
             if profile.picker is None:
-                from infergate.epp.plugins.pickers import MaxScorePicker, PickerParams
+                from infergate.epp.scheduling.plugins.pickers import MaxScorePicker, PickerParams
 
                 profile.picker = MaxScorePicker(
                     "max-score-picker", PickerParams(maxNumOfEndpoints=1), context

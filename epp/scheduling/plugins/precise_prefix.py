@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from infergate.epp.plugins.base import PluginContext, PrepareData, Scorer, register
+from infergate.epp.scheduling.plugins.base import PluginContext, PrepareData, Scorer, register
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 

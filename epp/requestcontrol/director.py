@@ -11,16 +11,16 @@ import logging
 import time
 from dataclasses import dataclass
 
-from infergate.epp.datastore import Datastore
-from infergate.epp.objectives import OBJECTIVE_HEADER, ObjectiveStore
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
-from infergate.epp.plugins.base import ResponseInfo, SchedulingResult
-from infergate.epp.requests import BadRequest, parse_body
-from infergate.epp.saturation import SaturationDetector
-from infergate.epp.scheduler import Scheduler
+from infergate.epp.requestcontrol.objectives import OBJECTIVE_HEADER, ObjectiveStore
+from infergate.epp.requestcontrol.requests import BadRequest, parse_body
+from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
+from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import EndpointState, InferenceRequest
 
-log = logging.getLogger("infergate.epp.director")
+log = logging.getLogger("infergate.epp.requestcontrol.director")
 
 #: GIE's header to force the target model (wins over InferenceModelRewrite rules).
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"

@@ -7,7 +7,7 @@ import binascii
 import time
 from collections.abc import Sequence
 
-from infergate.epp.plugins.base import (
+from infergate.epp.scheduling.plugins.base import (
     PluginContext,
     PreRequest,
     ResponseComplete,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 from infergate.epp.types import Endpoint, EndpointState
 
-log = logging.getLogger("infergate.epp.datastore")
+log = logging.getLogger("infergate.epp.datalayer.datastore")
 
 Listener = Callable[[list[Endpoint], list[Endpoint]], None]
 

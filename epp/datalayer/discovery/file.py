@@ -22,7 +22,7 @@ import yaml
 from infergate.epp.types import Endpoint
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-log = logging.getLogger("infergate.epp.discovery")
+log = logging.getLogger("infergate.epp.datalayer.discovery")
 
 
 class EndpointEntry(BaseModel):

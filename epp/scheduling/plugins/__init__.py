@@ -3,7 +3,7 @@
 Importing this package registers every built-in plugin.
 """
 
-from infergate.epp.plugins import (  # noqa: F401  (imported for registration)
+from infergate.epp.scheduling.plugins import (  # noqa: F401  (imported for registration)
     filters,
     pickers,
     precise_prefix,
@@ -11,6 +11,6 @@ from infergate.epp.plugins import (  # noqa: F401  (imported for registration)
     scorers,
     testing,
 )
-from infergate.epp.plugins.base import REGISTRY, Plugin, PluginContext
+from infergate.epp.scheduling.plugins.base import REGISTRY, Plugin, PluginContext
 
 __all__ = ["REGISTRY", "Plugin", "PluginContext"]

@@ -18,8 +18,8 @@ from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from infergate.epp.datastore import Datastore
-    from infergate.epp.saturation import SaturationDetector
+    from infergate.epp.datalayer.datastore import Datastore
+    from infergate.epp.flowcontrol.saturation import SaturationDetector
 
 
 class NoParams(BaseModel):

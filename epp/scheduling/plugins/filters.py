@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import time
 
-from infergate.epp.plugins.base import Filter, register
+from infergate.epp.scheduling.plugins.base import Filter, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 
 TEST_SELECTION_HEADER = "test-epp-endpoint-selection"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infergate.epp.plugins.base import (
+from infergate.epp.scheduling.plugins.base import (
     ResponseHeaders,
     ResponseInfo,
     SchedulingResult,

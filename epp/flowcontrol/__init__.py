@@ -1,0 +1,1 @@
+"""Flow control (GIE's ``flowcontrol``): saturation detection and admission."""
