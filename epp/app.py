@@ -80,7 +80,7 @@ class Epp:
             sat.kvCacheUtilThreshold,
             sat.metricsStalenessThreshold or options.metrics_staleness_threshold,
         )
-        self.metrics = EppMetrics(self.datastore, self.saturation)
+        self.metrics = EppMetrics(self.datastore, self.saturation, options.pool_name or "local")
         self.objectives = ObjectiveStore(options.pool_name)
         if options.objectives_file is not None:
             self.objectives.replace(*load_objectives_file(options.objectives_file))

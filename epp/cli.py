@@ -38,7 +38,11 @@ def epp(
         [], "--endpoint", help="Static endpoint HOST:PORT; may repeat."
     ),
     config_file: Path | None = typer.Option(
-        None, "--config-file", help="EndpointPickerConfig YAML (plugins and profiles)."
+        None,
+        "--config-file",
+        help="EndpointPickerConfig YAML (plugins and profiles), or a built-in config by name: "
+        "builtin:infergate-default (the default), builtin:gie-default (GIE's default "
+        "profile), builtin:precise-prefix.",
     ),
     config_text: str | None = typer.Option(
         None, "--config-text", help="The EndpointPickerConfig inline, instead of a file."

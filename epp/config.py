@@ -90,7 +90,9 @@ class EndpointPickerConfig(BaseModel):
         return self
 
 
-DEFAULT_CONFIG_YAML = """\
+#: GIE's default profile (its chart's default-plugins.yaml, plus the saturation filter that
+#: GIE applies as admission): queue 2, KV-cache utilisation 2, approximate prefix 3.
+GIE_DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -111,6 +113,56 @@ schedulingProfiles:
     weight: 3
   - pluginRef: max-score-picker
 """
+
+#: infergate's default, chosen in the routing lab (docs/benchmarks.md, ``infergate bench
+#: routing``): the predicted-latency scorer decides; the calibrated prefix index feeds it
+#: (it runs for its prepare/pre-request/response hooks without a weight of its own).
+DEFAULT_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: predicted-latency-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
+#: GIE's default profile with the precise (KV-event driven) prefix scorer in place of the
+#: approximate one: llm-d's "precise prefix-cache aware" routing.
+PRECISE_PREFIX_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: saturation-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: precise-prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: precise-prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+
+#: Configs available by name: ``--config-file builtin:NAME``.
+BUILTIN_CONFIGS = {
+    "infergate-default": DEFAULT_CONFIG_YAML,
+    "gie-default": GIE_DEFAULT_CONFIG_YAML,
+    "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
+}
+BUILTIN_PREFIX = "builtin:"
 
 
 def _format(error: ValidationError, prefix: str = "") -> str:
@@ -138,9 +190,18 @@ def parse_config(text: str, source: str = "config") -> EndpointPickerConfig:
         raise ConfigError(f"{source}: {_format(error)}") from error
 
 
-def load_config(path: Path | None) -> EndpointPickerConfig:
+def load_config(path: Path | str | None) -> EndpointPickerConfig:
+    """The config at ``path``, a built-in one (``builtin:NAME``), or infergate's default."""
     if path is None:
         return parse_config(DEFAULT_CONFIG_YAML, "built-in default config")
+    if str(path).startswith(BUILTIN_PREFIX):
+        name = str(path)[len(BUILTIN_PREFIX) :]
+        if name not in BUILTIN_CONFIGS:
+            raise ConfigError(
+                f"{path}: no built-in config {name!r} (built in: {', '.join(BUILTIN_CONFIGS)})"
+            )
+        return parse_config(BUILTIN_CONFIGS[name], str(path))
+    path = Path(path)
     try:
         text = path.read_text()
     except OSError as error:

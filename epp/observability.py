@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -19,14 +19,26 @@ LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
 )  # fmt: skip
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+GIE_DURATION_BUCKETS = (
+    0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10, 15, 20,
+    30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
+)  # fmt: skip
+GIE_TOKEN_BUCKETS = (
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
+    262144, 524288, 1048576,
+)  # fmt: skip
+GIE_BYTES_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 class _EndpointGauges(Collector):
     """Per-endpoint gauges read from the datastore at scrape time (no per-update cost)."""
 
-    def __init__(self, datastore: Datastore, saturation: SaturationDetector) -> None:
+    def __init__(
+        self, datastore: Datastore, saturation: SaturationDetector, pool_name: str = ""
+    ) -> None:
         self.datastore = datastore
         self.saturation = saturation
+        self.pool_name = pool_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         now = time.monotonic()
@@ -65,12 +77,47 @@ class _EndpointGauges(Collector):
         ready = GaugeMetricFamily("infergate_epp_pool_endpoints", "Endpoints in the pool.")
         ready.add_metric([], len(self.datastore))
         yield from (queue, running, kv, in_flight, stale, ready)
+        yield from self._gie_pool_gauges()
+
+    def _gie_pool_gauges(self) -> Iterator[GaugeMetricFamily]:
+        """GIE's ``inference_pool_*`` gauges (same names and labels), so its dashboards work."""
+        states = self.datastore.all()
+        pool = [self.pool_name]
+        avg_kv = GaugeMetricFamily(
+            "inference_pool_average_kv_cache_utilization",
+            "The average kv cache utilization for an inference server pool.",
+            labels=["name"],
+        )
+        avg_queue = GaugeMetricFamily(
+            "inference_pool_average_queue_size",
+            "The average number of requests pending in the model server queue.",
+            labels=["name"],
+        )
+        per_pod = GaugeMetricFamily(
+            "inference_pool_per_pod_queue_size",
+            "The total number of requests pending in the model server queue for each pod.",
+            labels=["name", "model_server_pod"],
+        )
+        ready = GaugeMetricFamily(
+            "inference_pool_ready_pods", "The number of ready pods in the pool.", labels=["name"]
+        )
+        n = len(states)
+        avg_kv.add_metric(pool, sum(s.metrics.kv_usage for s in states) / n if n else 0.0)
+        avg_queue.add_metric(pool, sum(s.metrics.waiting for s in states) / n if n else 0.0)
+        for state in states:
+            per_pod.add_metric([self.pool_name, state.key], state.metrics.waiting)
+        ready.add_metric(pool, n)
+        yield from (avg_kv, avg_queue, per_pod, ready)
 
 
 class EppMetrics:
-    def __init__(self, datastore: Datastore, saturation: SaturationDetector) -> None:
+    def __init__(
+        self, datastore: Datastore, saturation: SaturationDetector, pool_name: str = "local"
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._init_prefix_prediction(r)
+        self._init_gie(r)
         self.requests = Counter(
             "infergate_epp_requests",
             "Requests handled, by outcome (routed, shed_429, no_endpoint_503, bad_request_400, "
@@ -109,7 +156,7 @@ class EppMetrics:
         self.kv_events = Counter(
             "infergate_epp_kv_events", "KV-cache events received, by type.", ["type"], registry=r
         )
-        r.register(_EndpointGauges(datastore, saturation))
+        r.register(_EndpointGauges(datastore, saturation, pool_name))
         self._plugin_children: dict[tuple[int, str], Histogram] = {}
 
     def plugin_timer(self, plugin: Plugin, point: str, seconds: float) -> None:
@@ -119,3 +166,129 @@ class EppMetrics:
             child = self.plugin_latency.labels(plugin.type_name, plugin.name, point)
             self._plugin_children[key] = child
         child.observe(seconds)
+
+    # -- prefix index ground truth (issue: a self-calibrating prefix index) ---------------
+    def _init_prefix_prediction(self, r: CollectorRegistry) -> None:
+        self.prefix_predicted_tokens = Counter(
+            "infergate_epp_prefix_predicted_cached_tokens",
+            "Cached prompt tokens the prefix index predicted on the endpoint that served.",
+            registry=r,
+        )
+        self.prefix_actual_tokens = Counter(
+            "infergate_epp_prefix_actual_cached_tokens",
+            "Cached prompt tokens the engine reported (usage.prompt_tokens_details).",
+            registry=r,
+        )
+        self.prefix_predictions = Counter(
+            "infergate_epp_prefix_hit_predictions",
+            "Hit predictions checked against the engine: correct, false_hit (predicted a hit, "
+            "the engine had none) or missed_hit (the engine had a hit the index did not know).",
+            ["outcome"],
+            registry=r,
+        )
+        self._prediction_children = {
+            outcome: self.prefix_predictions.labels(outcome)
+            for outcome in ("correct", "false_hit", "missed_hit")
+        }
+
+    def observe_prefix_prediction(self, predicted_tokens: float, actual_tokens: int) -> None:
+        """One response's ground truth against the index's prediction for it."""
+        self.prefix_predicted_tokens.inc(max(0.0, predicted_tokens))
+        self.prefix_actual_tokens.inc(max(0, actual_tokens))
+        predicted_hit, actual_hit = predicted_tokens >= 1, actual_tokens > 0
+        if predicted_hit == actual_hit:
+            outcome = "correct"
+        else:
+            outcome = "false_hit" if predicted_hit else "missed_hit"
+        self._prediction_children[outcome].inc()
+
+    def prediction_accuracy(self) -> float | None:
+        """Share of checked hit predictions that were right (None before any)."""
+        counts = {k: c._value.get() for k, c in self._prediction_children.items()}
+        total = sum(counts.values())
+        return counts["correct"] / total if total else None
+
+    # -- GIE's names (pkg/epp/metrics), next to ours ---------------------------------------
+    def _init_gie(self, r: CollectorRegistry) -> None:
+        labels = ["model_name", "target_model_name"]
+        self.gie_requests = Counter(
+            "inference_objective_request_total",
+            "Counter of inference objective requests broken out for each model and target model.",
+            labels,
+            registry=r,
+        )
+        self.gie_errors = Counter(
+            "inference_objective_request_error_total",
+            "Counter of inference objective requests errors broken out for each model and "
+            "target model.",
+            [*labels, "error_code"],
+            registry=r,
+        )
+        self.gie_duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "Inference objective response latency distribution in seconds for each model and "
+            "target model.",
+            labels,
+            buckets=GIE_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.gie_input_tokens = Histogram(
+            "inference_objective_input_tokens",
+            "Inference objective input token count distribution for requests in each model.",
+            labels,
+            buckets=GIE_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.gie_output_tokens = Histogram(
+            "inference_objective_output_tokens",
+            "Inference objective output token count distribution for requests in each model.",
+            labels,
+            buckets=GIE_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.gie_running = Gauge(
+            "inference_objective_running_requests",
+            "Inference objective number of running requests in each model.",
+            ["model_name"],
+            registry=r,
+        )
+        self.gie_scheduler_duration = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "End-to-end scheduling latency distribution in seconds.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.gie_prefix_hit_ratio = Histogram(
+            "inference_extension_prefix_indexer_hit_ratio",
+            "Ratio of prefix length matched to total prefix length in the cache lookup.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.gie_prefix_hit_bytes = Histogram(
+            "inference_extension_prefix_indexer_hit_bytes",
+            "Length of the prefix match in number of bytes in the cache lookup.",
+            buckets=GIE_BYTES_BUCKETS,
+            registry=r,
+        )
+
+    def request_started(self, model: str, target: str) -> None:
+        self.gie_requests.labels(model, target).inc()
+        self.gie_running.labels(model).inc()
+
+    def request_finished(
+        self,
+        model: str,
+        target: str,
+        seconds: float,
+        status: int,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        self.gie_running.labels(model).dec()
+        self.gie_duration.labels(model, target).observe(seconds)
+        if status >= 400 or status == 0:
+            self.gie_errors.labels(model, target, str(status or "stream_error")).inc()
+        if prompt_tokens:
+            self.gie_input_tokens.labels(model, target).observe(prompt_tokens)
+        if completion_tokens:
+            self.gie_output_tokens.labels(model, target).observe(completion_tokens)

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infergate.epp.datalayer.prefill_cost import PrefillCost
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -44,7 +46,18 @@ class Metrics:
     max_active_models: int = 0
     block_size: int = 0
     num_gpu_blocks: int = 0
+    #: Cumulative engine counters (for rates between scrapes): prefill time of finished
+    #: requests (sum, count), prompt tokens admitted, prompt tokens hit in the prefix cache.
+    prefill_seconds_sum: float = 0.0
+    prefill_count: float = 0.0
+    prompt_tokens_total: float = 0.0
+    prefix_hits_total: float = 0.0
     updated_at: float = 0.0
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the engine's KV cache holds (0: unknown)."""
+        return self.block_size * self.num_gpu_blocks
 
     def age(self, now: float | None = None) -> float:
         if self.updated_at == 0.0:
@@ -60,6 +73,11 @@ class EndpointState:
     metrics: Metrics = field(default_factory=Metrics)
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
+    #: Per-endpoint prefill cost learned from the engine's counters.
+    cost: PrefillCost = field(default_factory=PrefillCost)
+    #: Predicted-latency bookkeeping: when the prefill work routed here so far is
+    #: predicted to be done (``time.monotonic()`` clock; see scheduling/plugins/latency.py).
+    prefill_busy_until: float = 0.0
 
     @property
     def key(self) -> str:
@@ -82,6 +100,9 @@ class InferenceRequest:
     objective: str = ""
     priority: int = 0
     prompt_tokens_estimate: int = 0
+    #: Per-request notes plugins keep from scheduling to the response (e.g. the prefix
+    #: index's prediction, checked against the response's ``cached_tokens``).
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 class CycleState(dict[str, Any]):

@@ -77,6 +77,12 @@ class Collectors:
                 state = self.datastore.get(endpoint.key)
                 if state is not None:
                     state.metrics = snapshot
+                    state.cost.observe_counters(
+                        snapshot.prefill_seconds_sum,
+                        snapshot.prefill_count,
+                        snapshot.prompt_tokens_total,
+                        snapshot.prefix_hits_total,
+                    )
                 self.scrapes += 1
                 if failing:
                     log.info("metrics from %s are back", endpoint.key)

@@ -25,10 +25,25 @@ class Dialect:
     kv_usage: tuple[str, ...]
     lora_info: str | None = None
     cache_config: str | None = None
+    #: Counters for the prefill cost model: (prefill-time histogram, prompt tokens,
+    #: prefix-cache hit tokens); their ``_sum``/``_count``/``_total`` samples are read.
+    prefill_time: str | None = None
+    prompt_tokens: str | None = None
+    prefix_hits: str | None = None
 
     def wanted(self) -> tuple[bytes, ...]:
         names = [*self.waiting, *self.running, *self.kv_usage]
-        names += [n for n in (self.lora_info, self.cache_config) if n]
+        names += [
+            n
+            for n in (
+                self.lora_info,
+                self.cache_config,
+                self.prefill_time,
+                self.prompt_tokens,
+                self.prefix_hits,
+            )
+            if n
+        ]
         return tuple(n.encode() for n in names)
 
 
@@ -39,6 +54,9 @@ VLLM = Dialect(
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     lora_info="vllm:lora_requests_info",
     cache_config="vllm:cache_config_info",
+    prefill_time="vllm:request_prefill_time_seconds",
+    prompt_tokens="vllm:prompt_tokens",
+    prefix_hits="vllm:prefix_cache_hits",
 )
 SGLANG = Dialect(
     "sglang",
@@ -56,6 +74,8 @@ def dialect_for(endpoint: Endpoint) -> Dialect:
 def _relevant_lines(text: bytes, wanted: tuple[bytes, ...]) -> str:
     keep = []
     for line in text.splitlines():
+        if b"_bucket{" in line:  # histograms: only _sum and _count are read
+            continue
         if line.startswith(b"#"):
             parts = line.split(b" ", 3)
             if len(parts) >= 3 and parts[2].startswith(wanted):
@@ -108,4 +128,11 @@ def parse_metrics(text: bytes, dialect: Dialect) -> Metrics:
     metrics.waiting = int(waiting or 0)
     metrics.running = int(running or 0)
     metrics.kv_usage = float(kv or 0.0)
+    if dialect.prefill_time:
+        metrics.prefill_seconds_sum = values.get(dialect.prefill_time + "_sum", 0.0)
+        metrics.prefill_count = values.get(dialect.prefill_time + "_count", 0.0)
+    if dialect.prompt_tokens:
+        metrics.prompt_tokens_total = values.get(dialect.prompt_tokens + "_total", 0.0)
+    if dialect.prefix_hits:
+        metrics.prefix_hits_total = values.get(dialect.prefix_hits + "_total", 0.0)
     return metrics

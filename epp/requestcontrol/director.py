@@ -42,6 +42,7 @@ class Decision:
     result: SchedulingResult
     body: bytes | None  # the (possibly rewritten) body to send upstream
     body_rewritten: bool
+    started: float = 0.0  # time.monotonic() when routing began
 
     @property
     def destination(self) -> str:
@@ -74,6 +75,7 @@ class Director:
         subset: list[str] | None,
     ) -> Decision:
         started = time.perf_counter()
+        arrived = time.monotonic()
         body_out = raw_body
         rewritten = False
         if raw_body:
@@ -106,7 +108,10 @@ class Director:
         if not result.targets:
             raise Rejected(503, "no endpoint passed the scheduling filters")
         result.targets[0].in_flight_requests += 1
-        self.metrics.scheduling_latency.observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.scheduling_latency.observe(elapsed)
+        self.metrics.gie_scheduler_duration.observe(elapsed)
+        self.metrics.request_started(request.model, request.target_model or request.model)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s model=%s->%s priority=%d picked=%s scores=%s totals=%s",
@@ -120,7 +125,10 @@ class Director:
             )
         if result.prefix_hit_ratio is not None:
             self.metrics.prefix_hit_ratio.observe(result.prefix_hit_ratio)
-        return Decision(request, result, body_out, rewritten)
+            self.metrics.gie_prefix_hit_ratio.observe(result.prefix_hit_ratio)
+        if result.prefix_hit_bytes is not None:
+            self.metrics.gie_prefix_hit_bytes.observe(result.prefix_hit_bytes)
+        return Decision(request, result, body_out, rewritten, arrived)
 
     def finish(self, decision: Decision, response: ResponseInfo) -> None:
         """Release per-request accounting and run response-complete hooks (exactly once)."""
@@ -131,6 +139,15 @@ class Director:
             self.metrics.tokens.labels("prompt").inc(response.prompt_tokens)
         if response.completion_tokens:
             self.metrics.tokens.labels("completion").inc(response.completion_tokens)
+        request = decision.request
+        self.metrics.request_finished(
+            request.model,
+            request.target_model or request.model,
+            time.monotonic() - decision.started,
+            response.status if response.complete else 0,
+            response.prompt_tokens,
+            response.completion_tokens,
+        )
         for hook in self.scheduler.response_complete_hooks:
             try:
                 hook.response_complete(decision.request, decision.result, response)

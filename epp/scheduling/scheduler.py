@@ -161,6 +161,7 @@ class Scheduler:
                 log.exception("pre-request hook %s failed", hook)
             self._time(hook, "pre_request", t)
         result.prefix_hit_ratio = cycle.get("prefix.hit_ratio")
+        result.prefix_hit_bytes = cycle.get("prefix.hit_bytes")
         return result
 
     async def start(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
 from infergate.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -33,31 +34,6 @@ from infergate.stack.envoy_process import start_envoy
 LOOPBACK = "127.0.0.1"
 TINY_MODEL_NAME = "infergate-tiny"
 KV_EVENTS_PORT_LABEL = "infergate.io/kv-events-port"  # read by precise-prefix-cache-scorer
-
-# DESIGN.md's default profile with the precise (KV-event driven) prefix scorer in place of
-# the approximate one: llm-d's "precise prefix-cache aware" routing.
-PRECISE_PREFIX_CONFIG = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: saturation-filter
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: precise-prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: saturation-filter
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: precise-prefix-cache-scorer
-    weight: 3
-  - pluginRef: max-score-picker
-"""
-
 
 class StackError(RuntimeError):
     """The stack could not start; the message names the component and says why."""
@@ -159,6 +135,8 @@ class StackSpec:
     kv_events_ports: Sequence[int] | None = None
     objectives_file: Path | None = None
     engine_args: Sequence[str] = ()
+    per_engine_args: Sequence[Sequence[str]] = ()
+    """Extra arguments for engine i (after ``engine_args``), e.g. a slower timing model."""
     epp_args: Sequence[str] = ()
     envoy_concurrency: int = 1
     access_log: bool = True
@@ -277,6 +255,12 @@ class LocalStack:
                 )
 
     def start(self) -> None:
+        """Start the whole stack: the engines, then the gateway (EPP and Envoy)."""
+        self.start_engines()
+        self.start_gateway()
+
+    def start_engines(self) -> None:
+        """Start only the engines (the routing lab puts other routers in front of them)."""
         if self.spec.engines < 1:
             raise StackError("--engines must be at least 1")
         self.check_ports()
@@ -302,6 +286,9 @@ class LocalStack:
                 )
             except ProcessStartError as error:
                 raise StackError(f"{process.name} failed to start: {error}") from error
+
+    def start_gateway(self) -> None:
+        """Start the EPP (file discovery of the engines) and the Envoy in front of it."""
         self.write_endpoints(self.engine_addresses)
         self.start_epp()
         self.envoy = self._start(
@@ -421,6 +408,8 @@ class LocalStack:
         if self.spec.precise_prefix:
             argv += ["--kv-events-port", str(self.spec.resolved_kv_events_ports()[index])]
         argv += list(self.spec.engine_args)
+        if index < len(self.spec.per_engine_args):
+            argv += list(self.spec.per_engine_args[index])
         name = f"engine-{index}"
         return self._start(name, lambda log: self.group.start(name, argv, log_path=log))
 

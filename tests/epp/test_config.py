@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from infergate.epp.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
+from infergate.epp.config import (
+    BUILTIN_CONFIGS,
+    DEFAULT_CONFIG_YAML,
+    GIE_DEFAULT_CONFIG_YAML,
+    ConfigError,
+    load_config,
+    parse_config,
+)
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.scheduling.plugins import PluginContext
@@ -15,8 +22,19 @@ def build(text: str) -> Scheduler:
     return Scheduler.from_config(parse_config(text), context)
 
 
-def test_default_profile_matches_the_design() -> None:
+def test_default_profile_is_predicted_latency_fed_by_the_prefix_index() -> None:
     scheduler = build(DEFAULT_CONFIG_YAML)
+    (profile,) = scheduler.profiles
+    weights = {scorer.type_name: weight for scorer, weight in profile.scorers}
+    assert weights == {"predicted-latency-scorer": 1}
+    # The prefix index is in no profile but still runs its lifecycle hooks.
+    assert [p.type_name for p in scheduler.preparers] == ["prefix-cache-scorer"]
+    assert "prefix-cache-scorer" in [p.type_name for p in scheduler.response_complete_hooks]
+    assert profile.picker is not None and profile.picker.type_name == "max-score-picker"
+
+
+def test_gie_default_profile_by_name() -> None:
+    scheduler = build(GIE_DEFAULT_CONFIG_YAML)
     (profile,) = scheduler.profiles
     weights = {scorer.type_name: weight for scorer, weight in profile.scorers}
     assert weights == {
@@ -24,7 +42,10 @@ def test_default_profile_matches_the_design() -> None:
         "kv-cache-utilization-scorer": 2,
         "prefix-cache-scorer": 3,
     }
-    assert profile.picker is not None and profile.picker.type_name == "max-score-picker"
+    assert load_config("builtin:gie-default") == parse_config(GIE_DEFAULT_CONFIG_YAML)
+    assert set(BUILTIN_CONFIGS) >= {"infergate-default", "gie-default", "precise-prefix"}
+    with pytest.raises(ConfigError, match="no built-in config 'nope'.*gie-default"):
+        load_config("builtin:nope")
 
 
 def test_gie_conformance_config_builds_with_implicit_picker() -> None:

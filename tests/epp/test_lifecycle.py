@@ -135,17 +135,21 @@ async def test_metrics_endpoint_exposes_decisions(epp_factory, channel_for) -> N
     ]
     assert count == [3.0]
     plugins = {s.labels["plugin_type"] for s in families["infergate_epp_plugin_duration_seconds"]}
-    assert {
-        "queue-scorer",
-        "kv-cache-utilization-scorer",
-        "prefix-cache-scorer",
-        "max-score-picker",
-    } <= plugins
+    assert {"predicted-latency-scorer", "prefix-cache-scorer", "max-score-picker"} <= plugins
     assert [s.labels["endpoint"] for s in families["infergate_epp_endpoint_queue_size"]] == [A.key]
     assert any(
         s.name.endswith("_count") and s.value == 3
         for s in families["infergate_epp_prefix_indexer_hit_ratio"]
     )
+    # GIE's names next to ours, so GIE's dashboards work.
+    assert any(
+        s.name.endswith("_count") and s.value == 3
+        for s in families["inference_extension_prefix_indexer_hit_ratio"]
+    )
+    assert [s.value for s in families["inference_pool_ready_pods"]] == [1.0]
+    assert sum(
+        s.value for s in families["inference_objective_request"] if s.name.endswith("_total")
+    ) == 3.0
 
 
 async def test_debug_log_line_has_per_scorer_scores(epp_factory, channel_for, caplog) -> None:
@@ -157,6 +161,6 @@ async def test_debug_log_line_has_per_scorer_scores(epp_factory, channel_for, ca
     await stream.send(headers({**POST, "x-request-id": "req-42"}), body(CHAT))
     await stream.recv(2)
     (line,) = [r.getMessage() for r in caplog.records if "req-42" in r.getMessage()]
-    for scorer in ("queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"):
+    for scorer in ("predicted-latency-scorer",):
         assert scorer in line
     assert A.key in line and B.key in line

@@ -5,6 +5,7 @@ Importing this package registers every built-in plugin.
 
 from infergate.epp.scheduling.plugins import (  # noqa: F401  (imported for registration)
     filters,
+    latency,
     pickers,
     precise_prefix,
     prefix,

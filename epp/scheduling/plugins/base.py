@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from infergate.epp.datalayer.calibration import TokenCalibration
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict
 
@@ -33,6 +34,8 @@ class PluginContext:
     datastore: Datastore
     saturation: SaturationDetector
     extras: dict[str, Any] = field(default_factory=dict)
+    #: Characters per token per model, learned from responses (shared by every plugin).
+    calibration: TokenCalibration = field(default_factory=TokenCalibration)
 
 
 class Plugin:
@@ -63,6 +66,7 @@ class SchedulingResult:
     scores: dict[str, dict[str, float]] = field(default_factory=dict)  # scorer -> key -> score
     totals: dict[str, float] = field(default_factory=dict)
     prefix_hit_ratio: float | None = None
+    prefix_hit_bytes: int | None = None
 
     @property
     def primary(self) -> EndpointState | None:

@@ -1,13 +1,27 @@
-"""Approximate prefix-cache affinity (GIE's ``prefix-cache-scorer``).
+"""Approximate prefix-cache affinity (GIE's ``prefix-cache-scorer``), calibrated by the engines.
 
 The EPP cannot see the engines' KV caches, so it remembers what it sent where: the prompt
-is cut into fixed-size character blocks (``blockSizeTokens`` × 4 characters, GIE's
-estimate of a token), each block's hash chains over the previous one and starts from a
-hash of the target model and ``cache_salt``, so equal hashes mean equal prefixes. Each
-endpoint keeps an LRU of the block hashes routed to it (bounded by
-``lruCapacityPerServer``). The score is the fraction of the request's blocks that form a
-cached prefix on that endpoint; hashes are recorded for the chosen endpoint at
-pre-request.
+is cut into fixed-size character blocks (``blockSizeTokens`` × 4 characters, GIE's block
+size), each block's hash chains over the previous one and starts from a hash of the
+target model and ``cache_salt``, so equal hashes mean equal prefixes. Each endpoint keeps
+an LRU of the block hashes routed to it, recorded at pre-request. The score is the
+fraction of the request's blocks that form a cached prefix on that endpoint.
+
+Three things keep the index true to the engines rather than to a fixed guess:
+
+* **Capacity** per endpoint is what the engine reports in ``vllm:cache_config_info``:
+  ``num_gpu_blocks × block_size`` tokens, converted to index blocks with the learned
+  characters-per-token of the model (``capacity_blocks = tokens × cpt / block_chars``,
+  times ``capacityFraction`` for the share of the cache the running requests' own
+  tokens take). ``lruCapacityPerServer`` applies only to engines that report nothing.
+* **Characters per token** are learned from responses' ``usage.prompt_tokens``
+  (:mod:`infergate.epp.datalayer.calibration`).
+* **Ground truth**: each response's ``usage.prompt_tokens_details.cached_tokens`` is
+  compared with what the index predicted for the endpoint that served it. When the
+  engine had less than predicted, the first block it missed was evicted there — and,
+  the engine's cache being LRU, so was every block last used before it. Those entries
+  are dropped (a per-entry sequence number records when each was last used). Both
+  numbers are exported as metrics, with a hit-prediction accuracy.
 """
 
 from __future__ import annotations
@@ -15,12 +29,16 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 from infergate.epp.scheduling.plugins.base import (
     PluginContext,
     PrepareData,
     PreRequest,
+    ResponseComplete,
+    ResponseInfo,
     SchedulingResult,
     Scorer,
     register,
@@ -28,7 +46,9 @@ from infergate.epp.scheduling.plugins.base import (
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+#: GIE's characters per token, used only to size hash blocks (never for capacity).
 CHARS_PER_TOKEN = 4
+NOTE = "prefix"
 
 
 class PrefixParams(BaseModel):
@@ -36,17 +56,27 @@ class PrefixParams(BaseModel):
     blockSizeTokens: int = Field(16, ge=1)
     blockSize: int = Field(0, ge=0, description="Legacy: block size in characters (wins if > 0).")
     maxPrefixBlocksToMatch: int = Field(256, ge=1)
-    lruCapacityPerServer: int = Field(31250, ge=1)
+    lruCapacityPerServer: int = Field(
+        31250, ge=1, description="Index blocks per endpoint when the engine reports no capacity."
+    )
+    capacityFraction: float = Field(
+        0.9, gt=0, le=1, description="Share of the engine's KV cache assumed to hold prefixes."
+    )
     autoTune: bool = True  # accepted for GIE compatibility; the block size stays fixed here
 
 
 def prompt_bytes(request: InferenceRequest) -> bytes:
-    """The text whose prefix decides cache reuse: chat messages (as JSON) or the prompt."""
+    """The text whose prefix decides cache reuse: chat messages (as JSON) or the prompt.
+
+    Lone surrogates (valid JSON escapes, not valid UTF-8) are replaced, never raised on.
+    """
     body = request.body or {}
     messages = body.get("messages")
     if isinstance(messages, list):
-        return json.dumps(messages, separators=(",", ":"), ensure_ascii=False).encode()
-    return request.prompt_text.encode()
+        text = json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
+    else:
+        text = request.prompt_text
+    return text.encode("utf-8", "replace")
 
 
 def block_hashes(
@@ -56,7 +86,7 @@ def block_hashes(
     if block_chars <= 0 or len(data) < block_chars:
         return []
     data = data[: block_chars * max_blocks]
-    previous = xxhash.xxh64_intdigest((model + cache_salt).encode())
+    previous = xxhash.xxh64_intdigest((model + cache_salt).encode("utf-8", "replace"))
     hashes: list[int] = []
     for start in range(0, len(data), block_chars):
         previous = xxhash.xxh64_intdigest(
@@ -67,22 +97,45 @@ def block_hashes(
 
 
 class PrefixIndex:
-    """Block hash → endpoints holding it, with a bounded LRU per endpoint."""
+    """Block hash → endpoints holding it, with a bounded LRU per endpoint.
+
+    Each entry stores the sequence number of its last use, so ``drop_older_than`` can
+    remove everything an LRU engine must have evicted before a given block.
+    """
 
     def __init__(self, capacity_per_server: int) -> None:
         self.capacity = capacity_per_server
-        self._servers: dict[str, OrderedDict[int, None]] = {}
+        self._capacities: dict[str, int] = {}
+        self._servers: dict[str, OrderedDict[int, int]] = {}
         self._holders: dict[int, set[str]] = {}
+        self._seq = 0
+
+    def set_capacity(self, server: str, blocks: int) -> None:
+        """Bound ``server``'s LRU to ``blocks`` entries (evicting now if it shrank)."""
+        blocks = max(1, blocks)
+        if self._capacities.get(server) == blocks:
+            return
+        self._capacities[server] = blocks
+        lru = self._servers.get(server)
+        while lru is not None and len(lru) > blocks:
+            old, _ = lru.popitem(last=False)
+            self._discard(old, server)
+
+    def capacity_of(self, server: str) -> int:
+        return self._capacities.get(server, self.capacity)
 
     def add(self, server: str, hashes: Sequence[int]) -> None:
         lru = self._servers.setdefault(server, OrderedDict())
+        capacity = self.capacity_of(server)
         for h in hashes:
+            self._seq += 1
             if h in lru:
+                lru[h] = self._seq
                 lru.move_to_end(h)
                 continue
-            lru[h] = None
+            lru[h] = self._seq
             self._holders.setdefault(h, set()).add(server)
-            if len(lru) > self.capacity:
+            if len(lru) > capacity:
                 old, _ = lru.popitem(last=False)
                 self._discard(old, server)
 
@@ -92,6 +145,23 @@ class PrefixIndex:
             holders.discard(server)
             if not holders:
                 del self._holders[h]
+
+    def last_use(self, server: str, h: int) -> int | None:
+        lru = self._servers.get(server)
+        return lru.get(h) if lru is not None else None
+
+    def drop_older_than(self, server: str, seq: int) -> int:
+        """Drop ``server``'s entries last used at or before ``seq``; returns how many."""
+        lru = self._servers.get(server)
+        dropped = 0
+        while lru:
+            h, used = next(iter(lru.items()))
+            if used > seq:
+                break
+            lru.popitem(last=False)
+            self._discard(h, server)
+            dropped += 1
+        return dropped
 
     def remove(self, server: str, hashes: Sequence[int]) -> None:
         lru = self._servers.get(server)
@@ -105,6 +175,7 @@ class PrefixIndex:
     def clear_server(self, server: str) -> None:
         for h in self._servers.pop(server, {}):
             self._discard(h, server)
+        self._capacities.pop(server, None)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Per server, how many leading blocks of ``hashes`` it holds (0 omitted)."""
@@ -128,42 +199,86 @@ class PrefixIndex:
         return list(self._servers)
 
 
+@dataclass(slots=True)
+class Prediction:
+    """What the index said about the endpoint a request went to (kept until its response)."""
+
+    server: str
+    model: str
+    chars: int
+    hashes: list[int]
+    matched: int  # leading blocks predicted cached there
+    #: Last-use sequence number of the first block predicted cached beyond each position
+    #: (``seqs[i]``: block i's entry before this request refreshed it).
+    seqs: list[int]
+
+
 @register
-class PrefixCacheScorer(PrepareData, Scorer, PreRequest):
+class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
     type_name = "prefix-cache-scorer"
     Params = PrefixParams
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
         p: PrefixParams = params  # type: ignore[assignment]
+        self.p = p
         self.block_chars = p.blockSize or p.blockSizeTokens * CHARS_PER_TOKEN
         self.max_blocks = p.maxPrefixBlocksToMatch
         self.index = PrefixIndex(p.lruCapacityPerServer)
+        self.calibration = context.calibration
         context.datastore.subscribe(self._on_endpoints)
         # Real evictions reported by engines (precise-prefix-cache-scorer) correct this index.
         context.extras.setdefault("kv_cache_cleared_listeners", []).append(self.index.clear_server)
+        context.extras["prefix_index"] = self
+        self.metrics: Any = context.extras.get("metrics")
         self.lookups = 0
         self.hit_blocks = 0
         self.total_blocks = 0
+        self.dropped_stale = 0
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for endpoint in removed:
             self.index.clear_server(endpoint.key)
 
+    def capacity_blocks(self, state: EndpointState, model: str) -> int | None:
+        """Index blocks the engine can hold: reported KV tokens × chars/token ÷ block chars."""
+        tokens = state.metrics.capacity_tokens
+        if tokens <= 0:
+            return None
+        chars = tokens * self.calibration.chars_per_token(model) * self.p.capacityFraction
+        return max(1, int(chars // self.block_chars))
+
+    def free_tokens(self, state: EndpointState, model: str) -> float | None:
+        """Tokens of ``state``'s cache the index believes hold no routed prefix (None:
+        the engine reports no capacity)."""
+        if state.metrics.capacity_tokens <= 0:
+            return None
+        free_blocks = self.index.capacity_of(state.key) - self.index.size(state.key)
+        return self.tokens_for_blocks(model, max(0, free_blocks))
+
+    def tokens_for_blocks(self, model: str, blocks: int) -> float:
+        """Predicted cached tokens for ``blocks`` matched index blocks."""
+        return self.calibration.tokens(model, blocks * self.block_chars)
+
     async def prepare(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> None:
-        hashes = block_hashes(
-            request.target_model,
-            request.cache_salt,
-            prompt_bytes(request),
-            self.block_chars,
-            self.max_blocks,
-        )
+        data = prompt_bytes(request)
+        model = request.target_model or request.model
+        for state in endpoints:
+            capacity = self.capacity_blocks(state, model)
+            if capacity is not None:
+                self.index.set_capacity(state.key, capacity)
+        hashes = block_hashes(model, request.cache_salt, data, self.block_chars, self.max_blocks)
         matches = self.index.match(hashes) if hashes else {}
+        cycle["prefix.chars"] = len(data)
+        cycle["prefix.tokens"] = self.calibration.tokens(model, len(data))
         cycle["prefix.hashes"] = hashes
         cycle["prefix.matches"] = matches
         cycle["prefix.max_match"] = max(matches.values(), default=0)
+        cycle["prefix.cached_tokens"] = {
+            server: self.tokens_for_blocks(model, n) for server, n in matches.items()
+        }
         if hashes:
             self.lookups += 1
             self.total_blocks += len(hashes)
@@ -181,11 +296,47 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest):
     def pre_request(
         self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
     ) -> None:
-        hashes = cycle.get("prefix.hashes") or []
+        hashes: list[int] = cycle.get("prefix.hashes") or []
         primary = result.primary
-        if not hashes or primary is None:
+        if primary is None:
             return
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
-        self.hit_blocks += matches.get(primary.key, 0)
-        cycle["prefix.hit_ratio"] = matches.get(primary.key, 0) / len(hashes)
+        matched = matches.get(primary.key, 0)
+        seqs = [self.index.last_use(primary.key, h) or 0 for h in hashes[:matched]]
+        prediction_chars = int(cycle.get("prefix.chars", 0))
+        request.notes[NOTE] = Prediction(
+            primary.key,
+            request.target_model or request.model,
+            prediction_chars,
+            hashes,
+            matched,
+            seqs,
+        )
+        if not hashes:
+            return
+        self.hit_blocks += matched
+        cycle["prefix.hit_ratio"] = matched / len(hashes)
+        cycle["prefix.hit_bytes"] = min(matched * self.block_chars, prediction_chars)
         self.index.add(primary.key, hashes)
+
+    def response_complete(
+        self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo
+    ) -> None:
+        prediction: Prediction | None = request.notes.pop(NOTE, None)
+        if prediction is None or not response.complete or not response.prompt_tokens:
+            return
+        self.calibration.observe(prediction.model, prediction.chars, response.prompt_tokens)
+        if response.cached_tokens is None or not prediction.hashes:
+            return
+        server = response.served_endpoint or prediction.server
+        if server != prediction.server:
+            return  # served by a fallback: the prediction was for another endpoint
+        predicted = self.tokens_for_blocks(prediction.model, prediction.matched)
+        actual = response.cached_tokens
+        if self.metrics is not None:
+            self.metrics.observe_prefix_prediction(predicted, actual)
+        # Blocks the engine really had: whole index blocks inside its cached tokens.
+        held = int(actual * self.calibration.chars_per_token(prediction.model) // self.block_chars)
+        if prediction.matched > held + 1:  # one block of slack for rounding at the edges
+            first_missed = min(held, prediction.matched - 1)
+            self.dropped_stale += self.index.drop_older_than(server, prediction.seqs[first_missed])
