@@ -172,3 +172,105 @@ def serve(
     if result_file is not None:
         result_file.write_text(json.dumps(result, indent=2))
         console.print(f"results written to {result_file}", markup=False, soft_wrap=True)
+
+
+@app.command("routing")
+def routing(
+    workload: list[str] = typer.Option(
+        ["tight-prefix"],
+        "--workload",
+        help="Workload preset(s) (repeat, or 'all'): tight-prefix, ample-prefix, no-sharing, "
+        "multi-turn, long-short, bursty, heterogeneous.",
+    ),
+    router: list[str] = typer.Option(
+        [],
+        "--router",
+        help="Router(s) to compare (repeat; default: all built in): round-robin, "
+        "least-request, sglang-cache-aware, epp-gie, epp-infergate, or epp:CONFIG.yaml "
+        "for the EPP with any EndpointPickerConfig.",
+    ),
+    rates: str | None = typer.Option(
+        None,
+        "--rates",
+        help="Comma-separated request rates (req/s) for every workload; default: each "
+        "workload's sweep up to round robin's saturation.",
+    ),
+    engines: int = typer.Option(4, "--engines", min=1, help="Simulated engines in the fleet."),
+    num_prompts: int | None = typer.Option(
+        None, "--num-prompts", min=1, help="Requests per run (default: the workload's, 300)."
+    ),
+    output_len: int | None = typer.Option(
+        None, "--output-len", min=1, help="Override every request's max_tokens."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Workload seed: every router gets the same."),
+    output_dir: Path = typer.Option(
+        Path("routing-lab"), "--output-dir", help="Where results.json and the plots go."
+    ),
+    sim_arg: list[str] = typer.Option(
+        [],
+        "--sim-arg",
+        help="Extra engine flag for every engine, e.g. --sim-arg=--sim-us-per-token=40 "
+        "(repeat).",
+    ),
+) -> None:
+    """The routing lab: each router on a fresh simulated fleet, same seeded workload.
+
+    Starts N real `infergate engine serve --simulate` processes per run, puts one router in
+    front (Envoy round robin / least request, sglang-router cache_aware, the EPP with GIE's
+    or infergate's default profile, or your EndpointPickerConfig), sends the workload, and
+    prints TTFT/E2E percentiles, output throughput, the engines' real prefix-cache hit
+    rate, load imbalance and how late the simulated steps ran. Writes results.json and one
+    PNG per workload (TTFT p90 and throughput vs rate) to --output-dir. Use it as a what-if
+    simulator before changing scorer weights in production.
+    """
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from infergate.bench.routing.lab import LabSpec, run_lab
+    from infergate.bench.routing.report import plot, print_summary, row_cells, write_json
+    from infergate.bench.routing.routers import ROUTERS, resolve
+    from infergate.bench.routing.workloads import WORKLOADS
+
+    console = Console()
+    if not console.is_terminal:  # a log file or CI: no wrapping of the wide table
+        console = Console(width=180)
+    names = list(WORKLOADS) if "all" in workload else workload
+    try:
+        chosen = [WORKLOADS[n] for n in names]
+    except KeyError as error:
+        raise typer.BadParameter(
+            f"unknown workload {error.args[0]!r}; choose from {', '.join(WORKLOADS)} or all",
+            param_hint="--workload",
+        ) from None
+    try:
+        routers = [resolve(n) for n in (router or list(ROUTERS))]
+        sweep = [float(x) for x in rates.split(",")] if rates else None
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    per_workload = {w.name: sweep or list(w.rates) for w in chosen}
+    total = sum(len(per_workload[w.name]) for w in chosen) * len(routers)
+    spec = LabSpec(
+        engines=engines,
+        num_prompts=num_prompts,
+        seed=seed,
+        output_dir=output_dir,
+        sim_args=sim_arg,
+        output_len=output_len,
+    )
+    with Progress(console=console, transient=False) as progress:
+        task = progress.add_task("routing lab", total=total)
+
+        def landed(row: object) -> None:
+            progress.console.print("  ".join(c for c in row_cells(row) if c))  # type: ignore[arg-type]
+            progress.advance(task)
+
+        try:
+            results = run_lab(chosen, routers, per_workload, spec, landed)
+        except (RuntimeError, OSError) as error:
+            console.print(f"bench routing: {error}", style="red", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+    print_summary(results, console)
+    meta = {"engines": engines, "seed": seed, "workloads": names, "routers": [r.name for r in routers]}
+    write_json(results, output_dir / "results.json", meta)
+    plots = plot(results, output_dir)
+    console.print(f"results: {output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")

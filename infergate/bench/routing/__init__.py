@@ -1,0 +1,1 @@
+"""The routing lab (``infergate bench routing``)."""

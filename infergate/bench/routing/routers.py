@@ -1,0 +1,123 @@
+"""The routers the lab compares, each started in front of a running fleet of engines.
+
+* ``round-robin`` / ``least-request`` — the real Envoy with a static cluster of the
+  engines and its own ``ROUND_ROBIN`` / ``LEAST_REQUEST`` load balancer (the listener,
+  timeouts and router are the gateway's, minus ext_proc).
+* ``sglang-cache-aware`` — sglang-router (``python -m sglang_router.launch_router
+  --policy cache_aware``), the Rust router users pick for cache-aware routing; skipped
+  with a message when the ``sglang-router`` package is not installed.
+* ``epp-gie`` / ``epp-infergate`` — the real Envoy + our EPP with GIE's default profile
+  or infergate's default; ``epp:PATH`` runs the EPP with any EndpointPickerConfig file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from infergate.bench.gateway_rig import direct_twin
+from infergate.procs import free_port, http_ready
+from infergate.stack.envoy_process import start_envoy
+from infergate.stack.local import LOOPBACK, LocalStack
+
+
+class RouterUnavailable(RuntimeError):
+    """The router cannot run here (a package is missing); the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Router:
+    name: str
+    description: str
+    start: Callable[[LocalStack], str]  # starts it in the stack's process group; base URL
+
+
+def _envoy_lb(policy: str) -> Callable[[LocalStack], str]:
+    def start(stack: LocalStack) -> str:
+        assert stack.workdir is not None
+        port = free_port()
+        config = direct_twin(
+            stack.envoy_config(
+                listen_port=port, admin_port=free_port(), failure_mode_allow=True, access_log=False
+            )
+        )
+        for cluster in config["static_resources"]["clusters"]:
+            cluster["lb_policy"] = policy
+        start_envoy(stack.group, config, stack.workdir / f"envoy-{policy.lower()}.yaml",
+                    name=f"envoy-{policy.lower()}")  # fmt: skip
+        return f"http://{LOOPBACK}:{port}"
+
+    return start
+
+
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def _sglang(stack: LocalStack) -> str:
+    if not sglang_available():
+        raise RouterUnavailable(
+            "sglang-router is not installed: `pip install sglang-router` (the dev extra has it)"
+        )
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "sglang_router.launch_router",
+        "--host", LOOPBACK, "--port", str(port),
+        "--policy", "cache_aware",
+        "--worker-urls", *stack.engine_urls,
+        "--log-level", "warn",
+        "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    assert stack.workdir is not None
+    stack.group.start(
+        "sglang-router",
+        argv,
+        ready=http_ready(f"http://{LOOPBACK}:{port}/health"),
+        timeout=60.0,
+        log_path=stack.workdir / "sglang-router.log",
+    )
+    return f"http://{LOOPBACK}:{port}"
+
+
+def _epp(config: str) -> Callable[[LocalStack], str]:
+    """The EPP behind the real Envoy; ``config`` is ``builtin:NAME`` or a file path."""
+
+    def start(stack: LocalStack) -> str:
+        stack.spec.epp_config_file = Path(config)
+        stack.start_gateway()
+        return stack.base_url
+
+    return start
+
+
+ROUTERS: dict[str, Router] = {
+    r.name: r
+    for r in (
+        Router("round-robin", "Envoy ROUND_ROBIN", _envoy_lb("ROUND_ROBIN")),
+        Router("least-request", "Envoy LEAST_REQUEST", _envoy_lb("LEAST_REQUEST")),
+        Router("sglang-cache-aware", "sglang-router --policy cache_aware", _sglang),
+        Router("epp-gie", "infergate EPP, GIE's default profile", _epp("builtin:gie-default")),
+        Router(
+            "epp-infergate",
+            "infergate EPP, infergate's default profile",
+            _epp("builtin:infergate-default"),
+        ),
+    )
+}
+
+
+def resolve(name: str) -> Router:
+    """A router by name, or ``epp:PATH`` for the EPP with that EndpointPickerConfig file."""
+    if name in ROUTERS:
+        return ROUTERS[name]
+    if name.startswith("epp:"):
+        path = name[4:]
+        if not path.startswith("builtin:") and not Path(path).is_file():
+            raise ValueError(f"router {name!r}: no EndpointPickerConfig file at {path}")
+        return Router(name, f"infergate EPP, {path}", _epp(path))
+    raise ValueError(
+        f"unknown router {name!r}: choose from {', '.join(ROUTERS)} or epp:CONFIG.yaml"
+    )
