@@ -67,8 +67,26 @@ class _EndpointGauges(Collector):
             "1 when the endpoint's metrics are stale.",
             labels=["endpoint"],
         )
+        prefill_base = GaugeMetricFamily(
+            "infergate_epp_endpoint_prefill_base_seconds",
+            "Learned prefill cost per request (the fit's intercept), per endpoint.",
+            labels=["endpoint"],
+        )
+        prefill_token = GaugeMetricFamily(
+            "infergate_epp_endpoint_prefill_seconds_per_token",
+            "Learned prefill cost per uncached prompt token, per endpoint.",
+            labels=["endpoint"],
+        )
+        backlog = GaugeMetricFamily(
+            "infergate_epp_endpoint_predicted_prefill_backlog_seconds",
+            "Prefill work routed there that the EPP predicts is not done yet.",
+            labels=["endpoint"],
+        )
         for state in self.datastore.all():
             key = state.key
+            prefill_base.add_metric([key], state.cost.base)
+            prefill_token.add_metric([key], state.cost.per_token)
+            backlog.add_metric([key], max(0.0, state.prefill_busy_until - now))
             queue.add_metric([key], state.metrics.waiting)
             running.add_metric([key], state.metrics.running)
             kv.add_metric([key], state.metrics.kv_usage)
@@ -77,6 +95,7 @@ class _EndpointGauges(Collector):
         ready = GaugeMetricFamily("infergate_epp_pool_endpoints", "Endpoints in the pool.")
         ready.add_metric([], len(self.datastore))
         yield from (queue, running, kv, in_flight, stale, ready)
+        yield from (prefill_base, prefill_token, backlog)
         yield from self._gie_pool_gauges()
 
     def _gie_pool_gauges(self) -> Iterator[GaugeMetricFamily]:

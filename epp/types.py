@@ -47,11 +47,13 @@ class Metrics:
     block_size: int = 0
     num_gpu_blocks: int = 0
     #: Cumulative engine counters (for rates between scrapes): prefill time of finished
-    #: requests (sum, count), prompt tokens admitted, prompt tokens hit in the prefix cache.
+    #: requests (sum, count), their prompt tokens (sum), and prompt tokens looked up in /
+    #: hit in the prefix cache.
     prefill_seconds_sum: float = 0.0
     prefill_count: float = 0.0
     prompt_tokens_total: float = 0.0
     prefix_hits_total: float = 0.0
+    prefix_queries_total: float = 0.0
     updated_at: float = 0.0
 
     @property
@@ -78,6 +80,11 @@ class EndpointState:
     #: Predicted-latency bookkeeping: when the prefill work routed here so far is
     #: predicted to be done (``time.monotonic()`` clock; see scheduling/plugins/latency.py).
     prefill_busy_until: float = 0.0
+    #: Prompt and cached tokens of the responses from this endpoint that completed (from
+    #: their usage): the hit fraction of exactly the requests the engine's completion-time
+    #: histograms describe.
+    completed_prompt_tokens: int = 0
+    completed_cached_tokens: int = 0
 
     @property
     def key(self) -> str:

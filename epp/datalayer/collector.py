@@ -82,6 +82,8 @@ class Collectors:
                         snapshot.prefill_count,
                         snapshot.prompt_tokens_total,
                         snapshot.prefix_hits_total,
+                        snapshot.prefix_queries_total,
+                        observed=(state.completed_prompt_tokens, state.completed_cached_tokens),
                     )
                 self.scrapes += 1
                 if failing:

@@ -25,11 +25,13 @@ class Dialect:
     kv_usage: tuple[str, ...]
     lora_info: str | None = None
     cache_config: str | None = None
-    #: Counters for the prefill cost model: (prefill-time histogram, prompt tokens,
-    #: prefix-cache hit tokens); their ``_sum``/``_count``/``_total`` samples are read.
+    #: For the prefill cost model: the prefill-time and prompt-length histograms (both
+    #: observed when a request finishes, so their ``_sum``s line up) and the prefix-cache
+    #: hit counter (``_total``).
     prefill_time: str | None = None
     prompt_tokens: str | None = None
     prefix_hits: str | None = None
+    prefix_queries: str | None = None
 
     def wanted(self) -> tuple[bytes, ...]:
         names = [*self.waiting, *self.running, *self.kv_usage]
@@ -41,6 +43,7 @@ class Dialect:
                 self.prefill_time,
                 self.prompt_tokens,
                 self.prefix_hits,
+                self.prefix_queries,
             )
             if n
         ]
@@ -55,8 +58,9 @@ VLLM = Dialect(
     lora_info="vllm:lora_requests_info",
     cache_config="vllm:cache_config_info",
     prefill_time="vllm:request_prefill_time_seconds",
-    prompt_tokens="vllm:prompt_tokens",
+    prompt_tokens="vllm:request_prompt_tokens",
     prefix_hits="vllm:prefix_cache_hits",
+    prefix_queries="vllm:prefix_cache_queries",
 )
 SGLANG = Dialect(
     "sglang",
@@ -132,7 +136,9 @@ def parse_metrics(text: bytes, dialect: Dialect) -> Metrics:
         metrics.prefill_seconds_sum = values.get(dialect.prefill_time + "_sum", 0.0)
         metrics.prefill_count = values.get(dialect.prefill_time + "_count", 0.0)
     if dialect.prompt_tokens:
-        metrics.prompt_tokens_total = values.get(dialect.prompt_tokens + "_total", 0.0)
+        metrics.prompt_tokens_total = values.get(dialect.prompt_tokens + "_sum", 0.0)
     if dialect.prefix_hits:
         metrics.prefix_hits_total = values.get(dialect.prefix_hits + "_total", 0.0)
+    if dialect.prefix_queries:
+        metrics.prefix_queries_total = values.get(dialect.prefix_queries + "_total", 0.0)
     return metrics

@@ -7,24 +7,33 @@ Model (a straight line per endpoint, fitted by ridge-regularised least squares):
 ``base`` is the step the request waits for its first token even when every prompt token
 is cached; ``per_token`` is the marginal compute of one uncached prompt token.
 
-The observations are the differences between two scrapes of vLLM's counters:
-``Δt`` = Δ ``vllm:request_prefill_time_seconds_sum``, ``Δn`` = Δ its ``_count``, and
-``Δu`` = Δ ``vllm:prompt_tokens_total`` − Δ ``vllm:prefix_cache_hits_total``. Each
-scrape interval contributes one equation ``Δt ≈ base·Δn + per_token·Δu``; the fit
+The observations are differences of vLLM's counters over a window of scrapes (at least
+``window_s`` seconds and ``window_requests`` finished requests): ``Δt`` = Δ
+``vllm:request_prefill_time_seconds_sum``, ``Δn`` = Δ its ``_count``, and ``Δu`` = Δ
+``vllm:request_prompt_tokens_sum`` × (1 − h), where ``h`` is the window's prefix-hit
+fraction: best, cached ÷ prompt tokens summed over the responses this EPP saw complete
+on that endpoint in the window (their ``usage``), which are the very requests the
+completion-time histograms describe; else Δ ``vllm:prefix_cache_hits_total`` ÷ Δ
+``vllm:prefix_cache_queries_total``. Each window contributes one equation
+``Δt ≈ base·Δn + per_token·Δu``; the fit
 minimises ``Σ w_i (Δt_i − base·Δn_i − per_token·Δu_i)² + ρ_b (base − b₀)² +
 ρ_c (per_token − c₀)²``, where the weights decay by ``forget`` per finished request (the
 recent ~``1/(1−forget)`` requests dominate, so a slower or busier engine is noticed) and
 the ridge terms pull an endpoint with little traffic toward the prior.
 
-The engine counts prompt tokens at admission but prefill time at completion, so one
-interval's ``Δu`` and ``Δn`` belong to slightly different requests; over many intervals
-the mismatch averages out, which is why the fit uses sums, never single intervals.
+The prefill-time and prompt-length histograms are both observed when a request finishes,
+so ``Δt``, ``Δn`` and the prompt tokens describe the same requests. Prefix hits and
+lookups are counted at admission, a request's lifetime earlier, so only their *ratio*
+is used, over windows of seconds (a first version regressed on single 50 ms scrapes of
+admission-time token counters and learned a per-token cost of ~0; the admission-time
+hit ratio was unbiased but noisy enough to mislead routing on a tight-cache fleet).
 Because each engine has its own fit, a fleet where one engine is twice as slow learns
 that, and the predicted-latency scorer routes accordingly.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 #: Priors: 10 ms per prefill step and 50 µs per uncached prompt token (an 8B model on one
@@ -40,6 +49,8 @@ class PrefillCost:
     base: float = PRIOR_BASE_S
     per_token: float = PRIOR_PER_TOKEN_S
     forget: float = 0.99
+    window_s: float = 2.0
+    window_requests: float = 4.0
     observations: int = 0
     # Decayed sufficient statistics of the regression (n: requests, u: uncached tokens).
     s_nn: float = 0.0
@@ -47,27 +58,53 @@ class PrefillCost:
     s_uu: float = 0.0
     s_nt: float = 0.0
     s_ut: float = 0.0
-    # The last counters seen (None: no scrape yet).
-    _last: tuple[float, float, float, float] | None = None
+    # The counters at the start of the current window (None: no scrape yet).
+    _last: tuple[float, ...] | None = None
+    _window_start: float = 0.0
 
     def seconds(self, uncached_tokens: float) -> float:
         """Predicted prefill time of one request with this many uncached prompt tokens."""
         return self.base + self.per_token * max(0.0, uncached_tokens)
 
     def observe_counters(
-        self, prefill_sum: float, prefill_count: float, prompt_tokens: float, prefix_hits: float
+        self,
+        prefill_sum: float,
+        prefill_count: float,
+        prompt_tokens: float,
+        prefix_hits: float,
+        prefix_queries: float,
+        now: float | None = None,
+        observed: tuple[int, int] = (0, 0),
     ) -> None:
-        """Feed one scrape's cumulative counters; the first scrape only sets the baseline."""
-        now = (prefill_sum, prefill_count, prompt_tokens, prefix_hits)
-        last, self._last = self._last, now
-        if last is None:
+        """Feed one scrape's cumulative counters; a window closes once it is long enough."""
+        now = time.monotonic() if now is None else now
+        counters = (
+            prefill_sum,
+            prefill_count,
+            prompt_tokens,
+            prefix_hits,
+            prefix_queries,
+            float(observed[0]),
+            float(observed[1]),
+        )
+        last = self._last
+        if last is None or prefill_count < last[1] or prefill_sum < last[0]:
+            self._last, self._window_start = counters, now  # first scrape, or a restart
             return
         dt, dn = prefill_sum - last[0], prefill_count - last[1]
-        du = (prompt_tokens - last[2]) - (prefix_hits - last[3])
-        if dn < 0 or dt < 0 or du < 0:  # the engine restarted: counters reset
+        if now - self._window_start < self.window_s or dn < self.window_requests:
             return
-        if dn == 0 and du == 0:
-            return
+        seen_prompt, seen_cached = counters[5] - last[5], counters[6] - last[6]
+        queries = prefix_queries - last[4]
+        if seen_prompt > 0:
+            hit_fraction = seen_cached / seen_prompt
+        elif queries > 0:
+            hit_fraction = (prefix_hits - last[3]) / queries
+        else:
+            hit_fraction = 0.0
+        hit_fraction = min(1.0, max(0.0, hit_fraction))
+        du = max(0.0, prompt_tokens - last[2]) * (1.0 - hit_fraction)
+        self._last, self._window_start = counters, now
         self.add(dn, du, dt)
 
     def add(self, dn: float, du: float, dt: float) -> None:

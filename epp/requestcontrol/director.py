@@ -135,6 +135,11 @@ class Director:
         primary = decision.result.primary
         if primary is not None:
             primary.in_flight_requests = max(0, primary.in_flight_requests - 1)
+            if response.prompt_tokens and response.cached_tokens is not None:
+                primary.completed_prompt_tokens += response.prompt_tokens
+                primary.completed_cached_tokens += min(
+                    response.cached_tokens, response.prompt_tokens
+                )
         if response.prompt_tokens:
             self.metrics.tokens.labels("prompt").inc(response.prompt_tokens)
         if response.completion_tokens:

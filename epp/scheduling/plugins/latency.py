@@ -42,6 +42,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from infergate.epp.datalayer.prefill_cost import PrefillCost
 from infergate.epp.scheduling.plugins.base import (
     PluginContext,
     PreRequest,
@@ -64,6 +65,12 @@ class PredictedLatencyParams(BaseModel):
     decodeSecondsPerRequest: float = Field(
         0.0002, ge=0, description="Tie-break: added TTFT per running request."
     )
+    secondsPerToken: float | None = Field(
+        None, gt=0, description="Pin the prefill cost per uncached token instead of learning it."
+    )
+    baseSeconds: float | None = Field(
+        None, ge=0, description="Pin the per-request prefill cost instead of learning it."
+    )
 
 
 class PredictedLatencyScorer(Scorer, PreRequest):
@@ -75,6 +82,13 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         self.p: PredictedLatencyParams = params  # type: ignore[assignment]
         self.calibration = context.calibration
         self.clock = time.monotonic
+        self._pinned: PrefillCost | None = None
+        if self.p.secondsPerToken is not None or self.p.baseSeconds is not None:
+            self._pinned = PrefillCost()
+            if self.p.secondsPerToken is not None:
+                self._pinned.per_token = self.p.secondsPerToken
+            if self.p.baseSeconds is not None:
+                self._pinned.base = self.p.baseSeconds
 
     def _prefix(self) -> Any:
         return self.context.extras.get("prefix_index")
@@ -97,7 +111,7 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         model = request.target_model or request.model
         out: list[tuple[float, float]] = []
         for e in endpoints:
-            cost = e.cost
+            cost = self._cost(e)
             uncached = max(1.0, prompt - cached.get(e.key, 0.0))
             wait = max(e.prefill_busy_until - now, e.metrics.waiting * cost.base, 0.0)
             ttft = wait + cost.seconds(uncached)
@@ -110,6 +124,12 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         cycle["latency.predicted"] = {e.key: t for e, (t, _) in zip(endpoints, out, strict=True)}
         cycle["latency.uncached"] = {e.key: u for e, (_, u) in zip(endpoints, out, strict=True)}
         return out
+
+    def _cost(self, e: EndpointState) -> PrefillCost:
+        """The endpoint's learned cost, or the pinned one when the config pins it."""
+        if self._pinned is None:
+            return e.cost
+        return self._pinned
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
@@ -131,7 +151,7 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         if uncached is None:
             return
         now = self.clock()
-        work = primary.cost.per_token * uncached
+        work = self._cost(primary).per_token * uncached
         primary.prefill_busy_until = max(primary.prefill_busy_until, now) + work
         request.notes["latency.predicted_ttft"] = (cycle.get("latency.predicted") or {}).get(
             primary.key

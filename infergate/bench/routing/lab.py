@@ -142,6 +142,11 @@ def run_one(
             )
         )
         after = [scrape_counters(u) for u in metrics_urls]
+        if stack.epp is not None:  # keep what the EPP learned, for a person to read
+            spec.output_dir.mkdir(parents=True, exist_ok=True)
+            name = f"epp-metrics-{workload.name}-{rate:g}-{router.name.replace(':', '_').replace('/', '_')}.txt"
+            with urllib.request.urlopen(stack.epp_metrics_url, timeout=5.0) as response:
+                (spec.output_dir / name).write_bytes(response.read())
     finally:
         stack.stop()
     _fill(result, report, before, after)
