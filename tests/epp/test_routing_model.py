@@ -1,0 +1,253 @@
+"""The routing model's math: prefill cost fit, chars/token calibration, the capacity-aware
+prefix index and its ground truth, and the predicted-latency scorer."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from infergate.engine.metrics import EngineMetrics
+from infergate.epp.datalayer.calibration import TokenCalibration
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.dialects import VLLM, parse_metrics
+from infergate.epp.datalayer.prefill_cost import PRIOR_PER_TOKEN_S, PrefillCost
+from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.observability import EppMetrics
+from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
+from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
+from infergate.epp.scheduling.plugins.prefix import PrefixIndex
+from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
+
+BASE, PER_TOKEN = 0.006, 30e-6
+
+
+def fleet(n: int, *, blocks: int = 600) -> list[EndpointState]:
+    return [
+        EndpointState(
+            Endpoint(f"10.0.0.{i}", 8000),
+            Metrics(block_size=16, num_gpu_blocks=blocks, updated_at=time.monotonic()),
+        )
+        for i in range(1, n + 1)
+    ]
+
+
+def context(states: list[EndpointState]) -> PluginContext:
+    ds = Datastore()  # the plugins score the states they are handed
+    saturation = SaturationDetector(5, 0.8, 2.0)
+    return PluginContext(ds, saturation, {"metrics": EppMetrics(ds, saturation)})
+
+
+def plugin(type_name: str, ctx: PluginContext, **params: object):
+    cls = REGISTRY[type_name]
+    return cls(type_name, cls.Params.model_validate(params), ctx)
+
+
+# -- prefill cost ------------------------------------------------------------------------
+
+
+def test_prefill_cost_recovers_base_and_per_token_from_counter_windows() -> None:
+    rng = random.Random(0)
+    cost = PrefillCost()
+    t = s = n = p = 0.0
+    clock = 0.0
+    cost.observe_counters(0, 0, 0, 0, 0, now=clock)
+    for _ in range(200):
+        for _ in range(rng.randint(3, 12)):  # one 2 s window of finished requests
+            prompt = rng.randint(50, 3000)
+            cached = rng.choice([0, 0, prompt // 2, prompt - 16])
+            n += 1
+            p += prompt
+            s += BASE + PER_TOKEN * (prompt - cached) * rng.uniform(0.9, 1.1)
+            t += cached  # reused as the EPP-side cached-token tally
+        clock += 2.0
+        cost.observe_counters(s, n, p, 0, 0, now=clock, observed=(int(p), int(t)))
+    assert cost.per_token == pytest.approx(PER_TOKEN, rel=0.1)
+    assert cost.base == pytest.approx(BASE, abs=0.003)
+    assert cost.seconds(1000) == pytest.approx(BASE + 1000 * PER_TOKEN, rel=0.1)
+
+
+def test_prefill_cost_waits_for_a_window_and_survives_an_engine_restart() -> None:
+    cost = PrefillCost()
+    cost.observe_counters(10.0, 100, 1e5, 0, 0, now=0.0)
+    cost.observe_counters(10.1, 102, 1.01e5, 0, 0, now=0.5)  # too short: no fit yet
+    assert cost.observations == 0 and cost.per_token == PRIOR_PER_TOKEN_S
+    cost.observe_counters(0.1, 1, 500, 0, 0, now=3.0)  # counters reset: new baseline only
+    assert cost.observations == 0
+    cost.observe_counters(1.1, 21, 40500, 0, 0, now=6.0)
+    assert cost.observations == 1 and cost.per_token > 0 and cost.base >= 0
+
+
+def test_engine_metrics_feed_the_cost_model_fields() -> None:
+    m = EngineMetrics("m", block_size=16, num_gpu_blocks=600)
+    m.bind(lambda: 1, lambda: 2, lambda: 0.5)
+    m.prefix_queries.inc(1000)
+    m.prefix_hits.inc(400)
+    m.prefill_time.observe(0.25)
+    m.request_prompt_tokens.observe(1000)
+    snap = parse_metrics(m.render(), VLLM)
+    assert snap.capacity_tokens == 9600
+    assert (snap.prefill_seconds_sum, snap.prefill_count) == (0.25, 1.0)
+    assert (snap.prompt_tokens_total, snap.prefix_hits_total, snap.prefix_queries_total) == (
+        1000.0,
+        400.0,
+        1000.0,
+    )
+
+
+# -- characters per token ----------------------------------------------------------------
+
+
+def test_calibration_learns_chars_per_token_per_model() -> None:
+    cal = TokenCalibration()
+    assert cal.chars_per_token("a") == 4.0  # GIE's guess until a response says otherwise
+    for _ in range(50):
+        cal.observe("a", 1500, 1000)
+    cal.observe("b", 4000, 1000)
+    assert cal.chars_per_token("a") == pytest.approx(1.5)
+    assert cal.chars_per_token("b") == pytest.approx(4.0)
+    assert cal.tokens("a", 3000) == pytest.approx(2000)
+    cal.observe("a", 0, 10)  # nonsense is ignored
+    cal.observe("a", 10, 0)
+    assert cal.samples("a") == 50
+
+
+# -- the prefix index --------------------------------------------------------------------
+
+
+def test_index_capacity_follows_the_engine_and_drops_older_entries() -> None:
+    index = PrefixIndex(capacity_per_server=100)
+    index.add("a", [1, 2, 3, 4])
+    index.set_capacity("a", 3)  # shrinking evicts the least recently used
+    assert index.match([1]) == {} and index.match([2, 3, 4]) == {"a": 3}
+    index.add("a", [2])  # 2 is now the most recent
+    seq_of_3 = index.last_use("a", 3)
+    assert seq_of_3 is not None
+    assert index.drop_older_than("a", seq_of_3) == 1  # only 3 (4 and 2 are newer)
+    assert index.match([2]) == {"a": 1} and index.match([3]) == {}
+
+
+async def test_prefix_index_sized_from_cache_config_and_learned_chars_per_token() -> None:
+    states = fleet(1, blocks=100)  # 1,600 tokens
+    ctx = context(states)
+    prefix = plugin("prefix-cache-scorer", ctx)  # 64-character blocks
+    cycle = CycleState()
+    await prefix.prepare(cycle, InferenceRequest("r", {}, prompt_text="x" * 640), states)
+    # 4 chars/token until calibrated: 1,600 tokens × 4 × 0.9 / 64 = 90 blocks.
+    assert prefix.index.capacity_of(states[0].key) == 90
+    for _ in range(30):
+        ctx.calibration.observe("", 1600, 1000)  # 1.6 chars/token
+    await prefix.prepare(cycle, InferenceRequest("r", {}, prompt_text="x" * 640), states)
+    assert prefix.index.capacity_of(states[0].key) == 36
+
+
+async def test_a_cached_tokens_miss_drops_what_the_engine_evicted() -> None:
+    """The index predicts a hit for group A; the engine reports 0 cached tokens (it
+    evicted A): A's stale entry goes, and so does everything last used before it."""
+    states = fleet(1, blocks=10_000)
+    ctx = context(states)
+    prefix = plugin("prefix-cache-scorer", ctx)
+    key = states[0].key
+    metrics: EppMetrics = ctx.extras["metrics"]
+    old, group_a, newer = "o" * 640, "a" * 640, "n" * 640
+
+    async def route(text: str, cached: int | None = None) -> None:
+        r = InferenceRequest("r", {}, prompt_text=text, model="m", target_model="m")
+        cycle = CycleState()
+        await prefix.prepare(cycle, r, states)
+        prefix.pre_request(cycle, r, SchedulingResult("p", [states[0]]))
+        if cached is not None:
+            done = ResponseInfo(status=200, prompt_tokens=160, cached_tokens=cached, complete=True)
+            prefix.response_complete(r, SchedulingResult("p", [states[0]]), done)
+
+    for _ in range(30):  # calibrate: 640 characters are 160 tokens
+        ctx.calibration.observe("m", 640, 160)
+    await route(old)
+    await route(group_a)
+    await route(newer)
+    assert prefix.index.size(key) == 30
+    await route(group_a, cached=0)  # predicted 10 blocks, the engine had none
+    assert prefix.dropped_stale == 10  # "old" was used before A: the engine lost it too
+    assert prefix.index.match(prefix_hashes(prefix, old)) == {}
+    assert prefix.index.match(prefix_hashes(prefix, newer)) == {key: 10}  # newer stays
+    assert prefix.index.match(prefix_hashes(prefix, group_a)) == {key: 10}  # recomputed
+    assert metrics.prediction_accuracy() == 0.0  # one check, a false hit
+    await route(group_a, cached=144)  # the engine had it: a correct prediction
+    assert metrics.prediction_accuracy() == 0.5
+
+
+def prefix_hashes(prefix, text: str) -> list[int]:
+    from infergate.epp.scheduling.plugins.prefix import block_hashes
+
+    return block_hashes("m", "", text.encode(), prefix.block_chars, prefix.max_blocks)
+
+
+# -- predicted latency -------------------------------------------------------------------
+
+
+def pinned(states: list[EndpointState]) -> None:
+    for s in states:
+        s.cost.base, s.cost.per_token = BASE, PER_TOKEN
+
+
+async def schedule(ctx: PluginContext, states: list[EndpointState], text: str, scorer):
+    prefix = ctx.extras["prefix_index"]
+    r = InferenceRequest("r", {}, prompt_text=text, model="m", target_model="m")
+    cycle = CycleState()
+    await prefix.prepare(cycle, r, states)
+    scores = scorer.score(cycle, r, states)
+    best = max(range(len(states)), key=lambda i: scores[i])
+    result = SchedulingResult("p", [states[best]])
+    prefix.pre_request(cycle, r, result)
+    scorer.pre_request(cycle, r, result)
+    return best, scores, cycle
+
+
+async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloaded() -> None:
+    states = fleet(2, blocks=10_000)
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, decodeSecondsPerRequest=0.0)
+    now = [100.0]
+    scorer.clock = lambda: now[0]
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)  # 4 chars/token: 2,000 tokens of prefix
+    group = "g" * 8000
+    first, _, _ = await schedule(ctx, states, group + " q0", scorer)
+    holder, other = states[first], states[1 - first]
+    # The holder's clock now carries the cold prefill: 2,001 tokens × 30 µs ≈ 60 ms.
+    assert holder.prefill_busy_until - now[0] == pytest.approx(2001 * PER_TOKEN, rel=0.02)
+    now[0] += 1.0  # the work drained
+    picked, scores, cycle = await schedule(ctx, states, group + " q1", scorer)
+    assert states[picked] is holder and scores[first] == 1.0
+    predicted = cycle["latency.predicted"]
+    # Holder: base + ~1 block uncached; other: base + the whole prompt.
+    assert predicted[holder.key] < 0.01 < 0.06 < predicted[other.key]
+    # Overload the holder with 0.2 s of queued prefill: recomputing elsewhere (≈ 66 ms)
+    # is now faster, so the group spreads to the second endpoint.
+    holder.prefill_busy_until = now[0] + 0.2
+    picked, _, _ = await schedule(ctx, states, group + " q2", scorer)
+    assert states[picked] is other
+
+
+async def test_eviction_penalty_keeps_a_new_group_off_a_full_cache() -> None:
+    states = fleet(2, blocks=200)  # 3,200 tokens each
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, evictionPenalty=1.0)
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)
+    full, empty = states
+    ctx.extras["prefix_index"].index.add(full.key, list(range(10_000, 10_170)))  # ~full
+    _, _, cycle = await schedule(ctx, states, "new group " * 600, scorer)
+    predicted = cycle["latency.predicted"]
+    assert predicted[full.key] > predicted[empty.key]  # same wait, but eviction costs
+
+
+def test_predicted_latency_params_are_validated() -> None:
+    with pytest.raises(ValueError, match="evictionPenalty"):
+        REGISTRY["predicted-latency-scorer"].Params.model_validate({"evictionPenalty": -1})
+    with pytest.raises(ValueError, match="unknown|extra"):
+        REGISTRY["predicted-latency-scorer"].Params.model_validate({"weightz": 1})
