@@ -1,0 +1,89 @@
+"""``infergate bench routing``: the lab runs real routers over real simulated fleets and
+writes what it measured; bad choices are refused with a reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from infergate.bench.datasets import Tokens
+from infergate.bench.routing.routers import ROUTERS, resolve
+from infergate.bench.routing.workloads import WORKLOADS
+
+
+def _run(infergate_cli: list[str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*infergate_cli, "bench", "routing", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_lab_compares_routers_on_fresh_fleets(infergate_cli: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "lab"
+    result = _run(
+        infergate_cli,
+        "--workload", "tight-prefix",
+        "--router", "round-robin",
+        "--router", "epp-infergate",
+        "--engines", "2",
+        "--num-prompts", "24",
+        "--rates", "8",
+        "--output-len", "4",
+        "--output-dir", str(out),
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((out / "results.json").read_text())
+    rows = {row["router"]: row for row in data["results"]}
+    assert set(rows) == {"round-robin", "epp-infergate"}
+    for row in rows.values():
+        assert row["completed"] == 24 and row["failed"] == 0
+        assert sum(row["per_engine_requests"]) == 24  # the engines' own counters
+        assert 0.0 <= row["prefix_hit_rate"] <= 1.0 and row["ttft_p90_ms"] > 0
+    # Round robin splits evenly by construction; its imbalance is the ideal 1.0.
+    assert rows["round-robin"]["imbalance"] == 1.0
+    # The EPP's own view is kept for a person to read: what it learned about each engine.
+    (epp_metrics,) = out.glob("epp-metrics-tight-prefix-8-epp-infergate.txt")
+    assert "infergate_epp_endpoint_prefill_seconds_per_token" in epp_metrics.read_text()
+    assert (out / "routing-tight-prefix.png").stat().st_size > 0
+    assert "TTFT p90" in result.stdout
+
+
+def test_bad_choices_are_refused(infergate_cli: list[str], tmp_path: Path) -> None:
+    unknown = _run(infergate_cli, "--workload", "nope")
+    assert unknown.returncode == 2 and "unknown workload 'nope'" in unknown.stderr
+    router = _run(infergate_cli, "--router", "nginx")
+    assert router.returncode == 2 and "unknown router 'nginx'" in router.stderr
+    missing = _run(infergate_cli, "--router", f"epp:{tmp_path / 'none.yaml'}")
+    assert missing.returncode == 2 and "no EndpointPickerConfig file" in missing.stderr
+    rates = _run(infergate_cli, "--rates", "fast")
+    assert rates.returncode == 2
+
+
+def test_presets_cover_the_questions_users_ask() -> None:
+    assert set(WORKLOADS) == {
+        "tight-prefix",
+        "ample-prefix",
+        "no-sharing",
+        "multi-turn",
+        "long-short",
+        "bursty",
+        "heterogeneous",
+    }
+    assert set(ROUTERS) >= {
+        "round-robin",
+        "least-request",
+        "sglang-cache-aware",
+        "epp-gie",
+        "epp-infergate",
+    }
+    assert resolve("epp:builtin:gie-default").name == "epp:builtin:gie-default"
+    samples = WORKLOADS["multi-turn"].build(Tokens(None), 16, 0)
+    # Two sessions of 8 turns; turn k carries the system prompt and every earlier turn.
+    session = [s for s in samples if s.group == 0]
+    assert [len(s.messages or []) for s in session] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert session[3].messages[:6] == session[2].messages  # the prefix grows
