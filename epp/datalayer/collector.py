@@ -8,12 +8,12 @@ saturated — so a dead engine drops out of scheduling without a special case.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import dialect_for, parse_metrics
+from infergate.epp.datalayer.endpoint_tasks import EndpointTasks
 from infergate.epp.observability import EppMetrics
 from infergate.epp.types import Endpoint
 
@@ -34,7 +34,7 @@ class Collectors:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.metrics = metrics
         self.path = path
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks = EndpointTasks(datastore, self._loop, "collector")
         self._session: aiohttp.ClientSession | None = None
         self.scrapes = 0
         self.failures = 0
@@ -45,20 +45,7 @@ class Collectors:
             timeout=self.timeout,
             auto_decompress=True,
         )
-        self.datastore.subscribe(self._on_change)
-        self._on_change([s.endpoint for s in self.datastore.all()], [])
-
-    def _on_change(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
-        for endpoint in removed:
-            task = self._tasks.pop(endpoint.key, None)
-            if task is not None:
-                task.cancel()
-        for endpoint in added:
-            if self._session is None or endpoint.key in self._tasks:
-                continue
-            self._tasks[endpoint.key] = asyncio.get_running_loop().create_task(
-                self._loop(endpoint), name=f"collector {endpoint.key}"
-            )
+        self._tasks.start()
 
     async def _loop(self, endpoint: Endpoint) -> None:
         assert self._session is not None
@@ -101,13 +88,7 @@ class Collectors:
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -50,8 +50,8 @@ async def test_collectors_follow_the_endpoint_set(engine_metrics, epp_factory) -
     two.set(4, 0, 0.0)
     await eventually(lambda: (s := epp.datastore.get(b.key)) is not None and s.metrics.waiting == 4)
     epp.datastore.set_endpoints([b])
-    await eventually(lambda: a.key not in epp.collectors._tasks)
-    assert set(epp.collectors._tasks) == {b.key}
+    await eventually(lambda: a.key not in epp.collectors._tasks.tasks)
+    assert set(epp.collectors._tasks.tasks) == {b.key}
 
 
 def test_sglang_dialect_by_label() -> None:

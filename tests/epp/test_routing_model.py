@@ -251,3 +251,23 @@ def test_predicted_latency_params_are_validated() -> None:
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"evictionPenalty": -1})
     with pytest.raises(ValueError, match=r"Extra inputs are not permitted"):
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"weightz": 1})
+
+
+# -- precise index: events plus speculative entries ---------------------------------------
+
+
+def test_speculative_entries_count_until_events_confirm_or_they_expire() -> None:
+    from infergate.epp.datalayer.kv_events import KVBlockIndex
+
+    now = [0.0]
+    index = KVBlockIndex(ttl=2.0, clock=lambda: now[0])
+    index.stored("a", [1, 2])
+    index.speculate("b", [1, 2, 3])  # just routed to b: its events have not arrived yet
+    assert index.leading_matches([1, 2, 3]) == {"a": 2, "b": 3}
+    index.stored("b", [1, 2])  # the engine confirms two of them
+    assert set(index.speculative) == {3}
+    now[0] = 5.0  # the third was never stored: the guess expires
+    assert index.leading_matches([1, 2, 3]) == {"a": 2, "b": 2}
+    index.speculate("a", [9])
+    index.cleared("a")  # a total eviction drops guesses too
+    assert index.leading_matches([9]) == {} and index.leading_matches([1]) == {"b": 1}

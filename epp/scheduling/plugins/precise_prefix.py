@@ -1,11 +1,11 @@
 """Precise prefix-cache affinity from the engines' own KV-cache events (llm-d's
 ``precise-prefix-cache-scorer``).
 
-Each engine publishes vLLM-format KV events over ZMQ PUB (``[topic, seq, msgpack
-batch]``; events ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). The plugin
-subscribes to every endpoint (``tcp://ADDRESS:PORT``, the port from the endpoint label
-``infergate.io/kv-events-port`` or the ``kvEventsPort`` parameter) and keeps block hash →
-endpoints. To score a request it tokenizes the prompt exactly as the engine would (the
+The data layer (:mod:`infergate.epp.datalayer.kv_events`) subscribes to every
+endpoint's vLLM-format KV events and keeps block hash → endpoints; this plugin reads that
+index, and at pre-request adds the request's blocks to the chosen endpoint as
+*speculative* entries (llm-d's speculative indexing) that count until the engine's own
+``BlockStored`` event confirms them or ``speculativeTTL`` passes. To score a request it tokenizes the prompt exactly as the engine would (the
 engine's ``POST /tokenize``, which also applies the chat template, or a local
 ``tokenizer.json`` for plain prompts) and hashes full blocks with the engine's recipe
 (:mod:`infergate.engine.block_hash`); the score is the fraction of the prompt's blocks an
@@ -14,22 +14,31 @@ endpoint holds as a leading run. Unlike the approximate index, evictions are rea
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
-from infergate.epp.scheduling.plugins.base import PluginContext, PrepareData, Scorer, register
-from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
+from infergate.epp.datalayer.kv_events import (
+    KV_EVENTS_PORT_LABEL,
+    KVBlockIndex,
+    KVEventSubscriptions,
+)
+from infergate.epp.scheduling.plugins.base import (
+    PluginContext,
+    PrepareData,
+    PreRequest,
+    SchedulingResult,
+    Scorer,
+    register,
+)
+from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("infergate.epp.precise_prefix")
 
-KV_EVENTS_PORT_LABEL = "infergate.io/kv-events-port"
+__all__ = ["KV_EVENTS_PORT_LABEL", "PrecisePrefixCacheScorer"]
 #: ``context.extras`` key: callables(endpoint_key) told when an engine cleared its KV cache.
 CACHE_CLEARED_LISTENERS = "kv_cache_cleared_listeners"
 
@@ -49,90 +58,30 @@ class PrecisePrefixParams(BaseModel):
     )
     tokenizeTimeout: float = Field(1.0, gt=0)
     maxPrefixBlocksToMatch: int = Field(1024, ge=1)
-
-
-class KVBlockIndex:
-    """Block hash → endpoints that hold it, fed by KV events."""
-
-    def __init__(self) -> None:
-        self.holders: dict[Any, set[str]] = {}
-        self.by_endpoint: dict[str, set[Any]] = {}
-
-    def stored(self, endpoint: str, hashes: Sequence[Any]) -> None:
-        mine = self.by_endpoint.setdefault(endpoint, set())
-        for h in hashes:
-            mine.add(h)
-            self.holders.setdefault(h, set()).add(endpoint)
-
-    def removed(self, endpoint: str, hashes: Sequence[Any]) -> None:
-        mine = self.by_endpoint.get(endpoint)
-        if mine is None:
-            return
-        for h in hashes:
-            if h in mine:
-                mine.discard(h)
-                holders = self.holders.get(h)
-                if holders is not None:
-                    holders.discard(endpoint)
-                    if not holders:
-                        del self.holders[h]
-
-    def cleared(self, endpoint: str) -> None:
-        self.removed(endpoint, list(self.by_endpoint.get(endpoint, ())))
-        self.by_endpoint.pop(endpoint, None)
-
-    def leading_matches(self, hashes: Sequence[Any]) -> dict[str, int]:
-        matches: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
-            holders = self.holders.get(h)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for endpoint in alive:
-                matches[endpoint] = i + 1
-        return matches
-
-
-def apply_batch(index: KVBlockIndex, endpoint: str, payload: bytes) -> dict[str, int]:
-    """Apply one msgpack ``KVEventBatch`` (``[ts, events, dp_rank]``); returns event counts.
-
-    Decoded generically (tagged arrays, tag first) so older and newer vLLM field lists work.
-    """
-    counts: dict[str, int] = {}
-    batch = msgspec.msgpack.decode(payload)
-    if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise ValueError("not a KV event batch")
-    for event in batch[1]:
-        if not isinstance(event, list | tuple) or not event:
-            continue
-        tag = event[0]
-        if tag == "BlockStored" and len(event) > 1 and isinstance(event[1], list):
-            index.stored(endpoint, event[1])
-        elif tag == "BlockRemoved" and len(event) > 1 and isinstance(event[1], list):
-            index.removed(endpoint, event[1])
-        elif tag == "AllBlocksCleared":
-            index.cleared(endpoint)
-        else:
-            continue
-        counts[tag] = counts.get(tag, 0) + 1
-    return counts
+    speculativeTTL: float = Field(
+        2.0,
+        ge=0,
+        description="Seconds a block the EPP routed counts as held before the engine's "
+        "BlockStored event confirms it (0: events only).",
+    )
 
 
 @register
-class PrecisePrefixCacheScorer(PrepareData, Scorer):
+class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
     type_name = "precise-prefix-cache-scorer"
     Params = PrecisePrefixParams
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
         super().__init__(name, params, context)
         self.p: PrecisePrefixParams = params  # type: ignore[assignment]
-        self.index = KVBlockIndex()
-        self._subscribers: dict[str, asyncio.Task[None]] = {}
+        self.index = KVBlockIndex(ttl=self.p.speculativeTTL)
+        self.events = KVEventSubscriptions(
+            context.datastore, self.index, self.p.kvEventsPort, context.extras.get("metrics")
+        )
+        # A real, total eviction: whatever the approximate index believes about this
+        # endpoint is now wrong too.
+        self.events.cleared_listeners.extend(context.extras.get(CACHE_CLEARED_LISTENERS, ()))
         self._session: aiohttp.ClientSession | None = None
-        self._zmq: Any = None
         self._local_tokenizer: Any = None
         if self.p.tokenizerPath:
             from tokenizers import Tokenizer
@@ -141,77 +90,22 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer):
             self._local_tokenizer = Tokenizer.from_file(
                 str(path / "tokenizer.json" if path.is_dir() else path)
             )
-        context.datastore.subscribe(self._on_endpoints)
 
     async def start(self) -> None:
-        import zmq.asyncio
-
-        self._zmq = zmq.asyncio.Context()
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
         )
-        self._on_endpoints([s.endpoint for s in self.context.datastore.all()], [])
+        # Listeners registered after construction (plugin order) are picked up here.
+        for listener in self.context.extras.get(CACHE_CLEARED_LISTENERS, ()):
+            if listener not in self.events.cleared_listeners:
+                self.events.cleared_listeners.append(listener)
+        self.events.start()
 
     async def stop(self) -> None:
-        tasks = list(self._subscribers.values())
-        self._subscribers.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self.events.stop()
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
-
-    def events_address(self, endpoint: Endpoint) -> str:
-        port = endpoint.label(KV_EVENTS_PORT_LABEL) or str(self.p.kvEventsPort)
-        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-        return f"tcp://{host}:{port}"
-
-    def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
-        for endpoint in removed:
-            task = self._subscribers.pop(endpoint.key, None)
-            if task is not None:
-                task.cancel()
-            self.index.cleared(endpoint.key)
-        if self._zmq is None:
-            return
-        for endpoint in added:
-            if endpoint.key not in self._subscribers:
-                self._subscribers[endpoint.key] = asyncio.get_running_loop().create_task(
-                    self._subscribe(endpoint), name=f"kv-events {endpoint.key}"
-                )
-
-    async def _subscribe(self, endpoint: Endpoint) -> None:
-        import zmq
-
-        socket = self._zmq.socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.events_address(endpoint))
-        metrics = self.context.extras.get("metrics")
-        try:
-            while True:
-                frames = await socket.recv_multipart()
-                try:
-                    counts = apply_batch(self.index, endpoint.key, frames[-1])
-                except Exception as error:
-                    log.warning("bad KV event batch from %s: %s", endpoint.key, error)
-                    continue
-                if counts.get("AllBlocksCleared"):
-                    # A real, total eviction: whatever the approximate index believes
-                    # about this endpoint is now wrong too.
-                    for listener in self.context.extras.get(CACHE_CLEARED_LISTENERS, ()):
-                        listener(endpoint.key)
-                if metrics is not None:
-                    for tag, n in counts.items():
-                        metrics.kv_events.labels(tag).inc(n)
-        finally:
-            socket.close(0)
 
     async def _tokens(
         self, request: InferenceRequest, endpoints: Sequence[EndpointState]
@@ -268,3 +162,10 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer):
             return [0.0] * len(endpoints)
         matches: dict[str, int] = cycle.get("precise.matches") or {}
         return [matches.get(e.key, 0) / len(hashes) for e in endpoints]
+
+    def pre_request(
+        self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
+    ) -> None:
+        hashes = cycle.get("precise.hashes") or []
+        if hashes and result.primary is not None and self.p.speculativeTTL > 0:
+            self.index.speculate(result.primary.key, hashes)
