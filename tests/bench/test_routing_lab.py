@@ -86,4 +86,4 @@ def test_presets_cover_the_questions_users_ask() -> None:
     # Two sessions of 8 turns; turn k carries the system prompt and every earlier turn.
     session = [s for s in samples if s.group == 0]
     assert [len(s.messages or []) for s in session] == [2, 4, 6, 8, 10, 12, 14, 16]
-    assert session[3].messages[:6] == session[2].messages  # the prefix grows
+    assert (session[3].messages or [])[:6] == session[2].messages  # the prefix grows

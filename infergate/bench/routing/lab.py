@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,7 +186,7 @@ def _fill(
 def run_lab(
     workloads: Sequence[Workload],
     routers: Sequence[Router],
-    rates: dict[str, Sequence[float]],
+    rates: Mapping[str, Sequence[float]],
     spec: LabSpec,
     on_result: Callable[[RunResult], None],
 ) -> list[RunResult]:

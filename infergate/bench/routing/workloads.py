@@ -79,7 +79,7 @@ def _multi_turn(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
         for s in range(sessions)
     ]
     # Interleave sessions: each round sends every live session's next turn.
-    samples = []
+    samples: list[SampleRequest] = []
     for turn in range(turns_per_session):
         for s in range(sessions):
             if len(samples) >= n:
