@@ -179,12 +179,14 @@ def routing(
     workload: list[str] = typer.Option(
         ["tight-prefix"],
         "--workload",
+        "--workloads",
         help="Workload preset(s) (repeat, or 'all'): tight-prefix, ample-prefix, no-sharing, "
         "multi-turn, long-short, bursty, heterogeneous.",
     ),
     router: list[str] = typer.Option(
         [],
         "--router",
+        "--routers",
         help="Router(s) to compare (repeat; default: all built in): round-robin, "
         "least-request, sglang-cache-aware, epp-gie, epp-infergate, or epp:CONFIG.yaml "
         "for the EPP with any EndpointPickerConfig.",

@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from infergate.bench.datasets import Tokens
 from infergate.bench.routing.routers import ROUTERS, resolve
 from infergate.bench.routing.workloads import WORKLOADS
@@ -87,3 +89,11 @@ def test_presets_cover_the_questions_users_ask() -> None:
     session = [s for s in samples if s.group == 0]
     assert [len(s.messages or []) for s in session] == [2, 4, 6, 8, 10, 12, 14, 16]
     assert (session[3].messages or [])[:6] == session[2].messages  # the prefix grows
+
+
+def test_sglang_router_missing_is_a_clear_skip(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from infergate.bench.routing import routers
+
+    monkeypatch.setattr(routers, "sglang_available", lambda: False)
+    with pytest.raises(routers.RouterUnavailable, match="pip install sglang-router"):
+        routers.ROUTERS["sglang-cache-aware"].start(None)  # type: ignore[arg-type]
