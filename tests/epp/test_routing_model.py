@@ -133,12 +133,12 @@ async def test_prefix_index_sized_from_cache_config_and_learned_chars_per_token(
     prefix = plugin("prefix-cache-scorer", ctx)  # 64-character blocks
     cycle = CycleState()
     await prefix.prepare(cycle, InferenceRequest("r", {}, prompt_text="x" * 640), states)
-    # 4 chars/token until calibrated: 1,600 tokens × 4 × 0.9 / 64 = 90 blocks.
-    assert prefix.index.capacity_of(states[0].key) == 90
+    # 4 chars/token until calibrated: 1,600 tokens × 4 / 64 = 100 blocks.
+    assert prefix.index.capacity_of(states[0].key) == 100
     for _ in range(30):
         ctx.calibration.observe("", 1600, 1000)  # 1.6 chars/token
     await prefix.prepare(cycle, InferenceRequest("r", {}, prompt_text="x" * 640), states)
-    assert prefix.index.capacity_of(states[0].key) == 36
+    assert prefix.index.capacity_of(states[0].key) == 40
 
 
 async def test_a_cached_tokens_miss_drops_what_the_engine_evicted() -> None:
@@ -172,8 +172,12 @@ async def test_a_cached_tokens_miss_drops_what_the_engine_evicted() -> None:
     assert prefix.index.match(prefix_hashes(prefix, newer)) == {key: 10}  # newer stays
     assert prefix.index.match(prefix_hashes(prefix, group_a)) == {key: 10}  # recomputed
     assert metrics.prediction_accuracy() == 0.0  # one check, a false hit
+    assert prefix.capacity_scale[key] == pytest.approx(0.98)  # the index was too big
     await route(group_a, cached=144)  # the engine had it: a correct prediction
     assert metrics.prediction_accuracy() == 0.5
+    prefix.index.clear_server(key)  # the index forgets everything; the engine does not
+    await route(newer, cached=144)  # a missed hit: the engine keeps more than modelled
+    assert prefix.capacity_scale[key] == pytest.approx(0.98 * 1.02)
 
 
 def prefix_hashes(prefix, text: str) -> list[int]:

@@ -11,14 +11,19 @@ Three things keep the index true to the engines rather than to a fixed guess:
 
 * **Capacity** per endpoint is what the engine reports in ``vllm:cache_config_info``:
   ``num_gpu_blocks × block_size`` tokens, converted to index blocks with the learned
-  characters-per-token of the model (``capacity_blocks = tokens × cpt / block_chars``,
-  times ``capacityFraction`` for the share of the cache the running requests' own
-  tokens take). ``lruCapacityPerServer`` applies only to engines that report nothing.
+  characters-per-token of the model (``capacity_blocks = tokens × cpt / block_chars ×
+  scale``). ``scale`` starts at ``capacityFraction`` and is corrected by the ground
+  truth below: a *missed hit* (the engine still had blocks the index had already let
+  go) raises it by ``capacityStep``, a *false hit* (the engine had evicted what the
+  index still held) lowers it, so the index's LRU settles at the size of the engine's
+  effective cache (what running requests' own blocks leave for prefixes).
+  ``lruCapacityPerServer`` applies only to engines that report nothing.
 * **Characters per token** are learned from responses' ``usage.prompt_tokens``
   (:mod:`infergate.epp.datalayer.calibration`).
 * **Ground truth**: each response's ``usage.prompt_tokens_details.cached_tokens`` is
   compared with what the index predicted for the endpoint that served it. When the
-  engine had less than predicted, the first block it missed was evicted there — and,
+  engine had less than half of what was predicted, the first block it missed was
+  evicted there — and,
   the engine's cache being LRU, so was every block last used before it. Those entries
   are dropped (a per-entry sequence number records when each was last used). Both
   numbers are exported as metrics, with a hit-prediction accuracy.
@@ -27,6 +32,7 @@ Three things keep the index true to the engines rather than to a fixed guess:
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,9 +52,13 @@ from infergate.epp.scheduling.plugins.base import (
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+log = logging.getLogger("infergate.epp.prefix")
+
 #: GIE's characters per token, used only to size hash blocks (never for capacity).
 CHARS_PER_TOKEN = 4
 NOTE = "prefix"
+#: Index blocks of disagreement that are rounding, not eviction (see response_complete).
+SLACK_BLOCKS = 2
 
 
 class PrefixParams(BaseModel):
@@ -60,7 +70,14 @@ class PrefixParams(BaseModel):
         31250, ge=1, description="Index blocks per endpoint when the engine reports no capacity."
     )
     capacityFraction: float = Field(
-        0.9, gt=0, le=1, description="Share of the engine's KV cache assumed to hold prefixes."
+        1.0,
+        gt=0,
+        le=2,
+        description="Starting share of the engine's KV cache assumed to hold prefixes "
+        "(corrected per endpoint by the engines' cached_tokens).",
+    )
+    capacityStep: float = Field(
+        0.02, ge=0, lt=1, description="Correction of that share per wrong hit prediction."
     )
     autoTune: bool = True  # accepted for GIE compatibility; the block size stays fixed here
 
@@ -235,17 +252,21 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
         self.hit_blocks = 0
         self.total_blocks = 0
         self.dropped_stale = 0
+        #: Per endpoint: the share of its reported KV cache the index models.
+        self.capacity_scale: dict[str, float] = {}
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         for endpoint in removed:
             self.index.clear_server(endpoint.key)
+            self.capacity_scale.pop(endpoint.key, None)
 
     def capacity_blocks(self, state: EndpointState, model: str) -> int | None:
         """Index blocks the engine can hold: reported KV tokens × chars/token ÷ block chars."""
         tokens = state.metrics.capacity_tokens
         if tokens <= 0:
             return None
-        chars = tokens * self.calibration.chars_per_token(model) * self.p.capacityFraction
+        scale = self.capacity_scale.get(state.key, self.p.capacityFraction)
+        chars = tokens * self.calibration.chars_per_token(model) * scale
         return max(1, int(chars // self.block_chars))
 
     def free_tokens(self, state: EndpointState, model: str) -> float | None:
@@ -337,6 +358,27 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
             self.metrics.observe_prefix_prediction(predicted, actual)
         # Blocks the engine really had: whole index blocks inside its cached tokens.
         held = int(actual * self.calibration.chars_per_token(prediction.model) // self.block_chars)
-        if prediction.matched > held + 1:  # one block of slack for rounding at the edges
-            first_missed = min(held, prediction.matched - 1)
-            self.dropped_stale += self.index.drop_older_than(server, prediction.seqs[first_missed])
+        matched = prediction.matched
+        # Small differences are rounding (index blocks against the engine's 16-token blocks;
+        # the engine never counts a prompt's last token) or a prefix still being prefilled
+        # by an earlier request (the engine has its first chunks only). Only a miss of at
+        # least half of what was predicted is evidence of eviction, and only the mirror
+        # case is evidence that the index forgot blocks the engine kept.
+        evicted = matched - held > SLACK_BLOCKS and held < matched // 2
+        forgotten = held - matched > SLACK_BLOCKS and matched < held // 2
+        if log.isEnabledFor(logging.DEBUG) and (evicted or forgotten):
+            log.debug(
+                "prefix prediction off on %s: predicted %d blocks (%.0f tokens), the engine "
+                "had %d tokens cached (%d blocks); index holds %d of %d blocks",
+                server, matched, predicted, actual, held,
+                self.index.size(server), self.index.capacity_of(server),
+            )  # fmt: skip
+        if evicted:
+            self.dropped_stale += self.index.drop_older_than(server, prediction.seqs[held])
+            self._correct_capacity(server, -self.p.capacityStep)
+        elif forgotten:
+            self._correct_capacity(server, self.p.capacityStep)
+
+    def _correct_capacity(self, server: str, step: float) -> None:
+        scale = self.capacity_scale.get(server, self.p.capacityFraction)
+        self.capacity_scale[server] = min(2.0, max(0.25, scale * (1.0 + step)))
