@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class PredictedLatencyParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     evictionPenalty: float = Field(
-        0.5,
+        1.0,
         ge=0,
         description="Share of an evicted token's recompute charged to the request that "
         "evicts it (0: ignore future misses; 1: every evicted token will be needed again).",
