@@ -134,27 +134,9 @@ schedulingProfiles:
 
 #: GIE's default profile with the precise (KV-event driven) prefix scorer in place of the
 #: approximate one: llm-d's "precise prefix-cache aware" routing.
-PRECISE_PREFIX_CONFIG_YAML = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: saturation-filter
-- type: queue-scorer
-- type: kv-cache-utilization-scorer
-- type: precise-prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: saturation-filter
-  - pluginRef: queue-scorer
-    weight: 2
-  - pluginRef: kv-cache-utilization-scorer
-    weight: 2
-  - pluginRef: precise-prefix-cache-scorer
-    weight: 3
-  - pluginRef: max-score-picker
-"""
+PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
+    "prefix-cache-scorer", "precise-prefix-cache-scorer"
+)
 
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from infergate.epp.datalayer.datastore import Datastore
     from infergate.epp.flowcontrol.saturation import SaturationDetector
     from infergate.epp.scheduling.plugins.base import Plugin
+    from infergate.epp.types import EndpointState
 
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
@@ -42,61 +43,44 @@ class _EndpointGauges(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         now = time.monotonic()
-        queue = GaugeMetricFamily(
-            "infergate_epp_endpoint_queue_size",
-            "Waiting requests per endpoint.",
-            labels=["endpoint"],
-        )
-        running = GaugeMetricFamily(
-            "infergate_epp_endpoint_running_requests",
-            "Running requests per endpoint.",
-            labels=["endpoint"],
-        )
-        kv = GaugeMetricFamily(
-            "infergate_epp_endpoint_kv_cache_usage",
-            "KV-cache usage (0-1) per endpoint.",
-            labels=["endpoint"],
-        )
-        in_flight = GaugeMetricFamily(
-            "infergate_epp_endpoint_in_flight_requests",
-            "Requests the EPP routed there that have not completed.",
-            labels=["endpoint"],
-        )
-        stale = GaugeMetricFamily(
-            "infergate_epp_endpoint_metrics_stale",
-            "1 when the endpoint's metrics are stale.",
-            labels=["endpoint"],
-        )
-        prefill_base = GaugeMetricFamily(
-            "infergate_epp_endpoint_prefill_base_seconds",
-            "Learned prefill cost per request (the fit's intercept), per endpoint.",
-            labels=["endpoint"],
-        )
-        prefill_token = GaugeMetricFamily(
-            "infergate_epp_endpoint_prefill_seconds_per_token",
-            "Learned prefill cost per uncached prompt token, per endpoint.",
-            labels=["endpoint"],
-        )
-        backlog = GaugeMetricFamily(
-            "infergate_epp_endpoint_predicted_prefill_backlog_seconds",
-            "Prefill work routed there that the EPP predicts is not done yet.",
-            labels=["endpoint"],
-        )
-        for state in self.datastore.all():
-            key = state.key
-            prefill_base.add_metric([key], state.cost.base)
-            prefill_token.add_metric([key], state.cost.per_token)
-            backlog.add_metric([key], max(0.0, state.prefill_busy_until - now))
-            queue.add_metric([key], state.metrics.waiting)
-            running.add_metric([key], state.metrics.running)
-            kv.add_metric([key], state.metrics.kv_usage)
-            in_flight.add_metric([key], state.in_flight_requests)
-            stale.add_metric([key], 1.0 if self.saturation.is_stale(state, now) else 0.0)
+        states = self.datastore.all()
+        for name, doc, value in self._per_endpoint(now):
+            family = GaugeMetricFamily(name, doc, labels=["endpoint"])
+            for state in states:
+                family.add_metric([state.key], value(state))
+            yield family
         ready = GaugeMetricFamily("infergate_epp_pool_endpoints", "Endpoints in the pool.")
-        ready.add_metric([], len(self.datastore))
-        yield from (queue, running, kv, in_flight, stale, ready)
-        yield from (prefill_base, prefill_token, backlog)
+        ready.add_metric([], len(states))
+        yield ready
         yield from self._gie_pool_gauges()
+
+    def _per_endpoint(
+        self, now: float
+    ) -> list[tuple[str, str, Callable[[EndpointState], float]]]:
+        """(name, help, value) of every per-endpoint gauge."""
+        stale = self.saturation.is_stale
+        return [
+            ("infergate_epp_endpoint_queue_size", "Waiting requests per endpoint.",
+             lambda s: s.metrics.waiting),
+            ("infergate_epp_endpoint_running_requests", "Running requests per endpoint.",
+             lambda s: s.metrics.running),
+            ("infergate_epp_endpoint_kv_cache_usage", "KV-cache usage (0-1) per endpoint.",
+             lambda s: s.metrics.kv_usage),
+            ("infergate_epp_endpoint_in_flight_requests",
+             "Requests the EPP routed there that have not completed.",
+             lambda s: s.in_flight_requests),
+            ("infergate_epp_endpoint_metrics_stale", "1 when the endpoint's metrics are stale.",
+             lambda s: 1.0 if stale(s, now) else 0.0),
+            ("infergate_epp_endpoint_prefill_base_seconds",
+             "Learned prefill cost per request (the fit's intercept), per endpoint.",
+             lambda s: s.cost.base),
+            ("infergate_epp_endpoint_prefill_seconds_per_token",
+             "Learned prefill cost per uncached prompt token, per endpoint.",
+             lambda s: s.cost.per_token),
+            ("infergate_epp_endpoint_predicted_prefill_backlog_seconds",
+             "Prefill work routed there that the EPP predicts is not done yet.",
+             lambda s: max(0.0, s.prefill_busy_until - now)),
+        ]  # fmt: skip
 
     def _gie_pool_gauges(self) -> Iterator[GaugeMetricFamily]:
         """GIE's ``inference_pool_*`` gauges (same names and labels), so its dashboards work."""
