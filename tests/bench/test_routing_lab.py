@@ -91,7 +91,7 @@ def test_presets_cover_the_questions_users_ask() -> None:
     assert (session[3].messages or [])[:6] == session[2].messages  # the prefix grows
 
 
-def test_sglang_router_missing_is_a_clear_skip(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_sglang_router_missing_is_a_clear_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     from infergate.bench.routing import routers
 
     monkeypatch.setattr(routers, "sglang_available", lambda: False)
