@@ -42,7 +42,8 @@ def epp(
         "--config-file",
         help="EndpointPickerConfig YAML (plugins and profiles), or a built-in config by name: "
         "builtin:infergate-default (the default), builtin:gie-default (GIE's default "
-        "profile), builtin:precise-prefix.",
+        "profile), builtin:precise-prefix (infergate's default plus the engines' KV "
+        "events), builtin:gie-precise-prefix.",
     ),
     config_text: str | None = typer.Option(
         None, "--config-text", help="The EndpointPickerConfig inline, instead of a file."
