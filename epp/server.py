@@ -466,6 +466,10 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                 self.count("overloaded_503")
                 state.phase = Phase.DONE
                 log.warning("ext-proc stream refused: %d streams open", self.active_streams - 1)
+                try:  # answer Envoy's first message, hold nothing
+                    await asyncio.wait_for(messages.__anext__(), 5.0)
+                except (StopAsyncIteration, TimeoutError):
+                    return
                 yield immediate(503, "the endpoint picker has too many requests open; retry")
                 return
             while True:
