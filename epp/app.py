@@ -150,6 +150,9 @@ class Epp:
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
+        # Health on the ext-proc port too, over its transport: Envoy's check then fails
+        # when ext-proc would (TLS mismatch, not gRPC), not only when the port is closed.
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if o.secure_serving:
             from infergate.epp.tls import server_credentials
 

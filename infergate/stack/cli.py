@@ -91,6 +91,12 @@ def up(
         help="Extra argument for every `infergate engine serve`, e.g. --engine-arg=--max-num-seqs=8; "
         "may repeat.",
     ),
+    secure_serving: bool = typer.Option(
+        True,
+        "--secure-serving/--no-secure-serving",
+        help="ext-proc over TLS (GIE's default): the EPP serves a self-signed certificate and "
+        "the generated Envoy config dials it with TLS, so the two always match.",
+    ),
     epp_arg: list[str] = typer.Option(
         [],
         "--epp-arg",
@@ -132,6 +138,7 @@ def up(
         kv_events_port=kv_events_port,
         engine_args=list(engine_arg),
         epp_args=list(epp_arg),
+        secure_serving=secure_serving,
     )
     stack = LocalStack(spec)
     # Installed explicitly: a shell starting us in the background leaves SIGINT ignored.

@@ -25,7 +25,12 @@ Why each piece is there:
   only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
   ``failure_mode_allow`` let the request through) are balanced least-request over a static
   fallback cluster when one is given, else over the endpoints the EPP last announced.
-* The EPP cluster is TCP health-checked with panic routing off: with FULL_DUPLEX_STREAMED
+* The EPP cluster speaks TLS when the EPP does (``epp_tls``, GIE's ``--secure-serving``;
+  like GIE's gateways it does not verify the EPP's certificate, which is self-signed by
+  default), and is health-checked with gRPC health (service ``liveness``) on the ext-proc
+  port itself, over the same transport: a TLS mismatch, or a port that accepts TCP but
+  does not speak gRPC, shows as unhealthy instead of failing every request. Panic routing
+  is off: with FULL_DUPLEX_STREAMED
   bodies Envoy can fail open only before the first body chunk went out, so a dead EPP
   must be known before the request starts, not discovered at connect time.
 * On the way back the upstream really used is copied into ``envoy.lb`` as
@@ -51,12 +56,15 @@ PICKED_HEADER = "x-infergate-picked-endpoint"
 """Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
 LB_METADATA_NAMESPACE = "envoy.lb"
 EPP_CLUSTER = "infergate_epp"
+EPP_HEALTH_SERVICE = "liveness"
+"""gRPC health service the EPP reports SERVING while it runs, on its ext-proc port too."""
 POOL_CLUSTER = "infergate_pool"
 FALLBACK_CLUSTER = "infergate_pool_fallback"
 
 _T = "type.googleapis.com/envoy."
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_UPSTREAM_TLS = _T + "extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
@@ -349,6 +357,7 @@ def build_envoy_config(
     stream_response_bodies: bool = True,
     fallback_retries: int = 3,
     eds_initial_fetch_timeout_s: float = 5.0,
+    epp_tls: bool = False,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -363,6 +372,8 @@ def build_envoy_config(
     FailOpen starts to apply to requests with a body. ``stream_response_bodies=False``
     stops sending response bodies to the EPP (one gRPC message pair per SSE chunk saved;
     the EPP then reads no ``usage`` and finishes a request when its stream closes).
+    ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
+    unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
     """
     if route_timeout_s <= 0:
         raise ValueError("route_timeout_s must be > 0")
@@ -442,10 +453,20 @@ def build_envoy_config(
                 "no_traffic_interval": interval,
                 "unhealthy_threshold": 1,
                 "healthy_threshold": 1,
-                "tcp_health_check": {},
+                # On the ext-proc port, over the same transport as ext-proc (see above).
+                "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE},
             }
         ]
         epp_cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    if epp_tls:
+        epp_cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _UPSTREAM_TLS,
+                "common_tls_context": {"alpn_protocols": ["h2"]},
+                **({} if _is_ip(epp_address) else {"sni": epp_address}),
+            },
+        }
     clusters = [epp_cluster, pool_cluster]
     if fallback_endpoints:
         clusters.append(

@@ -40,6 +40,8 @@ def _ext_proc(config: dict) -> dict:
         {"debug_headers": True, "access_log": True, "route_timeout_s": 0.5},
         {"fallback_endpoints": [("engine-0.local", 8000), ("10.0.0.7", 8001)]},
         {"stream_response_bodies": False, "epp_health_check_interval_s": None},
+        {"epp_tls": True},
+        {"epp_tls": True, "epp_address": "epp.default.svc.cluster.local"},
     ],
 )
 def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binary: Path) -> None:
