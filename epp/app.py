@@ -60,7 +60,7 @@ class EppOptions:
     metrics_staleness_threshold: float = 2.0
     metrics_timeout: float = 1.0
     max_request_body_bytes: int = 8 << 20
-    max_buffered_bytes: int = 256 << 20
+    max_buffered_bytes: int = 128 << 20
     max_streams: int = 10_000
     body_timeout_s: float | None = 20.0
     scores_header: bool = False

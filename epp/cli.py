@@ -74,7 +74,7 @@ def epp(
         8 << 20, "--max-request-body-bytes", help="Larger request bodies get 413."
     ),
     max_buffered_bytes: int = typer.Option(
-        256 << 20,
+        128 << 20,
         "--max-buffered-bytes",
         help="Request bodies buffered across all requests in flight; beyond it 503.",
     ),

@@ -60,7 +60,7 @@ class Limits:
 
     max_body_bytes: int = 8 << 20
     """One request's body; larger gets 413."""
-    max_buffered_bytes: int = 256 << 20
+    max_buffered_bytes: int = 128 << 20
     """Request bodies buffered across all streams; a chunk that would pass it gets 503."""
     max_streams: int = 10_000
     """Concurrent ext-proc streams; the next one gets 503 at its first message."""

@@ -9,7 +9,6 @@ import logging
 import random
 
 import pytest
-
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
