@@ -49,6 +49,8 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 SCORES_HEADER = "x-infergate-epp-scores"
+REQUEST_ID_HEADER = "x-infergate-request-id"
+"""Set by the EPP on the routed request; the observer stream names its request with it."""
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 USAGE_BUFFER_LIMIT = 4 << 20
 BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
@@ -213,6 +215,12 @@ class StreamState:
         self.body_mode_none = False
         self.closed = False
         self.deadline = 0.0  # loop time by which the body must have arrived
+        # Response observation (see ``ObserverState``): while an observer is attached, the
+        # request finishes when both this stream and the observer's have ended.
+        self.key = ""
+        self.observer_attached = False
+        self.observer_ended = False
+        self.stream_ended = False
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request") or ""
@@ -321,7 +329,9 @@ class StreamState:
         self.phase = Phase.ROUTED
         self.server.count("routed")
         destination = decision.destination
-        headers = {DESTINATION_HEADER: destination}
+        self.key = uuid.uuid4().hex
+        self.server.routed[self.key] = self
+        headers = {DESTINATION_HEADER: destination, REQUEST_ID_HEADER: self.key}
         if decision.body_rewritten and decision.body is not None:
             headers["content-length"] = str(len(decision.body))
         if self.server.scores_header:
@@ -397,6 +407,13 @@ class StreamState:
         """Response finished normally: read usage, then release."""
         if self.closed:
             return
+        self._read_usage()
+        self.close()
+        self.phase = Phase.DONE
+
+    def _read_usage(self) -> None:
+        if self.response.complete:
+            return
         self.usage.finish()
         usage = self.usage.usage or {}
         for field, attr in (
@@ -410,17 +427,87 @@ class StreamState:
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.response.cached_tokens = details["cached_tokens"]
         self.response.complete = True
-        self.close()
-        self.phase = Phase.DONE
+
+    def observed_end(self, complete: bool) -> None:
+        """The observer saw the response end (``complete``) or its stream went away."""
+        if complete:
+            self._read_usage()
+        self.observer_ended = True
+        if self.stream_ended:
+            self.close()
 
     def close(self) -> None:
-        """Release everything this request holds; safe to call more than once."""
+        """Release everything this request holds; safe to call more than once.
+
+        With an observer attached the request is not over until the observer says so:
+        Envoy ends this stream right after the response headers.
+        """
         if self.closed:
             return
+        self.stream_ended = True
+        if self.observer_attached and not self.observer_ended:
+            return
         self.closed = True
+        if self.key:
+            self.server.routed.pop(self.key, None)
         self._release_body()
         if self.decision is not None:
             self.server.director.finish(self.decision, self.response)
+
+
+class ObserverState:
+    """A second ext_proc filter in ``observability_mode`` watching one routed response.
+
+    Envoy sends it the response headers and body chunks without waiting for answers, and
+    ignores its failures: the EPP reads usage (and the end of the response) here at the
+    cost of receiving each chunk, never answering it, and its death cuts no stream. The
+    routing stream (``StreamState``) has no response body to pass back and is closed by
+    Envoy after the response headers, so nothing there can break a response either.
+    """
+
+    def __init__(self, server: ExtProcServer) -> None:
+        self.server = server
+        self.target: StreamState | None = None
+        self.done = False
+
+    def handle(self, message: pb.ProcessingRequest) -> None:
+        kind = message.WhichOneof("request") or ""
+        if kind == "request_headers":
+            if self.target is None and not self.done:
+                key = ""
+                for header in message.request_headers.headers.headers:
+                    if header.key == REQUEST_ID_HEADER:
+                        key = header.raw_value.decode("ascii", "replace") or header.value
+                        break
+                target = self.server.routed.get(key)
+                if target is not None and not target.observer_attached:
+                    target.observer_attached = True
+                    self.target = target
+            return
+        target = self.target
+        if target is None or self.done:
+            return
+        if kind == "response_headers":
+            headers = message.response_headers.headers.headers
+            for header in headers:
+                if header.key == "content-type":
+                    value = header.raw_value or header.value.encode()
+                    target.usage.sse = b"text/event-stream" in value
+            if message.response_headers.end_of_stream:
+                self.end(complete=True)
+        elif kind == "response_body":
+            target.usage.feed(message.response_body.body)
+            if message.response_body.end_of_stream:
+                self.end(complete=True)
+        elif kind == "response_trailers":
+            self.end(complete=True)
+
+    def end(self, complete: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.target is not None:
+            self.target.observed_end(complete)
 
 
 class ExtProcServer(pb_grpc.ExternalProcessorServicer):
@@ -434,6 +521,7 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.active_streams = 0
         self.buffered_bytes = 0
         self.metrics = director.metrics
+        self.routed: dict[str, StreamState] = {}  # REQUEST_ID_HEADER -> its routing stream
 
     @property
     def max_body_bytes(self) -> int:
@@ -461,19 +549,24 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.active_streams += 1
         messages = request_iterator.__aiter__()
         loop = asyncio.get_running_loop()
+        observer: ObserverState | None = None
         try:
             if self.active_streams > self.limits.max_streams:
                 self.count("overloaded_503")
                 state.phase = Phase.DONE
                 log.warning("ext-proc stream refused: %d streams open", self.active_streams - 1)
-                try:  # answer Envoy's first message, hold nothing
-                    await asyncio.wait_for(messages.__anext__(), 5.0)
-                except (StopAsyncIteration, TimeoutError):
+                try:  # answer Envoy's first message (its request headers), hold nothing
+                    await messages.__anext__()
+                except StopAsyncIteration:
                     return
                 yield immediate(503, "the endpoint picker has too many requests open; retry")
                 return
             while True:
                 try:
+                    if observer is not None:
+                        message = await messages.__anext__()
+                        observer.handle(message)
+                        continue
                     if state.phase is Phase.BODY and state.deadline:
                         message = await asyncio.wait_for(
                             messages.__anext__(), max(0.0, state.deadline - loop.time())
@@ -486,6 +579,10 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                     for response in state.timed_out():
                         yield response
                     return
+                if message.observability_mode and state.phase is Phase.HEADERS:
+                    observer = ObserverState(self)  # never answered (Envoy does not wait)
+                    observer.handle(message)
+                    continue
                 try:
                     responses = await state.handle(message)
                 except Exception:
@@ -498,5 +595,8 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                 for response in responses:
                     yield response
         finally:
-            state.close()
+            if observer is not None:
+                observer.end(complete=False)
+            else:
+                state.close()
             self.active_streams -= 1

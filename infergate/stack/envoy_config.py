@@ -165,7 +165,10 @@ def _ext_proc_filter(
     message_timeout_s: float,
     grpc_authority: str,
     response_bodies: bool,
+    observe: bool = False,
 ) -> dict[str, Any]:
+    """The routing filter. With ``observe`` it sees no response body (the observer does)."""
+    response_bodies = response_bodies and not observe
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -193,6 +196,35 @@ def _ext_proc_filter(
                 # The response-headers message then carries the served endpoint.
                 "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
             },
+        },
+    }
+
+
+def _observer_filter(*, grpc_authority: str) -> dict[str, Any]:
+    """A second ext_proc filter in observability mode: Envoy streams it the response
+    headers and body without waiting for answers and ignores its failures, so what the EPP
+    learns from responses (usage, cached tokens, completion) costs no round trip per chunk
+    and the EPP dying cuts no response. The EPP ties it to its request by the
+    ``x-infergate-request-id`` header it set when routing."""
+    return {
+        "name": "infergate.ext_proc.observer",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EPP_CLUSTER, "authority": grpc_authority},
+            },
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            # Envoy keeps the stream this long after the response so the last chunk arrives.
+            "deferred_close_timeout": "5s",
         },
     }
 
@@ -358,6 +390,7 @@ def build_envoy_config(
     fallback_retries: int = 3,
     eds_initial_fetch_timeout_s: float = 5.0,
     epp_tls: bool = False,
+    observe_responses: bool = True,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -372,6 +405,10 @@ def build_envoy_config(
     FailOpen starts to apply to requests with a body. ``stream_response_bodies=False``
     stops sending response bodies to the EPP (one gRPC message pair per SSE chunk saved;
     the EPP then reads no ``usage`` and finishes a request when its stream closes).
+    ``observe_responses`` (the default) takes response bodies off the routing filter and
+    gives them to a second ext_proc filter in observability mode (see
+    :func:`_observer_filter`); False restores GIE's single FULL_DUPLEX_STREAMED filter
+    that passes every response chunk through the EPP (``stream_response_bodies``).
     ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
     unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
     """
@@ -411,6 +448,12 @@ def build_envoy_config(
                 message_timeout_s=message_timeout_s,
                 grpc_authority=f"{epp_address}:{epp_port}",
                 response_bodies=stream_response_bodies,
+                observe=observe_responses and stream_response_bodies,
+            ),
+            *(
+                [_observer_filter(grpc_authority=f"{epp_address}:{epp_port}")]
+                if observe_responses and stream_response_bodies
+                else []
             ),
             _served_to_metadata_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},

@@ -90,9 +90,13 @@ async def test_buffered_bytes_across_streams_are_capped(epp_factory, channel_for
 
 async def test_concurrent_streams_are_capped(epp_factory, channel_for) -> None:
     epp = await epp_factory(static_endpoints=[A], max_streams=1)
-    first, second = Stream(channel_for(epp)), Stream(channel_for(epp))
+    first = Stream(channel_for(epp))  # a Stream's RPC starts when it is made
     await first.send(headers(POST))
-    await asyncio.sleep(0.1)
+    for _ in range(100):  # the first stream is being served before the second opens
+        if epp.ext_proc.active_streams == 1:
+            break
+        await asyncio.sleep(0.05)
+    second = Stream(channel_for(epp))
     await second.send(headers(POST))
     (refused,) = await second.recv(1)
     assert refused.immediate_response.status.code == 503
