@@ -145,6 +145,7 @@ def start_rig(
     endpoints: int = 4,
     envoy_concurrency: int = 1,
     response_bodies: bool = True,
+    observe_responses: bool = True,
 ) -> Rig:
     ports = [free_port() for _ in range(endpoints)]
     if upstream == "static":
@@ -194,6 +195,7 @@ def start_rig(
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
         "stream_response_bodies": response_bodies,
+        "observe_responses": observe_responses,
     }
     start_envoy(
         group,
