@@ -54,6 +54,9 @@ UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
 """Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
 PICKED_HEADER = "x-infergate-picked-endpoint"
 """Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
+REQUEST_ID_HEADER = "x-infergate-request-id"
+"""The EPP's id for a routed request; the observer filter's stream names it (client copies
+are stripped)."""
 LB_METADATA_NAMESPACE = "envoy.lb"
 EPP_CLUSTER = "infergate_epp"
 EPP_HEALTH_SERVICE = "liveness"
@@ -234,7 +237,9 @@ def _strip_client_headers_filter() -> dict[str, Any]:
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": _HEADER_MUTATION,
-            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+            "mutations": {
+                "request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": REQUEST_ID_HEADER}]
+            },
         },
     }
 

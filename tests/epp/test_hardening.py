@@ -14,7 +14,7 @@ import logging
 import pytest
 from infergate.epp.types import Endpoint
 
-from .conftest import Stream, body, headers
+from .conftest import Stream, body, headers, response_body, response_headers
 
 POST = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
 A = Endpoint("127.0.0.1", 18001)
@@ -115,3 +115,41 @@ async def test_trickling_body_gets_408_and_is_released(epp_factory, channel_for)
     await asyncio.sleep(0.05)
     assert epp.ext_proc.buffered_bytes == 0
     assert epp.ext_proc.active_streams == 0
+
+
+async def test_observer_stream_reads_usage_and_the_request_finishes_once(
+    epp_factory, channel_for
+) -> None:
+    """The routing stream ends at the response headers (as Envoy does with no response
+    body to send); the observer's stream carries usage; finish runs once, at the end."""
+    epp = await epp_factory(static_endpoints=[A])
+    routing = Stream(channel_for(epp))
+    await routing.send(headers(POST), body(b'{"model":"m","prompt":"hi","stream":true}'))
+    header_response, _ = await routing.recv(2)
+    key = {
+        h.header.key: h.header.raw_value.decode()
+        for h in header_response.request_headers.response.header_mutation.set_headers
+    }["x-infergate-request-id"]
+    observer = Stream(channel_for(epp))
+    seen = headers({**POST, "x-infergate-request-id": key})
+    seen.observability_mode = True
+    await observer.send(seen)
+    await routing.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
+    await routing.recv(1)
+    await routing.close()
+    await asyncio.sleep(0.1)
+    assert A.key in {s.key for s in epp.datastore.all()}
+    assert sum(s.in_flight_requests for s in epp.datastore.all()) == 1  # not over yet
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}\n\n'
+    for message in (
+        response_headers({":status": "200", "content-type": "text/event-stream"}),
+        response_body(b'data: {"choices":[{"text":"x"}]}\n\n', False),
+        response_body(usage + b"data: [DONE]\n\n", True),
+    ):
+        message.observability_mode = True
+        await observer.send(message)
+    await observer.close()
+    await asyncio.sleep(0.2)
+    assert sum(s.in_flight_requests for s in epp.datastore.all()) == 0
+    assert epp.metrics.tokens.labels("completion")._value.get() == 9
+    assert not epp.ext_proc.routed
