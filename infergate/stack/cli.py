@@ -185,12 +185,22 @@ def up(
 
 
 def _watch(stack: LocalStack) -> None:
-    """Block until a component dies (then fail loudly) or the user stops us."""
-    from infergate.stack.local import StackError
+    """Block until the EPP or Envoy dies (then fail loudly) or the user stops us; a dead
+    engine is reported and restarted (:mod:`infergate.stack.supervise`)."""
+    from rich.console import Console
+    from rich.text import Text
 
+    from infergate.stack.local import StackError
+    from infergate.stack.supervise import EngineSupervisor
+
+    console = Console(stderr=True)
+    engines = EngineSupervisor(stack, lambda text: console.print(Text(text, style="yellow")))
     while True:
         time.sleep(0.5)
+        engines.check()
         for name, _, process in stack.components():
+            if name.startswith("engine-"):
+                continue
             if process is not None and not process.alive():
                 code = process.popen.returncode if process.popen else None
                 raise StackError(
