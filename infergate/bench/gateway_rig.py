@@ -113,8 +113,8 @@ def direct_twin(config: dict[str, Any]) -> dict[str, Any]:
     listener and router."""
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = hcm["typed_config"]["http_filters"]
-    hcm["typed_config"]["http_filters"] = [
-        f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
+    hcm["typed_config"]["http_filters"] = [  # the routing filter and the observer
+        f for f in filters if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
     ]
     for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
         host["routes"] = [
