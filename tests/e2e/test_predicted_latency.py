@@ -73,7 +73,10 @@ async def test_a_group_sticks_while_its_engine_keeps_up_and_spreads_when_overloa
         # queues a lot of uncached prefill on the holder, so after a few, recomputing the
         # prefix on the other engine is predicted faster and the group spreads.
         burst = await asyncio.gather(
-            *[_complete(client, default_stack, f"{group}\nQ{i}: {_words(120)}") for i in range(16)]
+            *[
+                _complete(client, default_stack, f"{group}\nQ{i}: {_words(120)}")
+                for i in range(16)
+            ]
         )
     served = Counter(burst)
     assert len(served) == 2, f"the overloaded group never left its holder: {served}"

@@ -147,10 +147,9 @@ async def test_metrics_endpoint_exposes_decisions(epp_factory, channel_for) -> N
         for s in families["inference_extension_prefix_indexer_hit_ratio"]
     )
     assert [s.value for s in families["inference_pool_ready_pods"]] == [1.0]
-    assert (
-        sum(s.value for s in families["inference_objective_request"] if s.name.endswith("_total"))
-        == 3.0
-    )
+    assert sum(
+        s.value for s in families["inference_objective_request"] if s.name.endswith("_total")
+    ) == 3.0
 
 
 async def test_debug_log_line_has_per_scorer_scores(epp_factory, channel_for, caplog) -> None:

@@ -171,9 +171,8 @@ def _fill(
     def delta(name: str) -> list[float]:
         return [a[name] - b[name] for a, b in zip(after, before, strict=True)]
 
-    hits, queries = (
-        sum(delta("vllm:prefix_cache_hits_total")),
-        sum(delta("vllm:prefix_cache_queries_total")),
+    hits, queries = sum(delta("vllm:prefix_cache_hits_total")), sum(
+        delta("vllm:prefix_cache_queries_total")
     )
     result.prefix_hit_rate = hits / queries if queries else 0.0
     served = delta("vllm:request_success_total")
