@@ -50,7 +50,8 @@ def test_dead_engine_is_reported_and_restarted_while_the_stack_serves(tmp_path: 
         assert stack.engines[0] is not victim
         # The rest keeps serving meanwhile, and the restarted engine comes back.
         assert _completion(stack).status_code == 200
-        assert stack.epp is not None and stack.epp.alive() and stack.envoy.alive()
+        assert stack.epp is not None and stack.envoy is not None
+        assert stack.epp.alive() and stack.envoy.alive()
         port = spec.resolved_engine_ports()[0]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
