@@ -74,6 +74,19 @@ def epp(
     max_request_body_bytes: int = typer.Option(
         8 << 20, "--max-request-body-bytes", help="Larger request bodies get 413."
     ),
+    max_buffered_bytes: int = typer.Option(
+        128 << 20,
+        "--max-buffered-bytes",
+        help="Request bodies buffered across all requests in flight; beyond it 503.",
+    ),
+    max_streams: int = typer.Option(
+        10_000, "--max-streams", help="Concurrent ext-proc streams; beyond it 503."
+    ),
+    body_timeout: str = typer.Option(
+        "20s",
+        "--body-timeout",
+        help="A request body must arrive within this (after its headers), else 408; 0 = none.",
+    ),
     scores_header: bool = typer.Option(
         False,
         "--scores-header",
@@ -146,6 +159,13 @@ def epp(
             metrics_staleness_threshold=staleness,
             metrics_timeout=scrape_timeout,
             max_request_body_bytes=max_request_body_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            max_streams=max_streams,
+            body_timeout_s=(
+                None
+                if body_timeout.strip() in ("0", "0s")
+                else parse_duration(body_timeout, "--body-timeout")
+            ),
             scores_header=scores_header,
             secure_serving=secure_serving,
             cert_path=cert_path,
