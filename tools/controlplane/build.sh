@@ -32,6 +32,7 @@ mkdir -p "$out"
 targets=(
   "kubernetes:k8s.io/kubernetes/cmd/kube-apiserver:kube-apiserver"
   "kubernetes:k8s.io/kubernetes/cmd/kube-controller-manager:kube-controller-manager"
+  "kubernetes:k8s.io/kubernetes/cmd/kube-scheduler:kube-scheduler"
   "kubernetes:k8s.io/kubernetes/cmd/kubectl:kubectl"
   "etcd:go.etcd.io/etcd/server/v3:etcd"
   "kwok:sigs.k8s.io/kwok/cmd/kwok:kwok"
