@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-all lint typecheck bench conformance conformance-local clean
+.PHONY: help install controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -19,11 +19,17 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from source (needs Go)
+	tools/controlplane/build.sh
+
 demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
 	$(BIN)/infergate up
 
-test: install ## Run the test suite (gpu/cluster tests skip themselves without hardware)
-	$(BIN)/pytest $(PYTEST_ARGS)
+test: install controlplane ## Run the test suite, the cluster tier included (gpu tests skip themselves without a GPU)
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest $(PYTEST_ARGS)
+
+test-cluster: install controlplane ## Only the cluster tier (the local control plane, or INFERGATE_TEST_KUBECONFIG)
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
 lint: install typecheck ## ruff + mypy
 	$(BIN)/ruff check .

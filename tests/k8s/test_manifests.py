@@ -45,7 +45,11 @@ def test_operator_install_matches_the_chart() -> None:
     assert binding["subjects"][0]["namespace"] == "infergate-system"
     helm = pytest.importorskip("helm_python")
     rendered = helm.Chart.load(str(ROOT / "charts/infergate")).render({}, name="ig", namespace="ig")
-    (chart_role,) = documents(rendered["infergate/templates/clusterrole.yaml"])[:1]
+    (chart_role,) = [
+        o
+        for o in documents(rendered["infergate/templates/rbac.yaml"])
+        if o["kind"] == "ClusterRole"
+    ]
     (role,) = [o for o in objs if o["kind"] == "ClusterRole"]
     assert role["rules"] == chart_role["rules"]
 

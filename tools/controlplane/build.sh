@@ -17,9 +17,10 @@ if ! command -v go >/dev/null 2>&1; then
 fi
 
 # The version that keys the cache: k8s.io/kubernetes' pinned version, plus a short hash of
-# every go.mod/go.sum here, so changing any pin rebuilds into a new folder.
+# every go.mod/go.sum here and of this script, so changing any pin or flag rebuilds into a
+# new folder.
 k8s_version="$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$here/kubernetes/go.mod")"
-pins_hash="$(cat "$here"/*/go.mod "$here"/*/go.sum | sha256sum | cut -c1-10)"
+pins_hash="$(cat "$here"/*/go.mod "$here"/*/go.sum "$here/build.sh" | sha256sum | cut -c1-10)"
 cache_root="${INFERGATE_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/infergate/bin}"
 out="$cache_root/$k8s_version-$pins_hash"
 
@@ -41,12 +42,22 @@ targets=(
 # Two cores are the machine's size: keep the build from starving everything else.
 export GOFLAGS="${GOFLAGS:--p=2} -mod=readonly -trimpath"
 export CGO_ENABLED=0
+# What upstream's release build stamps in with -X: without it the binaries say
+# v0.0.0-master and helm refuses charts with a kubeVersion constraint.
+minor="${k8s_version#v1.}"; minor="${minor%%.*}"
+k8s_stamp="-X k8s.io/component-base/version.gitVersion=$k8s_version"
+k8s_stamp+=" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
+k8s_stamp+=" -X k8s.io/component-base/version.gitTreeState=clean"
+k8s_stamp+=" -X k8s.io/client-go/pkg/version.gitVersion=$k8s_version"
+k8s_stamp+=" -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor"
 for t in "${targets[@]}"; do
   IFS=: read -r mod pkg name <<<"$t"
   if [[ -x "$out/$name" ]]; then continue; fi
+  ldflags="-s -w"
+  if [[ "$mod" == "kubernetes" ]]; then ldflags+=" $k8s_stamp"; fi
   echo "building $name ($pkg) into $out" >&2
   start=$(date +%s)
-  if ! (cd "$here/$mod" && nice -n 19 go build -ldflags="-s -w" -o "$out/$name.tmp" "$pkg"); then
+  if ! (cd "$here/$mod" && nice -n 19 go build -ldflags="$ldflags" -o "$out/$name.tmp" "$pkg"); then
     rm -f "$out/$name.tmp"
     echo "tools/controlplane/build.sh: building $name failed (see the go output above)" >&2
     exit 1
