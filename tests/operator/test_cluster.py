@@ -1,13 +1,15 @@
-"""The operator flow against a real cluster (KUBECONFIG); skipped without one.
+"""The operator against a real API server, with the chart's ServiceAccount token.
 
-Needs cluster-admin for the CRDs. Runs the operator from this checkout as a local
-process scoped to a fresh namespace, so nothing needs to be built or pushed.
+The chart is installed with the real ``helm`` (scoped to one namespace), then the operator
+runs from this checkout as a local process whose only credential is a TokenRequest token
+for the chart's ServiceAccount: the chart's RBAC is exactly what the API server enforces.
+The real garbage collector removes what the pool owned when the pool goes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import json
 import os
 import time
 import uuid
@@ -18,83 +20,174 @@ from typing import Any
 import pytest
 import yaml
 
-from infergate.operator.kube import Kube, KubeError
-from infergate.procs import ProcessGroup, free_port, http_ready
+from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
+from infergate.testing.controlplane import Cluster
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
+RELEASE = "ig"
+SA = f"{RELEASE}-infergate"
+OWNED = ("deployment", "service", "configmap", "serviceaccount", "role", "rolebinding")
 
 
-def wait(probe: Callable[[], Any], timeout: float = 120.0, what: str = "condition") -> Any:
+def wait_for(probe: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:
+    """Poll ``probe`` until truthy; the deadline only bounds a hang."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = probe()
         if value:
             return value
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
 
 
 @pytest.fixture
-def kube() -> Kube:
-    return Kube()
-
-
-@pytest.fixture
-def namespace(kube: Kube) -> Iterator[str]:
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        if doc.get("kind") == "CustomResourceDefinition":
-            kube.call(
-                "PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{doc['metadata']['name']}",
-                query=[("fieldManager", "infergate-tests"), ("force", "true")],
-                body=doc, content_type="application/apply-patch+yaml",
-            )  # fmt: skip
-    name = f"infergate-test-{uuid.uuid4().hex[:6]}"
-    kube.call(
-        "POST",
-        "/api/v1/namespaces",
-        body={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-    )
-    try:
-        yield name
-    finally:
-        with contextlib.suppress(KubeError):
-            kube.call("DELETE", f"/api/v1/namespaces/{name}")
-
-
-def test_operator_on_a_real_cluster(
-    kube: Kube, namespace: str, processes: ProcessGroup, infergate_cli: list[str]
-) -> None:
-    port = free_port()
-    processes.start(
-        "operator",
-        [*infergate_cli, "operator", "--standalone", f"--namespace={namespace}",
-         f"--liveness=http://127.0.0.1:{port}/healthz"],
-        ready=http_ready(f"http://127.0.0.1:{port}/healthz"), timeout=120, env=dict(os.environ),
+def installed(cluster: Cluster) -> Iterator[tuple[str, Path]]:
+    """The chart in a fresh namespace, watching only it; yields (namespace, SA kubeconfig)."""
+    namespace = f"ig-op-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.helm(
+        "install", RELEASE, str(ROOT / "charts" / "infergate"), "-n", namespace,
+        "--set", f"operator.watchNamespaces={{{namespace}}}",
     )  # fmt: skip
+    try:
+        yield namespace, cluster.service_account_kubeconfig(namespace, SA)
+    finally:
+        cluster.helm("uninstall", RELEASE, "-n", namespace, check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def start_operator(
+    processes: ProcessGroup, cli: list[str], kubeconfig: Path, namespace: str, name: str
+) -> ManagedProcess:
+    port = free_port()
+    env = dict(
+        os.environ,
+        KUBECONFIG=str(kubeconfig),
+        INFERGATE_RESYNC_SECONDS="2",
+        INFERGATE_EPP_IMAGE="registry.example/infergate-epp:test",
+    )
+    return processes.start(
+        name,
+        [*cli, "operator", f"--namespace={namespace}", "--peering=infergate",
+         f"--liveness=http://127.0.0.1:{port}/healthz"],
+        ready=http_ready(f"http://127.0.0.1:{port}/healthz"), timeout=120, env=env,
+    )  # fmt: skip
+
+
+def _conditions(cluster: Cluster, namespace: str) -> dict[str, str]:
+    pool = cluster.get("inferencepool", "qwen-pool", namespace) or {}
+    for parent in (pool.get("status") or {}).get("parents") or []:
+        return {c["type"]: c["status"] for c in parent.get("conditions") or []}
+    return {}
+
+
+def test_operator_reconciles_a_pool_with_the_charts_rbac(
+    cluster: Cluster,
+    installed: tuple[str, Path],
+    processes: ProcessGroup,
+    infergate_cli: list[str],
+) -> None:
+    namespace, sa_kubeconfig = installed
+    # Two replicas with kopf peering: one reconciles, the other stands by; no fight.
+    start_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-a")
+    start_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-b")
+
     pool = copy.deepcopy(
         yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
     )
     pool["metadata"]["namespace"] = namespace
-    kube.apply(pool)
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
 
-    deployment = wait(
-        lambda: kube.get("Deployment", namespace, "qwen-pool-epp"), what="EPP Deployment"
+    for kind in OWNED:
+        obj = wait_for(
+            lambda kind=kind: cluster.get(kind, "qwen-pool-epp", namespace), f"the EPP {kind}"
+        )
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner["kind"] == "InferencePool" and owner["name"] == "qwen-pool"
+    wait_for(
+        lambda: (
+            _conditions(cluster, namespace).get("Accepted") == "True"
+            and _conditions(cluster, namespace).get("ResolvedRefs") == "True"
+        ),
+        "Accepted and ResolvedRefs",
     )
-    assert deployment["metadata"]["ownerReferences"][0]["kind"] == "InferencePool"
+    # The EPP Deployment's pods are made by the real controllers and run under kwok.
+    wait_for(
+        lambda: (cluster.get("deployment", "qwen-pool-epp", namespace) or {})
+        .get("status", {}).get("readyReplicas"),
+        "the EPP Deployment's pod to be Ready",
+    )  # fmt: skip
 
-    def accepted() -> bool:
-        body = kube.get("InferencePool", namespace, "qwen-pool") or {}
-        for parent in (body.get("status") or {}).get("parents") or []:
-            conds = {c["type"]: c["status"] for c in parent.get("conditions") or []}
-            if conds.get("Accepted") == "True" and conds.get("ResolvedRefs") == "True":
-                return True
-        return False
+    # A change to the pool is patched into what it owns.
+    cluster.kubectl(
+        "annotate", "inferencepool", "qwen-pool", "-n", namespace,
+        "infergate.io/epp-replicas=2",
+    )  # fmt: skip
+    wait_for(
+        lambda: (cluster.get("deployment", "qwen-pool-epp", namespace) or {})
+        .get("spec", {}).get("replicas") == 2,
+        "the EPP Deployment to scale to 2",
+    )  # fmt: skip
 
-    wait(accepted, what="Accepted and ResolvedRefs")
-    kube.delete("InferencePool", namespace, "qwen-pool")
-    wait(
-        lambda: kube.get("Deployment", namespace, "qwen-pool-epp") is None,
-        what="garbage collection",
-    )
+    # Deleting the pool: the real garbage collector removes everything it owned.
+    cluster.kubectl("delete", "inferencepool", "qwen-pool", "-n", namespace)
+    for kind in OWNED:
+        wait_for(
+            lambda kind=kind: cluster.get(kind, "qwen-pool-epp", namespace) is None,
+            f"garbage collection of the {kind}",
+        )
+    for process in processes:
+        assert process.alive, f"{process.name} exited:\n{process.log_tail()}"
+    # Peering: exactly one replica did the work, the other stood by.
+    active = [
+        p.name
+        for p in processes
+        if p.log_path is not None and '"message": "reconciled ' in p.log_path.read_text()
+    ]
+    assert len(active) == 1, active
+
+
+def test_what_the_operator_may_not_do_is_refused(
+    cluster: Cluster, installed: tuple[str, Path]
+) -> None:
+    namespace, sa_kubeconfig = installed
+    # What it needs, in its namespace.
+    assert cluster.can_i(sa_kubeconfig, "patch", "deployments", "-n", namespace)
+    assert cluster.can_i(sa_kubeconfig, "list", "pods", "-n", namespace)
+    # Never Secrets, never Pods, never another namespace, never anything cluster-wide.
+    assert not cluster.can_i(sa_kubeconfig, "get", "secrets", "-n", namespace)
+    assert not cluster.can_i(sa_kubeconfig, "create", "pods", "-n", namespace)
+    assert not cluster.can_i(sa_kubeconfig, "create", "deployments", "-n", "default")
+    assert not cluster.can_i(sa_kubeconfig, "list", "inferencepools", "-A")
+    assert not cluster.can_i(sa_kubeconfig, "create", "clusterrolebindings")
+    # And the API server refuses the calls themselves, not just the review.
+    result = cluster.kubectl("get", "secrets", "-n", namespace, kubeconfig=sa_kubeconfig,
+                             check=False)  # fmt: skip
+    assert result.returncode != 0 and "Forbidden" in result.stderr
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "escape", "namespace": "default"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "escape"}},
+            "template": {
+                "metadata": {"labels": {"app": "escape"}},
+                "spec": {"containers": [{"name": "c", "image": "registry.example/x"}]},
+            },
+        },
+    }
+    result = cluster.kubectl("apply", "-f", "-", kubeconfig=sa_kubeconfig, check=False,
+                             stdin=json.dumps(deployment))  # fmt: skip
+    assert result.returncode != 0 and "Forbidden" in result.stderr
+    # RBAC escalation prevention: it cannot grant itself more than it holds.
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "escalate", "namespace": namespace},
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
+    }
+    result = cluster.kubectl("apply", "-f", "-", kubeconfig=sa_kubeconfig, check=False,
+                             stdin=json.dumps(role))  # fmt: skip
+    assert result.returncode != 0 and "forbidden" in result.stderr.lower()
