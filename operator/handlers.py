@@ -90,6 +90,16 @@ def rewrites_by_pool(
     return _policy_index(body, namespace, name, spec)
 
 
+def _index(kwargs: dict[str, Any], name: str) -> kopf.Index[Any, Any]:
+    """One of this module's kopf indexes, as kopf passes it to every handler."""
+    index: kopf.Index[Any, Any] = kwargs[name]
+    return index
+
+
+def _policy_indexes(kwargs: dict[str, Any]) -> tuple[kopf.Index[Any, Any], ...]:
+    return _index(kwargs, "objectives_by_pool"), _index(kwargs, "rewrites_by_pool")
+
+
 # -- reconciling -------------------------------------------------------------------------
 
 
@@ -152,10 +162,7 @@ async def _policies_of(
 async def configure(
     settings: kopf.OperatorSettings,
     memo: kopf.Memo,
-    pool_refs: kopf.Index[Any, Any],
-    objectives_by_pool: kopf.Index[Any, Any],
-    rewrites_by_pool: kopf.Index[Any, Any],
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     # Only our own, explicit Events (no log-line-per-event bridge) and no kopf state
     # on the pools: the operator's writes stay exactly what it decides to write.
@@ -170,7 +177,7 @@ async def configure(
     shared = _Shared(kube=Kube(), settings=OperatorSettings.from_env())
     memo["infergate"] = shared
     shared.resync = asyncio.create_task(
-        _resync_forever(shared, pool_refs, objectives_by_pool, rewrites_by_pool)
+        _resync_forever(shared, _index(kwargs, "pool_refs"), *_policy_indexes(kwargs))
     )
 
 
@@ -189,19 +196,17 @@ async def pool_event(
     namespace: str | None,
     name: str,
     memo: kopf.Memo,
-    objectives_by_pool: kopf.Index[Any, Any],
-    rewrites_by_pool: kopf.Index[Any, Any],
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     shared = _shared(memo)
     key = (namespace or "default", name)
     if event.get("type") == "DELETED":
         shared.locks.pop(key, None)
-        await _policies_of(shared, *key, objectives_by_pool, rewrites_by_pool)
+        await _policies_of(shared, *key, *_policy_indexes(kwargs))
         return  # garbage collection removes the owned objects
     await reconcile_pool(shared, namespace, name, f"pool {event.get('type') or 'listed'}")
     if event.get("type") == "ADDED" or event.get("type") is None:
-        await _policies_of(shared, *key, objectives_by_pool, rewrites_by_pool)
+        await _policies_of(shared, *key, *_policy_indexes(kwargs))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={c.LABEL_MANAGED_BY: "infergate-operator"})
@@ -210,11 +215,10 @@ async def owned_deployment_event(
     namespace: str | None,
     labels: kopf.Labels,
     memo: kopf.Memo,
-    pool_refs: kopf.Index[Any, Any],
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     pool = labels.get(c.LABEL_POOL)
-    if pool and (namespace, pool) in pool_refs:
+    if pool and (namespace, pool) in _index(kwargs, "pool_refs"):
         await reconcile_pool(_shared(memo), namespace, pool, f"deployment {event.get('type')}")
 
 
@@ -224,11 +228,10 @@ async def service_event(
     namespace: str | None,
     name: str,
     memo: kopf.Memo,
-    pool_refs: kopf.Index[Any, Any],
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     """Our Service changed, or a Service a pool refers to came or went (own picker)."""
-    for (pool_ns, pool_name), refs in list(pool_refs.items()):
+    for (pool_ns, pool_name), refs in list(_index(kwargs, "pool_refs").items()):
         if pool_ns == namespace and any(r.picker == name for r in refs):
             await reconcile_pool(
                 _shared(memo), namespace, pool_name, f"service {event.get('type')}"
@@ -241,11 +244,10 @@ async def pod_event(
     namespace: str | None,
     labels: kopf.Labels,
     memo: kopf.Memo,
-    pool_refs: kopf.Index[Any, Any],
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     """A model-server pod changed: pools whose selector matches it update their counts."""
-    for (pool_ns, pool_name), refs in list(pool_refs.items()):
+    for (pool_ns, pool_name), refs in list(_index(kwargs, "pool_refs").items()):
         if pool_ns != namespace:
             continue
         for ref in refs:

@@ -9,11 +9,11 @@ The real garbage collector removes what the pool owned when the pool goes.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,23 +42,7 @@ def wait_for(probe: Callable[[], Any], what: str, timeout: float = 90.0) -> Any:
         time.sleep(0.5)
 
 
-@pytest.fixture
-def installed(cluster: Cluster) -> Iterator[tuple[str, Path]]:
-    """The chart in a fresh namespace, watching only it; yields (namespace, SA kubeconfig)."""
-    namespace = f"ig-op-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", namespace)
-    cluster.helm(
-        "install", RELEASE, str(ROOT / "charts" / "infergate"), "-n", namespace,
-        "--set", f"operator.watchNamespaces={{{namespace}}}",
-    )  # fmt: skip
-    try:
-        yield namespace, cluster.service_account_kubeconfig(namespace, SA)
-    finally:
-        cluster.helm("uninstall", RELEASE, "-n", namespace, check=False)
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-
-
-def start_operator(
+def run_operator(
     processes: ProcessGroup, cli: list[str], kubeconfig: Path, namespace: str, name: str
 ) -> ManagedProcess:
     port = free_port()
@@ -76,6 +60,10 @@ def start_operator(
     )  # fmt: skip
 
 
+def _gone(cluster: Cluster, kind: str, name: str, namespace: str) -> bool:
+    return cluster.get(kind, name, namespace) is None
+
+
 def _conditions(cluster: Cluster, namespace: str) -> dict[str, str]:
     pool = cluster.get("inferencepool", "qwen-pool", namespace) or {}
     for parent in (pool.get("status") or {}).get("parents") or []:
@@ -91,8 +79,8 @@ def test_operator_reconciles_a_pool_with_the_charts_rbac(
 ) -> None:
     namespace, sa_kubeconfig = installed
     # Two replicas with kopf peering: one reconciles, the other stands by; no fight.
-    start_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-a")
-    start_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-b")
+    run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-a")
+    run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-b")
 
     pool = copy.deepcopy(
         yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
@@ -102,7 +90,7 @@ def test_operator_reconciles_a_pool_with_the_charts_rbac(
 
     for kind in OWNED:
         obj = wait_for(
-            lambda kind=kind: cluster.get(kind, "qwen-pool-epp", namespace), f"the EPP {kind}"
+            functools.partial(cluster.get, kind, "qwen-pool-epp", namespace), f"the EPP {kind}"
         )
         (owner,) = obj["metadata"]["ownerReferences"]
         assert owner["kind"] == "InferencePool" and owner["name"] == "qwen-pool"
@@ -135,11 +123,11 @@ def test_operator_reconciles_a_pool_with_the_charts_rbac(
     cluster.kubectl("delete", "inferencepool", "qwen-pool", "-n", namespace)
     for kind in OWNED:
         wait_for(
-            lambda kind=kind: cluster.get(kind, "qwen-pool-epp", namespace) is None,
+            functools.partial(_gone, cluster, kind, "qwen-pool-epp", namespace),
             f"garbage collection of the {kind}",
         )
     for process in processes:
-        assert process.alive, f"{process.name} exited:\n{process.log_tail()}"
+        assert process.alive(), f"{process.name} exited:\n{process.log_tail()}"
     # Peering: exactly one replica did the work, the other stood by.
     active = [
         p.name
