@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local clean
+.PHONY: help install controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -57,6 +57,11 @@ conformance: install ## The InferencePool conformance suite on a kind cluster (n
 conformance-local: install ## The conformance suite against the local stack; writes conformance/reports/local/
 	$(BIN)/pytest -m conformance conformance -p no:cacheprovider \
 		--conformance-report=conformance/reports/local/infergate-local-gateway-report.yaml
+
+conformance-controlplane: install controlplane ## The conformance suite over the real control plane; writes conformance/reports/controlplane/
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \
+		-p no:cacheprovider --conformance-driver=controlplane \
+		--conformance-report=conformance/reports/controlplane/infergate-controlplane-gateway-report.yaml
 
 clean: ## Remove the venv, caches and build outputs
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -12,8 +12,9 @@ What runs, each as its own process bound to 127.0.0.1 on free ports:
 - ``kube-scheduler`` (binds pods to the fake node);
 - ``kwok``, KWOK's fake-kubelet controller, driving one Node (``kwok-node-0``): the node
   becomes Ready, scheduled pods become Running and Ready with an IP from the node's pod
-  CIDR, which is ``127.1.0.0/16`` - every such address is loopback on Linux, so a test can
-  back a pod with a real process bound to the pod's IP.
+  CIDR, a random ``127.X.Y.0/24`` (so control planes side by side do not share pod IPs) -
+  every such address is loopback on Linux, so a test can back a pod with a real process
+  bound to the pod's IP.
 
 What it does not emulate: a container runtime (no image is pulled, no container runs:
 a pod is Running because kwok says so), kube-proxy and cluster networking (Service
@@ -55,7 +56,11 @@ BINARIES = (
     "helm",
 )
 NODE_NAME = "kwok-node-0"
-POD_CIDR = "127.1.0.0/16"
+
+
+def random_pod_cidr() -> str:
+    """A ``127.X.Y.0/24`` no other control plane on this machine is likely to use."""
+    return f"127.{secrets.randbelow(99) + 1}.{secrets.randbelow(250) + 1}.0/24"
 
 # KWOK stages, written for this harness: the node is Ready; a scheduled pod is Running and
 # Ready with an IP from the node's pod CIDR; a pod being deleted goes away.
@@ -209,6 +214,7 @@ class ControlPlane:
     admin_token: str = ""
     admin_kubeconfig: Path = Path()
     ca_file: Path = Path()
+    pod_cidr: str = field(default_factory=random_pod_cidr)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -321,7 +327,7 @@ class ControlPlane:
             [
                 str(b / "kwok"), f"--kubeconfig={kc}", f"--config={stages}",
                 "--manage-all-nodes=true", f"--server-address=127.0.0.1:{free_port()}",
-                f"--cidr={POD_CIDR}", "--node-ip=127.0.0.1",
+                f"--cidr={self.pod_cidr}", "--node-ip=127.0.0.1",
                 # kwok renews the node's Lease: the node-lifecycle controller's heartbeat.
                 "--node-lease-duration-seconds=40",
             ],
@@ -337,7 +343,7 @@ class ControlPlane:
                     "labels": {"kubernetes.io/hostname": NODE_NAME, "type": "kwok"},
                     "annotations": {"kwok.x-k8s.io/node": "fake"},
                 },
-                "spec": {"podCIDR": POD_CIDR, "podCIDRs": [POD_CIDR]},
+                "spec": {"podCIDR": self.pod_cidr, "podCIDRs": [self.pod_cidr]},
             },
         )
         deadline = time.monotonic() + timeout

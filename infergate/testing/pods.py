@@ -1,6 +1,6 @@
 """Back a kwok pod with a real process: the test harness's stand-in for a container runtime.
 
-kwok makes a pod Running with an IP in 127.1.0.0/16; when a test needs that pod to serve
+kwok makes a pod Running with an IP in the control plane's 127.X.Y.0/24; when a test needs that pod to serve
 traffic, :func:`pod_argv` turns the pod's own container into a local command line:
 
 - the container's ``command``/``args`` run with this checkout's ``infergate`` as the

@@ -1,7 +1,7 @@
 """The EPP in pool mode on a real API server, with its own ServiceAccount token.
 
 The operator (chart's token) deploys a standalone-Envoy EPP for a pool; kwok runs the EPP
-pod and two engine pods with 127.1.x.x IPs, and the harness (``infergate.testing.pods``)
+pod and two engine pods with loopback (127.X.Y.Z) IPs, and the harness (``infergate.testing.pods``)
 backs each with the real process its container describes, bound to the pod's IP: the
 simulated engine, the EPP (whose only credential is a TokenRequest token for the
 ServiceAccount the operator made for it) and the real Envoy with the operator's
