@@ -140,9 +140,13 @@ def binaries_dir() -> Path:
     override = os.environ.get("INFERGATE_CONTROLPLANE_BIN")
     if override:
         return Path(override)
-    out = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True, check=False
-    )
+    try:
+        out = subprocess.run(
+            ["bash", str(BUILD_SCRIPT), "--print-dir"], capture_output=True, text=True,
+            check=False,
+        )  # fmt: skip
+    except OSError as error:  # no bash on PATH
+        raise ControlPlaneError(f"cannot run {BUILD_SCRIPT}: {error}") from error
     if out.returncode != 0:
         raise ControlPlaneError(out.stderr.strip() or "tools/controlplane/build.sh failed")
     return Path(out.stdout.strip().splitlines()[-1])

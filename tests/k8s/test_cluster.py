@@ -120,6 +120,10 @@ def test_kubectl_apply_of_every_manifest(cluster: Cluster) -> None:
     assert deployment is not None
     namespace = f"ig-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl(
+        "create", "secret", "generic", "tiny-engine-api-key", "-n", namespace,
+        "--from-literal=api-key=not-a-real-key",
+    )  # fmt: skip
     try:
         for folder in ("samples", "standalone-envoy"):
             rendered = cluster.kubectl("kustomize", str(ROOT / "manifests" / folder)).stdout
@@ -129,11 +133,20 @@ def test_kubectl_apply_of_every_manifest(cluster: Cluster) -> None:
         pool = cluster.get("inferencepool", "tiny", namespace)
         assert pool is not None
         assert pool["metadata"]["annotations"]["infergate.io/standalone-envoy"] == "true"
-        assert cluster.get("deployment", "tiny-engine", namespace) is not None
+        # The engine's --api-key comes from that Secret, never from the manifest.
+        engine = cluster.get("deployment", "tiny-engine", namespace)
+        assert engine is not None
+        (container,) = engine["spec"]["template"]["spec"]["containers"]
+        (key,) = [e for e in container["env"] if e["name"] == "INFERGATE_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == {"name": "tiny-engine-api-key", "key": "api-key"}
+        assert not any("--api-key" in a for a in container["args"])
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-        cluster.kubectl("delete", "-k", str(ROOT / "manifests" / "operator"),
-                        "--ignore-not-found", "--wait=false", check=False)  # fmt: skip
+        # Everything but the CRDs, which the other tests of the session share.
+        rendered = cluster.kubectl("kustomize", str(ROOT / "manifests" / "operator")).stdout
+        kept = [d for d in rendered.split("\n---\n") if "kind: CustomResourceDefinition" not in d]
+        cluster.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                        stdin="\n---\n".join(kept), check=False)  # fmt: skip
 
 
 def _expectation(path: Path) -> str:
