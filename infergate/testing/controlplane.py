@@ -130,6 +130,35 @@ spec:
 """
 
 
+_AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    verbs: [create, update, patch, delete, deletecollection]
+  - level: None
+"""
+
+
+def audit_writes(audit_log: Path, user: str) -> list[str]:
+    """``VERB /path`` of each write ``user`` made that the API server completed, in order."""
+    writes = []
+    if not audit_log.exists():
+        return writes
+    for line in audit_log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("stage") != "ResponseComplete":
+            continue
+        if (event.get("user") or {}).get("username") != user:
+            continue
+        writes.append(f"{event.get('verb')} {event.get('requestURI', '').split('?')[0]}")
+    return writes
+
+
 class ControlPlaneError(RuntimeError):
     """The control plane could not be built or started; the message says why."""
 
@@ -219,6 +248,7 @@ class ControlPlane:
     admin_kubeconfig: Path = Path()
     ca_file: Path = Path()
     pod_cidr: str = field(default_factory=random_pod_cidr)
+    audit_log: Path | None = None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -268,6 +298,10 @@ class ControlPlane:
         tokens = wd / "tokens.csv"
         tokens.write_text(f'{self.admin_token},infergate-admin,infergate-admin,"system:masters"\n')
         tokens.chmod(0o600)
+        # Every write, at Metadata level: tests read it to see who changed what.
+        audit_policy = wd / "audit-policy.yaml"
+        audit_policy.write_text(_AUDIT_POLICY)
+        self.audit_log = wd / "audit.log"
         cert_dir = wd / "apiserver-certs"
         self.server = f"https://127.0.0.1:{api_port}"
         self.processes.start(
@@ -287,6 +321,8 @@ class ControlPlane:
                 # The kubernetes Service cannot point at a loopback address: no endpoints.
                 "--endpoint-reconciler-type=none",
                 "--enable-priority-and-fairness=false",
+                f"--audit-policy-file={audit_policy}", f"--audit-log-path={self.audit_log}",
+                "--audit-log-mode=blocking",
                 "--v=0",
             ],
             ready=lambda: self._api_ready(cert_dir),
@@ -457,6 +493,8 @@ class Cluster:
     bin_dir: Path
     workdir: Path
     local: bool = True
+    #: The API server's audit log of writes (the local control plane only).
+    audit_log: Path | None = None
 
     def tool(self, name: str) -> str:
         """Path of ``kubectl`` or ``helm``: the built one, else the one on PATH."""

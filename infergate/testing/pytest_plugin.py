@@ -121,7 +121,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     except ControlPlaneError as error:
         pytest.fail(str(error))
     try:
-        yield Cluster(kubeconfig=plane.admin_kubeconfig, bin_dir=bin_dir, workdir=workdir)
+        yield Cluster(
+            kubeconfig=plane.admin_kubeconfig, bin_dir=bin_dir, workdir=workdir,
+            audit_log=plane.audit_log,
+        )  # fmt: skip
     finally:
         plane.stop()
 

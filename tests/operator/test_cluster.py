@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
-from infergate.testing.controlplane import Cluster
+from infergate.testing.controlplane import Cluster, audit_writes
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,3 +179,53 @@ def test_what_the_operator_may_not_do_is_refused(
     result = cluster.kubectl("apply", "-f", "-", kubeconfig=sa_kubeconfig, check=False,
                              stdin=json.dumps(role))  # fmt: skip
     assert result.returncode != 0 and "forbidden" in result.stderr.lower()
+
+
+def test_resync_and_restart_write_nothing_new(
+    cluster: Cluster,
+    installed: tuple[str, Path],
+    processes: ProcessGroup,
+    infergate_cli: list[str],
+) -> None:
+    """Once a pool has settled, resyncs and a restarted operator leave the real API
+    server's state alone: its audit log shows no write from the operator's account
+    (kopf's own peering heartbeats aside)."""
+    if cluster.audit_log is None:
+        pytest.skip("needs the local control plane's audit log")
+    namespace, sa_kubeconfig = installed
+    user = f"system:serviceaccount:{namespace}:ig-infergate"
+    operator = run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator")
+    pool = copy.deepcopy(
+        yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
+    )
+    pool["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    wait_for(
+        lambda: _conditions(cluster, namespace).get("Accepted") == "True"
+        and (cluster.get("deployment", "qwen-pool-epp", namespace) or {})
+        .get("status", {}).get("availableReplicas"),
+        "the pool to be accepted and its EPP available",
+    )  # fmt: skip
+
+    def operator_writes() -> list[str]:
+        assert cluster.audit_log is not None
+        return [w for w in audit_writes(cluster.audit_log, user) if "kopfpeerings" not in w]
+
+    # Settled: the writes stop (the EPP's availability lands in the status once).
+    def settled() -> list[str] | None:
+        before = operator_writes()
+        time.sleep(5)  # more than two resyncs (INFERGATE_RESYNC_SECONDS=2)
+        return before if operator_writes() == before else None
+
+    baseline = wait_for(settled, "the operator to stop writing", timeout=120)
+    assert any(w.startswith("patch ") and "/deployments/" in w for w in baseline)
+
+    # Steady state: more resyncs, not one write.
+    time.sleep(5)
+    assert operator_writes()[len(baseline) :] == []
+
+    # Restart: the new process lists everything, compares, and writes nothing.
+    operator.stop()
+    run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-restarted")
+    time.sleep(5)
+    assert operator_writes()[len(baseline) :] == []
