@@ -24,6 +24,7 @@ for a Gateway; there is no Gateway API implementation (HTTPRoute status tests sk
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,7 +76,7 @@ class ControlPlaneDriver(LocalDriver):
         for pool in topo.pools().values():
             if pool.app not in by_app:
                 by_app[pool.app] = wait_for(
-                    lambda pool=pool: self._running_pods(kube, pool),
+                    functools.partial(self._running_pods, kube, pool),
                     timeout=self.settle_timeout, what=f"{pool.replicas} pods of {pool.app}",
                 )  # fmt: skip
             self._pods[pool.name] = by_app[pool.app]

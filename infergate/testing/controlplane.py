@@ -143,7 +143,7 @@ rules:
 
 def audit_writes(audit_log: Path, user: str) -> list[str]:
     """``VERB /path`` of each write ``user`` made that the API server completed, in order."""
-    writes = []
+    writes: list[str] = []
     if not audit_log.exists():
         return writes
     for line in audit_log.read_text().splitlines():
