@@ -14,7 +14,8 @@ install: $(VENV)/.installed ## Create .venv with torch (CPU) and infergate[dev]
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
-	# torch first, pinned, so pip takes the local CPU build instead of GBs of CUDA wheels.
+	# torch first, pinned. pip takes a local CPU wheel if the machine's find-links has one;
+	# otherwise PyPI's build of 2.13.0, which bundles CUDA (~4 GB installed) and runs on CPU.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
