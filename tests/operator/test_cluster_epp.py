@@ -74,6 +74,21 @@ def _pods(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any
     ]
 
 
+def _health(target: str, service: str) -> str:
+    """``grpc.health.v1`` Check of ``service`` at ``target``: the status name or the error."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=2
+            )
+        except grpc.RpcError as error:
+            return str(error.code())
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
 def _ready_pods(metrics_url: str) -> float | None:
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as response:
@@ -153,6 +168,14 @@ def test_epp_discovers_pods_and_routes_through_envoy(
 
     metrics = f"http://{ip}:9090/metrics"
     wait_for(lambda: _ready_pods(metrics) == 2, "the EPP to see both engine pods")
+    # The gRPC health services its probes name answer what the probes expect.
+    liveness = epp["livenessProbe"]["grpc"]
+    readiness = epp["readinessProbe"]["grpc"]
+    assert _health(f"{ip}:{liveness['port']}", liveness["service"]) == "SERVING"
+    wait_for(
+        lambda: _health(f"{ip}:{readiness['port']}", readiness["service"]) == "SERVING",
+        "the EPP's readiness",
+    )
     with httpx.Client(base_url=f"http://{ip}:8081", timeout=60) as client:
         for _ in range(6):
             response = client.post(
@@ -188,6 +211,7 @@ def test_epp_discovers_pods_and_routes_through_envoy(
             "--type=strategic", "-p", json.dumps(status),
         )  # fmt: skip
         wait_for(lambda: _ready_pods(metrics) == 0, "the EPP to drop the NotReady pod")
+        assert _health(f"{ip}:{readiness['port']}", readiness["service"]) == "NOT_SERVING"
         response = client.post(
             "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}
         )

@@ -199,35 +199,6 @@ async def test_invalid_pools_get_a_false_condition_not_a_crash(
     assert operator.alive()
 
 
-async def test_restart_and_resync_write_nothing_new(
-    emulator: KubeEmulator, start_operator: Any, processes: Any
-) -> None:
-    operator = await start_operator(resync=0.5)
-    await emulator.create_object(pool())
-    await emulator.add_pod(NS, "engine-0", {"app": "qwen-engine"})
-    await wait_for(lambda: owned(emulator, "Deployment"), what="deployment")
-    await emulator.set_deployment_available(NS, EPP)
-    await wait_for(lambda: status_is(emulator, Ready="True/EndpointPickerAvailable"), what="ready")
-
-    # Steady state: several resyncs pass without a single write.
-    import asyncio
-
-    mark = len(emulator.write_requests())
-    await asyncio.sleep(2.0)
-    assert [str(r.url.path) for r in emulator.write_requests(mark)] == []
-
-    # Restart: the new process lists everything, compares, and writes nothing.
-    await asyncio.to_thread(operator.stop)
-    mark = len(emulator.write_requests())
-    reads_before = emulator.request_count
-    await start_operator(resync=0.5, name="operator-restarted")
-    await wait_for(
-        lambda: emulator.request_count > reads_before + 20, what="the new operator to read"
-    )
-    await asyncio.sleep(2.0)
-    assert [f"{r.method.value} {r.url.path}" for r in emulator.write_requests(mark)] == []
-
-
 async def test_a_service_the_user_owns_is_resolved_not_replaced(
     emulator: KubeEmulator, start_operator: Any
 ) -> None:
