@@ -234,3 +234,38 @@ def test_resync_and_restart_write_nothing_new(
     run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator-restarted")
     time.sleep(5)
     assert operator_writes()[len(baseline) :] == []
+
+
+def test_objectives_and_rewrites_follow_their_pool(
+    cluster: Cluster,
+    installed: tuple[str, Path],
+    processes: ProcessGroup,
+    infergate_cli: list[str],
+) -> None:
+    """The policy objects' status says whether the pool they name exists, through the
+    operator's kopf indexes, written with the chart's rights on the real API server."""
+    namespace, sa_kubeconfig = installed
+    run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator")
+    for path in ("inferenceobjective.yaml", "inferencemodelrewrite.yaml"):
+        body = yaml.safe_load((ROOT / "crds/examples/valid" / path).read_text())
+        body["metadata"]["namespace"] = namespace
+        cluster.kubectl("apply", "-f", "-", stdin=json.dumps(body))
+
+    def condition(kind: str, name: str, type_: str) -> str | None:
+        obj = cluster.get(kind, name, namespace) or {}
+        for cond in (obj.get("status") or {}).get("conditions") or []:
+            if cond["type"] == type_:
+                return f"{cond['status']}/{cond['reason']}"
+        return None
+
+    objective = ("inferenceobjective", "batch-jobs", "Ready")
+    rewrite = ("inferencemodelrewrite", "canary", "Accepted")
+    wait_for(lambda: condition(*objective) == "False/PoolNotFound", "objective PoolNotFound")
+    wait_for(lambda: condition(*rewrite) == "False/PoolNotFound", "rewrite PoolNotFound")
+    pool = yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
+    pool["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    wait_for(lambda: condition(*objective) == "True/Ready", "objective Ready")
+    wait_for(lambda: condition(*rewrite) == "True/Accepted", "rewrite Accepted")
+    cluster.kubectl("delete", "inferencepool", "qwen-pool", "-n", namespace)
+    wait_for(lambda: condition(*objective) == "False/PoolNotFound", "objective PoolNotFound again")

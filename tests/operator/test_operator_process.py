@@ -253,46 +253,6 @@ async def test_standalone_envoy_sidecar(emulator: KubeEmulator, start_operator: 
     )
 
 
-async def test_objectives_and_rewrites_report_whether_their_pool_exists(
-    emulator: KubeEmulator, start_operator: Any
-) -> None:
-    await start_operator()
-    for path in ("inferenceobjective.yaml", "inferencemodelrewrite.yaml"):
-        body = yaml.safe_load((ROOT / "crds/examples/valid" / path).read_text())
-        body["metadata"]["namespace"] = NS
-        await emulator.create_object(body)
-
-    def condition(kind: str, name: str, type_: str) -> str | None:
-        obj = emulator.get_object(kind, NS, name) or {}
-        for cond in (obj.get("status") or {}).get("conditions") or []:
-            if cond["type"] == type_:
-                return f"{cond['status']}/{cond['reason']}"
-        return None
-
-    await wait_for(
-        lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "False/PoolNotFound",
-        what="objective PoolNotFound",
-    )
-    await wait_for(
-        lambda: condition("InferenceModelRewrite", "canary", "Accepted") == "False/PoolNotFound",
-        what="rewrite PoolNotFound",
-    )
-    await emulator.create_object(pool())
-    await wait_for(
-        lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "True/Ready",
-        what="objective Ready",
-    )
-    await wait_for(
-        lambda: condition("InferenceModelRewrite", "canary", "Accepted") == "True/Accepted",
-        what="rewrite Accepted",
-    )
-    await emulator.delete_object("InferencePool", NS, "qwen-pool")
-    await wait_for(
-        lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "False/PoolNotFound",
-        what="objective PoolNotFound again",
-    )
-
-
 async def test_drift_is_repaired_and_a_renamed_picker_moves_everything(
     emulator: KubeEmulator, start_operator: Any
 ) -> None:
