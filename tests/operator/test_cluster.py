@@ -269,3 +269,60 @@ def test_objectives_and_rewrites_follow_their_pool(
     wait_for(lambda: condition(*rewrite) == "True/Accepted", "rewrite Accepted")
     cluster.kubectl("delete", "inferencepool", "qwen-pool", "-n", namespace)
     wait_for(lambda: condition(*objective) == "False/PoolNotFound", "objective PoolNotFound again")
+
+
+def test_invalid_pools_get_a_false_condition_and_a_warning_event(
+    cluster: Cluster,
+    installed: tuple[str, Path],
+    processes: ProcessGroup,
+    infergate_cli: list[str],
+) -> None:
+    """Valid for the API server, invalid for the operator: a False condition and a
+    Warning Event (posted with the chart's rights), never a crash; the user's ConfigMap
+    showing up makes the pool Accepted on a resync."""
+    namespace, sa_kubeconfig = installed
+    operator = run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator")
+    pool = yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
+    pool["metadata"]["namespace"] = namespace
+    pool["metadata"]["annotations"] = {"infergate.io/epp-config": "my-epp-config"}
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+
+    def accepted() -> str | None:
+        body = cluster.get("inferencepool", "qwen-pool", namespace) or {}
+        for parent in (body.get("status") or {}).get("parents") or []:
+            for cond in parent.get("conditions") or []:
+                if cond["type"] == "Accepted":
+                    return f"{cond['status']}/{cond['reason']}"
+        return None
+
+    wait_for(lambda: accepted() == "False/EndpointPickerConfigNotFound", "config not found")
+    assert cluster.get("deployment", "qwen-pool-epp", namespace) is None
+    events = json.loads(
+        cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout
+    )["items"]
+    assert any(
+        e["type"] == "Warning" and e["reason"] == "EndpointPickerConfigNotFound" for e in events
+    )
+
+    user_config = (
+        "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\n"
+        "plugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n"
+        "  - pluginRef: queue-scorer\n"
+    )
+    cluster.kubectl(
+        "create", "configmap", "my-epp-config", "-n", namespace,
+        f"--from-literal=config.yaml={user_config}",
+    )  # fmt: skip
+    wait_for(lambda: accepted() == "True/Accepted", "accepted once the ConfigMap exists")
+    managed = wait_for(
+        functools.partial(cluster.get, "configmap", "qwen-pool-epp", namespace), "managed config"
+    )
+    assert managed["data"]["config.yaml"] == user_config
+
+    cluster.kubectl(
+        "annotate", "--overwrite", "inferencepool", "qwen-pool", "-n", namespace,
+        "infergate.io/epp-replicas=many",
+    )  # fmt: skip
+    wait_for(lambda: accepted() == "False/InvalidAnnotation", "InvalidAnnotation")
+    assert cluster.get("deployment", "qwen-pool-epp", namespace) is not None
+    assert operator.alive()

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import yaml
-from kmock import KubernetesError
 
 from infergate.testing.kube_emulator import KubeEmulator, pool_conditions, wait_for
 
@@ -145,58 +144,6 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
     # Delete → everything it owned goes (owner-reference garbage collection).
     await emulator.delete_object("InferencePool", NS, "qwen-pool")
     await wait_for(lambda: not any(owned(emulator, k) for k in OWNED), what="owned objects gone")
-
-
-async def test_invalid_pools_get_a_false_condition_not_a_crash(
-    emulator: KubeEmulator, start_operator: Any
-) -> None:
-    operator = await start_operator()
-
-    # The API server itself rejects a schema-invalid pool (CEL: unique ports).
-    bad = pool()
-    bad["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8000}]
-    with pytest.raises(KubernetesError) as rejected:
-        await emulator.create_object(bad)
-    assert rejected.value.status == 422 and "port number must be unique" in str(
-        rejected.value.message
-    )
-
-    # Valid for the API, invalid for the operator: missing user config, bad annotation.
-    await emulator.create_object(pool(**{"infergate.io/epp-config": "my-epp-config"}))
-    await wait_for(
-        lambda: status_is(
-            emulator, Accepted="False/EndpointPickerConfigNotFound", Ready="False/NotAccepted"
-        ),
-        what="config-not-found condition",
-    )
-    assert owned(emulator, "Deployment") is None
-    warnings = [e for e in emulator.list_objects("Event", NS) if e["type"] == "Warning"]
-    assert any(e["reason"] == "EndpointPickerConfigNotFound" for e in warnings)
-
-    # The user creates the ConfigMap → accepted, and the EPP gets the user's config.
-    user_config = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n"
-    await emulator.create_object(
-        {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": "my-epp-config", "namespace": NS},
-         "data": {"config.yaml": user_config}}
-    )  # fmt: skip
-    # (No event ties a ConfigMap to the pool: the periodic resync notices it.)
-    await wait_for(lambda: status_is(emulator, Accepted="True/Accepted"), what="accepted")
-    await wait_for(lambda: owned(emulator, "ConfigMap"), what="managed ConfigMap")
-    assert owned(emulator, "ConfigMap")["data"]["config.yaml"] == user_config  # type: ignore[index]
-
-    # A bad annotation → InvalidAnnotation; the last good EPP keeps running.
-    await emulator.patch_object(
-        "InferencePool",
-        NS,
-        "qwen-pool",
-        {"metadata": {"annotations": {"infergate.io/epp-replicas": "many"}}},
-    )
-    await wait_for(
-        lambda: status_is(emulator, Accepted="False/InvalidAnnotation"), what="InvalidAnnotation"
-    )
-    assert owned(emulator, "Deployment") is not None
-    assert operator.alive()
 
 
 async def test_a_service_the_user_owns_is_resolved_not_replaced(
