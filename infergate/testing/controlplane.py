@@ -4,11 +4,11 @@ What runs, each as its own process bound to 127.0.0.1 on free ports:
 
 - ``etcd`` (one member, data in a temporary folder);
 - ``kube-apiserver`` with RBAC authorization, ServiceAccount tokens signed by a key made
-  here (so the TokenRequest API works), the default admission plugins, and a static admin
-  token in ``system:masters``;
-- ``kube-controller-manager``: garbage collector, namespace, deployment, replicaset,
-  serviceaccount, endpointslice and the rest of the default set, except the node-lifecycle
-  controller (there are no kubelets to post heartbeats, so it would taint and evict);
+  here (so the TokenRequest API works), the default admission plugins, a static admin
+  token in ``system:masters`` and an audit log of every write (:func:`audit_writes`);
+- ``kube-controller-manager`` with its whole default set: garbage collector, namespace,
+  deployment, replicaset, serviceaccount, endpointslice, node-lifecycle (kwok renews the
+  node's Lease, which is its heartbeat) and the rest;
 - ``kube-scheduler`` (binds pods to the fake node);
 - ``kwok``, KWOK's fake-kubelet controller, driving one Node (``kwok-node-0``): the node
   becomes Ready, scheduled pods become Running and Ready with an IP from the node's pod
@@ -19,7 +19,7 @@ What runs, each as its own process bound to 127.0.0.1 on free ports:
 What it does not emulate: a container runtime (no image is pulled, no container runs:
 a pod is Running because kwok says so), kube-proxy and cluster networking (Service
 ClusterIPs are allocated but route nowhere; only pod IPs on loopback are reachable),
-probes, volumes, resource limits, and the node's heartbeat-driven lifecycle.
+probes, volumes, resource limits, and kubelet behaviour such as evictions.
 """
 
 from __future__ import annotations
