@@ -293,6 +293,8 @@ class LocalDriver(Driver):
             fallback_endpoints=endpoints if fail_open else (),
             access_log=True,
             stat_prefix=pool.name.replace("-", "_"),
+            # The operator's EPP serves ext-proc over TLS (GIE's default); dial it so.
+            epp_tls="--secure-serving" in epp_container["args"],
         )
         start_envoy(
             self.group, config, folder / "envoy.yaml", name=f"envoy-{pool.name}", timeout=90.0
