@@ -24,6 +24,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Top-N logprobs per generated token (None: off; 0: only the chosen token's).
+    logprobs: int | None = None
+    # Top-N logprobs per prompt token (None: off). Such requests skip prefix-cache reads:
+    # a cached block has no logits to give.
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob: the token that is there and the N most likely ones.
+
+    Log-probabilities are of the distribution sampled from: the logits divided by the
+    temperature (raw logits for greedy rows), before top-k/top-p masking.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -37,6 +56,10 @@ class ScheduledSeq:
     sample: bool  # sample a next token after this chunk (last prefill chunk, or decode)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_generated: int = 0  # output tokens so far (seeded sampling uses it as the offset)
+    # Prompt tokens after this chunk's last position, for prompt logprobs (else empty):
+    # the chunk's last logits score the first of them.
+    next_prompt_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -60,4 +83,15 @@ class ModelRunner(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (e.g. a seeded generator) once a request ends."""
+        ...
+
+
+class LogprobsRunner(ModelRunner, Protocol):
+    """A runner that also reports logprobs (the real one; the simulator has no logits)."""
+
+    def take_logprobs(
+        self,
+    ) -> tuple[dict[str, TokenLogprob], dict[str, tuple[int, list[TokenLogprob]]]]:
+        """The last step's (sampled-token logprobs, (first position, prompt logprobs))
+        per request id, for requests that asked for them; clears them."""
         ...

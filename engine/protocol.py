@@ -52,6 +52,11 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM extension
+
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 16
 
 
 class ContentPart(_Open):
@@ -73,6 +78,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    prompt_logprobs: int | None = None  # vLLM extension
 
 
 class TokenizeRequest(_Open):
@@ -90,9 +96,14 @@ class DetokenizeRequest(_Open):
 
 def unsupported(req: _Sampling) -> tuple[str, str] | None:
     """(param, message) for the first known field whose value we cannot honour."""
+    n = 1 if req.n is None else req.n
     checks: list[tuple[bool, str, str]] = [
-        (req.n not in (None, 1), "n", "only n=1 is supported"),
-        (req.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
+        (not 1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
+        (
+            req.best_of not in (None, n),
+            "best_of",
+            "best_of different from n is not supported",
+        ),
         (bool(req.presence_penalty), "presence_penalty", "presence_penalty is not supported"),
         (bool(req.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported"),
         (
@@ -105,15 +116,32 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.logprobs is not None, "logprobs", "logprobs are not supported"),
-            (bool(req.echo), "echo", "echo is not supported"),
+            (
+                req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
             (req.suffix is not None, "suffix", "suffix is not supported"),
         ]
+    if isinstance(req, (CompletionRequest, ChatCompletionRequest)):
+        checks.append((
+            req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
+        ))  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         fmt = (req.response_format or {}).get("type", "text")
         checks += [
-            (bool(req.logprobs), "logprobs", "logprobs are not supported"),
-            (bool(req.top_logprobs), "top_logprobs", "top_logprobs are not supported"),
+            (
+                req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS,
+                "top_logprobs",
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                bool(req.top_logprobs) and not req.logprobs,
+                "top_logprobs",
+                "top_logprobs requires logprobs=true",
+            ),
             (bool(req.tools), "tools", "tool calling is not supported"),
             (fmt != "text", "response_format", "only response_format type 'text' is supported"),
         ]

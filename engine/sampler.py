@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .interfaces import SamplingParams
+from .interfaces import SamplingParams, TokenLogprob
 
 _GREEDY_EPS = 1e-5
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) over generator seeds
@@ -95,6 +95,36 @@ class Sampler:
         picked = (probs / noise).argmax(dim=-1)
         greedy[random_rows] = picked
         return greedy.tolist()
+
+    @staticmethod
+    def logprobs(
+        logits: torch.Tensor, temperatures: Sequence[float], chosen: Sequence[int], top_n: int
+    ) -> list[TokenLogprob]:
+        """Logprob, rank and top-`top_n` of `chosen[i]` in row i, over the whole batch at once.
+
+        Rows are scaled by their temperature (greedy rows, temperature ~0, are left raw):
+        the distribution sampled from, before top-k/top-p masking.
+        """
+        if logits.shape[0] == 0:
+            return []
+        temps = torch.tensor(
+            [t if t > _GREEDY_EPS else 1.0 for t in temperatures], device=logits.device
+        )
+        lp = (logits.float() / temps.unsqueeze(-1)).log_softmax(dim=-1)
+        ids = torch.tensor(list(chosen), dtype=torch.int64, device=logits.device).unsqueeze(-1)
+        picked = lp.gather(-1, ids)
+        ranks = (lp > picked).sum(dim=-1) + 1
+        picked_l, ranks_l = picked.squeeze(-1).tolist(), ranks.tolist()
+        if top_n > 0:
+            vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+            tops = [tuple(zip(i, v, strict=True)) for i, v in zip(idx.tolist(), vals.tolist(),
+                                                                  strict=True)]  # fmt: skip
+        else:
+            tops = [() for _ in chosen]
+        return [
+            TokenLogprob(int(t), float(p), int(r), top)
+            for t, p, r, top in zip(chosen, picked_l, ranks_l, tops, strict=True)
+        ]
 
     def _generator(self, request_id: str) -> torch.Generator:
         gen = self._generators.get(request_id)

@@ -136,6 +136,9 @@ class Scheduler:
 
     def _seq(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
+        next_prompt: list[int] = []
+        if request.sampling.prompt_logprobs is not None and start + n < request.num_prompt_tokens:
+            next_prompt = request.prompt_token_ids[start + n : start + n + 1]
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + n],
@@ -144,6 +147,8 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             sampling=request.sampling,
             num_generated=request.num_output_tokens,
+            next_prompt_ids=next_prompt,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -197,6 +197,7 @@ def build(opts: ServeOptions) -> Any:
         vocab_size=vocab_size,
         api_key=opts.api_key,
         default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
+        supports_logprobs=not opts.simulate,
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "

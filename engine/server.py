@@ -14,17 +14,24 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from infergate.engine.async_engine import AsyncEngine, EngineDeadError
 from infergate.engine.core import RequestOutput
-from infergate.engine.interfaces import SamplingParams
+from infergate.engine.interfaces import SamplingParams, TokenLogprob
 from infergate.engine.metrics import EngineMetrics
+from infergate.engine.openai_logprobs import (
+    CompletionLogprobs,
+    chat_content,
+    merge_completion_blocks,
+    prompt_logprobs,
+)
 from infergate.engine.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -44,6 +51,7 @@ from infergate import __version__
 
 log = logging.getLogger("infergate.engine.server")
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -60,6 +68,7 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     # Cap on the default max_tokens (simulated engines never emit EOS on their own).
     default_max_tokens_cap: int | None = None
+    supports_logprobs: bool = True  # False for the simulator, which has no logits
     warned_fields: set[str] = field(default_factory=set)
 
 
@@ -111,6 +120,133 @@ class _Guard:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def merge_streams(
+    streams: Sequence[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Interleave several requests' outputs as (stream index, output), as they come.
+
+    Closing the merged stream closes every input, which aborts unfinished requests.
+    """
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as error:  # surfaced to the consumer
+            queue.put_nowait((index, error))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            index, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+class _CompletionChoice:
+    """One /v1/completions choice: built up from engine outputs, streamed or whole."""
+
+    def __init__(self, index: int, prompt_ids: list[int], prompt_text: str, echo: bool,
+                 echo_only: bool, req: CompletionRequest,
+                 text: Callable[[int], str]) -> None:  # fmt: skip
+        self.index, self.prompt_ids, self.prompt_text = index, prompt_ids, prompt_text
+        self.echo, self.echo_only, self.req, self.text = echo, echo_only, req, text
+        self.lp = CompletionLogprobs(text) if req.logprobs is not None else None
+        self.with_top = (req.logprobs or 0) > 0
+        self.parts: list[str] = []
+        self.blocks: list[dict[str, Any]] = []
+        self.token_ids: list[int] = []
+        self.prompt_lp: list[Any] | None = None
+        self.last: RequestOutput | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return 0 if self.echo_only or self.last is None else self.last.num_output_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.last.num_cached_tokens if self.last else 0
+
+    def add(self, out: RequestOutput) -> dict[str, Any] | None:
+        """Take one engine output; returns the streamed choice (None: nothing new)."""
+        first = self.last is None
+        self.last = out
+        text, blocks = "", []
+        if first:
+            entries = out.prompt_logprobs or []
+            if self.req.prompt_logprobs is not None:
+                self.prompt_lp = prompt_logprobs(entries, self.text)
+            if self.echo:
+                text = self.prompt_text
+                if self.lp is not None:
+                    blocks.append(self.lp.block([None, *entries], self.prompt_ids, self.with_top))
+        if not self.echo_only:
+            text += out.new_text
+            self.token_ids += out.new_token_ids
+            if self.lp is not None:
+                blocks.append(self.lp.block(out.logprobs or [], out.new_token_ids, self.with_top))
+        self.parts.append(text)
+        self.blocks += blocks
+        if not text and not out.finished and not first and not blocks:
+            return None
+        choice: dict[str, Any] = {
+            "index": self.index, "text": text,
+            "logprobs": merge_completion_blocks(blocks) if self.lp is not None else None,
+            "finish_reason": self.finish_reason(out), "stop_reason": self.stop_reason(out),
+        }  # fmt: skip
+        if first and self.prompt_lp is not None:
+            choice["prompt_logprobs"] = self.prompt_lp
+        return choice
+
+    def finish_reason(self, out: RequestOutput | None) -> str | None:
+        if out is None or not out.finished:
+            return None
+        return "length" if self.echo_only else out.finish_reason
+
+    def stop_reason(self, out: RequestOutput | None) -> int | str | None:
+        return None if self.echo_only or out is None else out.stop_reason
+
+    def whole(self) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": self.index, "text": "".join(self.parts),
+            "logprobs": merge_completion_blocks(self.blocks) if self.lp is not None else None,
+            "finish_reason": self.finish_reason(self.last),
+            "stop_reason": self.stop_reason(self.last),
+        }  # fmt: skip
+        if self.prompt_lp is not None:
+            choice["prompt_logprobs"] = self.prompt_lp
+        if self.req.return_token_ids:
+            choice["prompt_token_ids"] = self.prompt_ids
+            choice["token_ids"] = self.token_ids
+        return choice
+
+
+def sum_usage(per_prompt: Sequence[_CompletionChoice],
+              choices: Sequence[_CompletionChoice]) -> dict[str, Any]:  # fmt: skip
+    """OpenAI usage over a request: each prompt counted once, every choice's tokens."""
+    prompt = sum(len(c.prompt_ids) for c in per_prompt)
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in per_prompt)},
+    }
 
 
 def build_app(
@@ -286,12 +422,10 @@ def build_app(
             max_model_len=config.max_model_len,
         )
 
-    async def run_to_end(
-        request: Request, stream: AsyncIterator[RequestOutput]
-    ) -> list[RequestOutput] | None:
+    async def run_to_end(request: Request, stream: AsyncIterator[T]) -> list[T] | None:
         """Collect a whole generation, aborting it if the client disconnects first."""
 
-        async def collect() -> list[RequestOutput]:
+        async def collect() -> list[T]:
             return [out async for out in stream]
 
         async def disconnected() -> None:
@@ -324,6 +458,22 @@ def build_app(
         if not req.return_token_ids:
             return {}
         return {"prompt_token_ids": prompt, "token_ids": [t for o in outs for t in o.new_token_ids]}
+
+    @lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return {"content": chat_content(entries, token_text)} if entries else None
+
+    def chat_prompt_logprobs(first: RequestOutput | None) -> dict[str, Any]:
+        if first is None or first.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(first.prompt_logprobs, token_text)}
+
+    def check_logprobs_supported(param: str) -> None:
+        if not config.supports_logprobs:
+            raise APIError(400, f"{param} are not available in simulated mode.", param)
 
     def sse(data: dict[str, Any]) -> str:
         return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -386,61 +536,87 @@ def build_app(
     async def completions(request: Request) -> Response:
         req = parse(await read_body(request), CompletionRequest)
         model = check_model(req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "Batched prompts are not supported; send one prompt.", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = await encode(prompt)
-        else:
-            ids = list(prompt)  # type: ignore[arg-type]
-            check_tokens(ids, "prompt")
-        params = sampling_params(req, len(ids), req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+        raw = req.prompt
+        many = isinstance(raw, list) and bool(raw) and isinstance(raw[0], (str, list))
+        items: list[Any] = list(raw) if many else [raw]
+        if not items:
+            raise APIError(400, "The prompt is empty.", "prompt")
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for item in items:
+            if isinstance(item, str):
+                prompts.append(await encode(item))
+                texts.append(item)
+            else:
+                ids = list(item)
+                check_tokens(ids, "prompt")
+                prompts.append(ids)
+                texts.append(tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise APIError(400, "max_tokens=0 is only allowed with echo=true.", "max_tokens")
+        want_lp = req.logprobs is not None
+        prompt_lp = req.prompt_logprobs
+        if req.echo and want_lp:
+            prompt_lp = max(prompt_lp or 0, req.logprobs or 0)
+        n = req.n or 1
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = engine.generate(new_request(rid, ids, params, req))
+        jobs: list[tuple[int, EngineRequest]] = []
+        for p_index, ids in enumerate(prompts):
+            params = sampling_params(
+                req, len(ids), 1 if echo_only else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS
+            )
+            params = replace(params, logprobs=req.logprobs, prompt_logprobs=prompt_lp)
+            for j in range(n):
+                child = params if params.seed is None else replace(params, seed=params.seed + j)
+                jobs.append((p_index, new_request(f"{rid}-{len(jobs)}", ids, child, req)))
+        if want_lp or prompt_lp is not None:
+            check_logprobs_supported("logprobs" if want_lp else "prompt_logprobs")
         now = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
+        choices = [
+            _CompletionChoice(index, prompts[p], texts[p], bool(req.echo), echo_only, req,
+                              token_text)
+            for index, (p, _) in enumerate(jobs)
+        ]  # fmt: skip
+        stream = merge_streams([engine.generate(r) for _, r in jobs])
+
+        def total_usage() -> dict[str, Any]:
+            first: dict[
+                int, _CompletionChoice
+            ] = {}  # one prompt count per prompt, however many samples it has
+            for (p, _), c in zip(jobs, choices, strict=True):
+                first.setdefault(p, c)
+            return sum_usage(list(first.values()), choices)
 
         if not req.stream:
             outs = await run_to_end(request, stream)
             if outs is None:
                 return Response(status_code=499)  # nginx's "client closed request"
-            for out in outs:
+            for index, out in outs:
                 check_error(out)
-            last = outs[-1] if outs else None
+                choices[index].add(out)
             return JSONResponse({
-                **base,
-                "choices": [{
-                    "index": 0, "text": "".join(o.new_text for o in outs), "logprobs": None,
-                    "finish_reason": last.finish_reason if last else None,
-                    "stop_reason": last.stop_reason if last else None,
-                    **token_ids(req, ids, outs),
-                }],
-                "usage": usage(last, len(ids)),
+                **base, "choices": [c.whole() for c in choices], "usage": total_usage(),
             })  # fmt: skip
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events() -> AsyncIterator[str]:
-            last: RequestOutput | None = None
             try:
-                async for out in stream:
-                    last = out
+                async for index, out in stream:
                     if out.error is not None:
                         yield sse(error_body(500, out.error))
                         break
-                    if not out.new_text and not out.finished:
+                    delta = choices[index].add(out)
+                    if delta is None:
                         continue
-                    chunk = {**base, "choices": [{
-                        "index": 0, "text": out.new_text, "logprobs": None,
-                        "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                    }]}  # fmt: skip
+                    chunk = {**base, "choices": [delta]}
                     if include_usage:
                         chunk["usage"] = None
                     yield sse(chunk)
                 if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(last, len(ids))})
+                    yield sse({**base, "choices": [], "usage": total_usage()})
                 yield "data: [DONE]\n\n"
             finally:
                 await stream.aclose()
@@ -458,6 +634,15 @@ def build_app(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         params = sampling_params(req, len(ids), max_tokens, None)
+        if (req.n or 1) > 1:
+            raise APIError(400, "n > 1 is only supported on /v1/completions.", "n")
+        if req.logprobs or req.prompt_logprobs is not None:
+            check_logprobs_supported("logprobs" if req.logprobs else "prompt_logprobs")
+        params = replace(
+            params,
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.generate(new_request(rid, ids, params, req))
         now = int(time.time())
@@ -475,12 +660,13 @@ def build_app(
                 "choices": [{
                     "index": 0,
                     "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
-                    "logprobs": None,
+                    "logprobs": chat_logprobs([e for o in outs for e in o.logprobs or []]),
                     "finish_reason": last.finish_reason if last else None,
                     "stop_reason": last.stop_reason if last else None,
                     **token_ids(req, ids, outs),
                 }],
                 "usage": usage(last, len(ids)),
+                **chat_prompt_logprobs(outs[0] if outs else None),
             })  # fmt: skip
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -488,7 +674,8 @@ def build_app(
 
         def chunk(delta: dict[str, Any], out: RequestOutput | None) -> str:
             body: dict[str, Any] = {**chunk_base, "choices": [{
-                "index": 0, "delta": delta, "logprobs": None,
+                "index": 0, "delta": delta,
+                "logprobs": chat_logprobs(out.logprobs or []) if out else None,
                 "finish_reason": out.finish_reason if out else None,
                 "stop_reason": out.stop_reason if out else None,
             }]}  # fmt: skip
@@ -505,7 +692,7 @@ def build_app(
                     if out.error is not None:
                         yield sse(error_body(500, out.error))
                         break
-                    if out.new_text or out.finished:
+                    if out.new_text or out.finished or out.logprobs:
                         yield chunk({"content": out.new_text} if out.new_text else {}, out)
                 if include_usage:
                     yield sse({**chunk_base, "choices": [], "usage": usage(last, len(ids))})

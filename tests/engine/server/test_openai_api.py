@@ -166,15 +166,6 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
             400,
             "max_tokens",
         ),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
-        (
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-            400,
-            "logprobs",
-        ),
         (
             "/v1/chat/completions",
             {
@@ -194,7 +185,6 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
             400,
             "stop_token_ids",
         ),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
         (
             "/v1/completions",
             {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
@@ -203,6 +193,47 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
         ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 1, "best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "prompt_logprobs": 21},
+            400,
+            "prompt_logprobs",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_tokens": 0, "stream": True},
+            400,
+            "max_tokens",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", []]}, 400, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "logprobs": True,
+                "top_logprobs": 21,
+            },
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2},
+            400,
+            "n",
+        ),
     ],
 )
 def test_bad_input_gets_openai_errors(
