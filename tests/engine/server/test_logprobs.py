@@ -65,7 +65,7 @@ def test_echo_max_tokens_0_gives_the_models_prompt_logprobs(
     expected = hf_prompt_logprobs(hf_model, ids)
     got = lp.token_logprobs[1:]
     assert all(g is not None for g in got)
-    assert max(abs(g - e) for g, e in zip(got, expected, strict=True)) < 1e-3  # type: ignore[operator]
+    assert max(abs(g - e) for g, e in zip(got, expected, strict=True)) < 1e-3
     assert choice.text == PROMPT or choice.text.endswith(PROMPT)
     assert choice.finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 0
@@ -194,7 +194,7 @@ def test_chat_logprobs_stream_and_not(real_server: Server) -> None:
         "extra_body": {"ignore_eos": True},
     }  # fmt: skip
     whole = client.chat.completions.create(**args)
-    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    content = whole.choices[0].logprobs.content
     assert content is not None and len(content) == 4
     for item in content:
         assert item.logprob <= 0 and len(item.top_logprobs) == 2
