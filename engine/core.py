@@ -44,9 +44,12 @@ class RequestOutput:
 class _TextState:
     """Incremental text for one request; holds back a possible stop-string prefix."""
 
-    def __init__(self, decoder: IncrementalDecoder | None, stops: tuple[str, ...]) -> None:
+    def __init__(
+        self, decoder: IncrementalDecoder | None, stops: tuple[str, ...], keep_stop: bool = False
+    ) -> None:
         self.decoder = decoder
         self.stops = stops
+        self.keep_stop = keep_stop  # include_stop_str_in_output
         self.holdback = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -67,7 +70,7 @@ class _TextState:
                 hit = (idx, stop)
         if hit is None:
             return None
-        self.text = self.text[: hit[0]]
+        self.text = self.text[: hit[0] + (len(hit[1]) if self.keep_stop else 0)]
         return hit[1]
 
     def delta(self, finished: bool) -> str:
@@ -121,7 +124,9 @@ class EngineCore:
         decoder = None
         if self.tokenizer is not None:
             decoder = self.tokenizer.decode_stream(skip_special_tokens=request.skip_special_tokens)
-        self._text[request.request_id] = _TextState(decoder, request.sampling.stop)
+        self._text[request.request_id] = _TextState(
+            decoder, request.sampling.stop, request.sampling.include_stop_str_in_output
+        )
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:

@@ -8,6 +8,7 @@ manager, and what lets FlashInfer slot in later behind the same runner.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +30,20 @@ class SamplingParams:
     # Top-N logprobs per prompt token (None: off). Such requests skip prefix-cache reads:
     # a cached block has no logits to give.
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/CTRL: divides (>0) or multiplies (<0) the logit
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens
+    include_stop_str_in_output: bool = False
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties look at the tokens so far (the sampler needs the request's ids)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,11 @@ class ScheduledSeq:
     # the chunk's last logits score the first of them.
     next_prompt_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    # For penalties (else empty): the prompt's and the output's token ids so far.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    # Token ids masked this step (EOS and stop ids while under min_tokens).
+    blocked_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

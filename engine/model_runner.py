@@ -138,11 +138,17 @@ class TorchModelRunner:
         sampled = [s for s in batch.seqs if s.sample]
         if not sampled:
             return [None] * len(batch.seqs)
-        chosen = self.sampler.sample(
+        params = [s.sampling for s in sampled]
+        # Penalties, bias and min_tokens first, so logprobs see what sampling saw.
+        logits = self.sampler.process(
             logits,
-            [s.sampling for s in sampled],
-            [s.request_id for s in sampled],
-            [s.num_generated for s in sampled],
+            params,
+            [s.prompt_token_ids for s in sampled],
+            [s.output_token_ids for s in sampled],
+            [s.blocked_token_ids for s in sampled],
+        )
+        chosen = self.sampler.sample(
+            logits, params, [s.request_id for s in sampled], [s.num_generated for s in sampled]
         )
         self._record_logprobs(logits, sampled, chosen)
         tokens = iter(chosen)

@@ -24,7 +24,7 @@ class StreamOptions(_Open):
 
 class _Sampling(_Open):
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = False  # null is false, as in vLLM
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -43,6 +43,10 @@ class _Sampling(_Open):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM extension: token ids in the response
 
@@ -104,15 +108,12 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
             "best_of",
             "best_of different from n is not supported",
         ),
-        (bool(req.presence_penalty), "presence_penalty", "presence_penalty is not supported"),
-        (bool(req.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported"),
+        (bool(req.bad_words), "bad_words", "bad_words is not supported"),
         (
-            req.repetition_penalty not in (None, 1.0),
-            "repetition_penalty",
-            "repetition_penalty is not supported",
+            not req.spaces_between_special_tokens,
+            "spaces_between_special_tokens",
+            "spaces_between_special_tokens=false is not supported",
         ),
-        (bool(req.min_p), "min_p", "min_p is not supported"),
-        (bool(req.min_tokens), "min_tokens", "min_tokens is not supported"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [

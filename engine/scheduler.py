@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
 from infergate.engine.kv_cache_manager import KVCacheManager
@@ -149,6 +150,7 @@ class Scheduler:
             num_generated=request.num_output_tokens,
             next_prompt_ids=next_prompt,
             num_prompt_tokens=request.num_prompt_tokens,
+            **_sampling_state(request),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -174,3 +176,15 @@ class Scheduler:
                 request.append_output_token(token)
                 got_token.append(request)
         return got_token
+
+
+def _sampling_state(request: Request) -> dict[str, Any]:
+    """What the sampler needs beyond the params: history for penalties, min_tokens mask."""
+    params = request.sampling
+    state: dict[str, Any] = {}
+    if params.needs_history:
+        state["prompt_token_ids"] = request.prompt_token_ids
+        state["output_token_ids"] = request.output_token_ids
+    if request.num_output_tokens < params.min_tokens:
+        state["blocked_token_ids"] = (*sorted(request.eos_token_ids), *params.stop_token_ids)
+    return state

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -356,8 +357,26 @@ def build_app(
             raise APIError(
                 400, "stream_options is only allowed with stream=true.", "stream_options"
             )
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):  # fmt: skip
+            value = getattr(req, name)
+            if value is not None and not math.isfinite(value):
+                raise APIError(400, f"{name} must be a finite number.", name)
         if req.temperature is not None and req.temperature < 0:
             raise APIError(400, "temperature must be non-negative.", "temperature")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(req, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                raise APIError(400, f"{name} must be in [-2, 2].", name)
+        if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+            raise APIError(400, "repetition_penalty must be positive.", "repetition_penalty")
+        if req.min_p is not None and not 0 <= req.min_p <= 1:
+            raise APIError(400, "min_p must be in [0, 1].", "min_p")
+        if req.min_tokens is not None and req.min_tokens < 0:
+            raise APIError(400, "min_tokens must be non-negative.", "min_tokens")
+        if req.min_tokens and max_tokens is not None and req.min_tokens > max_tokens:
+            raise APIError(400, "min_tokens must not exceed max_tokens.", "min_tokens")
+        bias = parse_logit_bias(req.logit_bias)
         if req.top_p is not None and not 0 < req.top_p <= 1:
             raise APIError(400, "top_p must be in (0, 1].", "top_p")
         if req.top_k is not None and req.top_k < -1:
@@ -401,7 +420,29 @@ def build_app(
             stop=tuple(s for s in stop if s),
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            logit_bias=bias,
+            min_tokens=req.min_tokens or 0,
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
+
+    def parse_logit_bias(raw: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias in [-100, 100]} as (id, bias) pairs."""
+        out = []
+        for key, value in (raw or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise APIError(400, f"logit_bias key {key!r} is not a token id.", "logit_bias")
+            token = int(key)
+            if not 0 <= token < config.vocab_size:
+                raise APIError(400, f"logit_bias token {token} is out of vocabulary.",
+                               "logit_bias")  # fmt: skip
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                raise APIError(400, "logit_bias values must be in [-100, 100].", "logit_bias")
+            out.append((token, float(value)))
+        return tuple(out)
 
     def default_max_tokens(default: int | None, room: int) -> int:
         value = min(default or room, room)
@@ -601,6 +642,9 @@ def build_app(
             })  # fmt: skip
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(
+            req.stream_options and req.stream_options.continuous_usage_stats
+        )
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -613,7 +657,7 @@ def build_app(
                         continue
                     chunk = {**base, "choices": [delta]}
                     if include_usage:
-                        chunk["usage"] = None
+                        chunk["usage"] = total_usage() if continuous else None
                     yield sse(chunk)
                 if include_usage:
                     yield sse({**base, "choices": [], "usage": total_usage()})
@@ -670,6 +714,9 @@ def build_app(
             })  # fmt: skip
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(
+            req.stream_options and req.stream_options.continuous_usage_stats
+        )
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
         def chunk(delta: dict[str, Any], out: RequestOutput | None) -> str:
@@ -680,7 +727,7 @@ def build_app(
                 "stop_reason": out.stop_reason if out else None,
             }]}  # fmt: skip
             if include_usage:
-                body["usage"] = None
+                body["usage"] = usage(out, len(ids)) if continuous and out else None
             return sse(body)
 
         async def events() -> AsyncIterator[str]:
