@@ -46,6 +46,7 @@ from infergate.engine.request import Request as EngineRequest
 from infergate.engine.tokenizer import Tokenizer, TokenizerError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infergate import __version__
@@ -70,6 +71,8 @@ class ServerConfig:
     # Cap on the default max_tokens (simulated engines never emit EOS on their own).
     default_max_tokens_cap: int | None = None
     supports_logprobs: bool = True  # False for the simulator, which has no logits
+    # Defaults for omitted sampling fields (--generation-config), as vLLM applies them.
+    generation_defaults: dict[str, float] = field(default_factory=dict)
     warned_fields: set[str] = field(default_factory=set)
 
 
@@ -86,6 +89,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "BadRequestError",
     413: "BadRequestError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -273,6 +277,16 @@ def build_app(
     async def on_api_error(request: Request, error: APIError) -> JSONResponse:
         return error.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and wrong methods in OpenAI's error shape, not FastAPI's."""
+        message = (
+            f"Route {request.method} {request.url.path} not found."
+            if error.status_code == 404
+            else str(error.detail)
+        )
+        return APIError(error.status_code, message).response()
+
     @app.exception_handler(EngineDeadError)
     async def on_dead(request: Request, error: EngineDeadError) -> JSONResponse:
         return APIError(503, str(error)).response()
@@ -409,10 +423,11 @@ def build_app(
         stop_ids = tuple(req.stop_token_ids or ())
         check_tokens(list(stop_ids), "stop_token_ids")
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        gen = config.generation_defaults
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
+            temperature=gen.get("temperature", 1.0) if req.temperature is None else req.temperature,
+            top_p=gen.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=int(gen.get("top_k", -1)) if req.top_k is None else req.top_k,
             seed=req.seed,
             max_tokens=max_tokens
             if max_tokens is not None
@@ -422,8 +437,10 @@ def build_app(
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            min_p=req.min_p or 0.0,
+            repetition_penalty=gen.get("repetition_penalty", 1.0)
+            if req.repetition_penalty is None
+            else req.repetition_penalty,
+            min_p=gen.get("min_p", 0.0) if req.min_p is None else req.min_p,
             logit_bias=bias,
             min_tokens=req.min_tokens or 0,
             include_stop_str_in_output=req.include_stop_str_in_output,
@@ -539,14 +556,18 @@ def build_app(
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "infergate",
+                "root": config.model_dir, "parent": None,
+                "max_model_len": config.max_model_len}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [
-            {"id": name, "object": "model", "created": created, "owned_by": "infergate",
-             "root": config.model_dir, "parent": None, "max_model_len": config.max_model_len}
-            for name in config.served_model_names
-        ]  # fmt: skip
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(n) for n in config.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        return model_card(check_model(model_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
