@@ -336,7 +336,21 @@ def build_app(
             )
 
     async def encode(text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize; long texts on a worker thread so the event loop keeps serving."""
+        """Tokenize; long texts on a worker thread so the event loop keeps serving.
+
+        A text too long to fit even at the vocabulary's longest token per position is
+        refused before any tokenizing: a 15 MB prompt costs a length check, not seconds
+        of tokenizer time and gigabytes of encodings.
+        """
+        floor = len(text) // max(tokenizer.max_token_chars, 1)
+        if floor > config.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {config.max_model_len} tokens. "
+                f"However, your prompt has at least {floor} tokens "
+                f"({len(text)} characters).",
+                "prompt",
+            )
         if len(text) < LONG_TEXT_CHARS:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(
