@@ -93,6 +93,11 @@ def serve(
     tool_call_parser: str | None = typer.Option(
         None, "--tool-call-parser", help="Not implemented yet: refused."
     ),
+    enable_dev_endpoints: bool = typer.Option(
+        False,
+        "--enable-dev-endpoints",
+        help="Development routes (/reset_prefix_cache), as vLLM's VLLM_SERVER_DEV_MODE=1.",
+    ),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve`."""
@@ -132,6 +137,7 @@ def serve(
         tensor_parallel_size=tensor_parallel_size,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
+        dev_mode=enable_dev_endpoints,
         log_level=log_level,
     )
     del trust_remote_code, disable_log_requests  # pure no-ops, accepted as vLLM does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ class ServeOptions:
     tensor_parallel_size: int = 1
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    dev_mode: bool = False  # --enable-dev-endpoints (or VLLM_SERVER_DEV_MODE=1)
     log_level: str = "info"
 
 
@@ -260,6 +262,7 @@ def build(opts: ServeOptions) -> Any:
         default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
         supports_logprobs=not opts.simulate,
         generation_defaults=defaults,
+        dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "

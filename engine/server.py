@@ -73,6 +73,7 @@ class ServerConfig:
     supports_logprobs: bool = True  # False for the simulator, which has no logits
     # Defaults for omitted sampling fields (--generation-config), as vLLM applies them.
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    dev_mode: bool = False  # development routes (/reset_prefix_cache)
     warned_fields: set[str] = field(default_factory=set)
 
 
@@ -101,8 +102,17 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+# Besides /v1/*: routes that read the model's tokenizer or change engine state.
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/reset_prefix_cache"})
+
+
+def _needs_key(path: str) -> bool:
+    return path.startswith("/v1") or path in KEYED_PATHS
+
+
 class _Guard:
-    """ASGI middleware: API key on /v1 (as vLLM) and a Content-Length cap, before any work."""
+    """ASGI middleware: API key on /v1 (as vLLM), /tokenize, /detokenize and
+    /reset_prefix_cache; a Content-Length cap; both before any work."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app, self.config = app, config
@@ -114,7 +124,7 @@ class _Guard:
             error: APIError | None = None
             if (
                 self.expected is not None
-                and scope["path"].startswith("/v1")
+                and _needs_key(scope["path"])
                 and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
             ):
                 error = APIError(401, "Invalid or missing API key.")
@@ -602,11 +612,15 @@ def build_app(
         check_tokens(req.tokens, "tokens")
         return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
-        if await engine.call(lambda core: core.reset_prefix_cache()):
-            return Response(status_code=200)
-        return APIError(400, "Cannot reset the prefix cache while requests are running.").response()
+    if config.dev_mode:  # as vLLM's VLLM_SERVER_DEV_MODE: not a production route
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache() -> Response:
+            if await engine.call(lambda core: core.reset_prefix_cache()):
+                return Response(status_code=200)
+            return APIError(
+                400, "Cannot reset the prefix cache while requests are running."
+            ).response()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

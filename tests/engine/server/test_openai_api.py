@@ -22,6 +22,8 @@ from .conftest import API_KEY, MODEL, Server
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 TOO_LONG = "<longer than max_model_len>"
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 
 def test_completion_and_its_stream_agree(sim_server: Server) -> None:
     client = sim_server.client()
@@ -29,7 +31,9 @@ def test_completion_and_its_stream_agree(sim_server: Server) -> None:
     choice = done.choices[0]
     assert choice.finish_reason == "length" and choice.text
     n_prompt = len(
-        httpx.post(f"{sim_server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+        httpx.post(f"{sim_server.url}/tokenize", headers=AUTH, json={"prompt": PROMPT}).json()[
+            "tokens"
+        ]
     )
     assert done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (n_prompt, 12)
@@ -295,7 +299,7 @@ def test_unknown_router_fields_are_ignored(sim_server: Server) -> None:
     assert "ignoring unknown request fields" in sim_server.process.log_tail(100_000)
 
 
-def test_api_key_guards_v1_only(any_server: Server) -> None:
+def test_api_key_guards_v1_and_tokenizer_routes(any_server: Server) -> None:
     bad = openai.OpenAI(base_url=f"{any_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -303,21 +307,41 @@ def test_api_key_guards_v1_only(any_server: Server) -> None:
     assert res.status_code == 401 and res.json()["error"]["code"] == 401
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{any_server.url}{path}").status_code == 200
+    for path, body in (
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [1]}),
+        ("/reset_prefix_cache", {}),
+    ):
+        res = httpx.post(f"{any_server.url}{path}", json=body)
+        assert res.status_code == 401 and res.json()["error"]["code"] == 401
+
+
+def test_reset_prefix_cache_only_in_dev_mode(real_server: Server) -> None:
+    """The real server runs without --enable-dev-endpoints: the route does not exist."""
+    with real_server.http() as http:
+        res = http.post("/reset_prefix_cache")
+    assert res.status_code == 404 and res.json()["error"]["code"] == 404
 
 
 def test_models_version_tokenize_detokenize(sim_server: Server) -> None:
     models = sim_server.client().models.list().data
     assert [m.id for m in models] == [MODEL]
     assert httpx.get(f"{sim_server.url}/version").json()["version"]
-    tok = httpx.post(f"{sim_server.url}/tokenize", json={"prompt": "Hello, world!"}).json()
+    tok = httpx.post(
+        f"{sim_server.url}/tokenize", headers=AUTH, json={"prompt": "Hello, world!"}
+    ).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 1024
-    text = httpx.post(f"{sim_server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    text = httpx.post(
+        f"{sim_server.url}/detokenize", headers=AUTH, json={"tokens": tok["tokens"]}
+    ).json()
     assert text["prompt"].endswith("Hello, world!")
     chat = httpx.post(
-        f"{sim_server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}
+        f"{sim_server.url}/tokenize",
+        headers=AUTH,
+        json={"messages": [{"role": "user", "content": "Hi"}]},
     ).json()
     assert chat["count"] > tok["count"] // 2
-    res = httpx.post(f"{sim_server.url}/detokenize", json={"tokens": [10**9]})
+    res = httpx.post(f"{sim_server.url}/detokenize", headers=AUTH, json={"tokens": [10**9]})
     assert res.status_code == 400
 
 
