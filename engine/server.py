@@ -47,6 +47,7 @@ from infergate.engine.tokenizer import Tokenizer, TokenizerError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infergate import __version__
@@ -75,6 +76,10 @@ class ServerConfig:
     generation_defaults: dict[str, float] = field(default_factory=dict)
     dev_mode: bool = False  # development routes (/reset_prefix_cache)
     warned_fields: set[str] = field(default_factory=set)
+
+
+class _ClientGone(Exception):
+    """The client went away before its request body was complete (already logged)."""
 
 
 class APIError(Exception):
@@ -297,6 +302,10 @@ def build_app(
         )
         return APIError(error.status_code, message).response()
 
+    @app.exception_handler(_ClientGone)
+    async def on_client_gone(request: Request, error: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's code for it
+
     @app.exception_handler(EngineDeadError)
     async def on_dead(request: Request, error: EngineDeadError) -> JSONResponse:
         return APIError(503, str(error)).response()
@@ -305,11 +314,16 @@ def build_app(
     async def read_body(request: Request) -> bytes:
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_body_bytes:
-                raise APIError(413, f"Request body over {config.max_body_bytes} bytes.")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > config.max_body_bytes:
+                    raise APIError(413, f"Request body over {config.max_body_bytes} bytes.")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            log.info("client disconnected during upload of %s (%d bytes read)",
+                     request.url.path, size)  # fmt: skip
+            raise _ClientGone from None
         return b"".join(chunks)
 
     def parse(body: bytes, model: type[M]) -> M:

@@ -7,6 +7,8 @@ the server is still healthy afterwards — on the real tokenizer, for completion
 
 from __future__ import annotations
 
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -46,3 +48,24 @@ def test_prompt_just_over_the_limit_is_still_exact(real_server: Server) -> None:
                {"model": MODEL, "prompt": "word " * (limit + 8), "max_tokens": 1})  # fmt: skip
     assert res.status_code == 400
     assert res.json()["error"]["param"] == "prompt"
+
+
+def test_disconnect_mid_upload_is_one_log_line(sim_server: Server) -> None:
+    """A client that sends half a body and hangs up: one INFO line, no traceback."""
+    log_path = sim_server.process.log_path
+    assert log_path is not None
+    before = log_path.read_text(errors="replace")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: 100000\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", sim_server.port)) as sock:
+        sock.sendall(head.encode() + b'{"model": "tiny", "prompt": "' + b"x" * 1000)
+    deadline = time.monotonic() + 10
+    new = ""
+    while "disconnected during upload" not in new and time.monotonic() < deadline:
+        time.sleep(0.05)
+        new = log_path.read_text(errors="replace")[len(before) :]
+    assert new.count("disconnected during upload") == 1, new
+    assert "Traceback" not in new and "ERROR" not in new
+    assert httpx.get(f"{sim_server.url}/health", timeout=10).status_code == 200
