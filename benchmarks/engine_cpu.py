@@ -59,7 +59,7 @@ def runner_decode(model_dir: Path, batch: int, steps: int, block_size: int) -> t
     return batch * steps / elapsed, 1000 * elapsed / steps
 
 
-SAMPLING_MODES = {
+SAMPLING_MODES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "random": {"temperature": 1.0, "top_p": 0.9, "seed": 1},
     "penalties+logprobs": {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 
@@ -18,7 +19,7 @@ from .conftest import API_KEY, MODEL, Server
 HUGE = "lorem ipsum dolor sit amet " * (15 * 2**20 // 27)  # ~15 MB
 
 
-def post(server: Server, path: str, body: dict[str, object]) -> httpx.Response:
+def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(
         f"{server.url}{path}", json=body, timeout=120,
         headers={"Authorization": f"Bearer {API_KEY}"},
