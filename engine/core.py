@@ -158,6 +158,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if sched.batch.seqs:
+            if self.metrics is not None:
+                self.metrics.iteration_tokens.observe(sched.batch.num_tokens)
             sampled = self.runner.execute(sched.batch)
             if self._take_logprobs is not None:
                 self._step_logprobs, prompt = self._take_logprobs()

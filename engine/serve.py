@@ -217,8 +217,9 @@ def build(opts: ServeOptions) -> Any:
     # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
     prometheus_client.disable_created_metrics()
     metrics = EngineMetrics(
-        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks
-    )
+        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks,
+        max_model_len=max_model_len,
+    )  # fmt: skip
     if opts.simulate:
         metrics.registry.register(SimulatorCollector(runner))
     events = None

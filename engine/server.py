@@ -676,6 +676,8 @@ def build_app(
                 jobs.append((p_index, new_request(f"{rid}-{len(jobs)}", ids, child, req)))
         if want_lp or prompt_lp is not None:
             check_logprobs_supported("logprobs" if want_lp else "prompt_logprobs")
+        if metrics is not None:
+            metrics.request_accepted(n, 0 if echo_only else jobs[0][1].sampling.max_tokens)
         now = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": now, "model": model}
         choices = [
@@ -750,6 +752,8 @@ def build_app(
             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             prompt_logprobs=req.prompt_logprobs,
         )
+        if metrics is not None:
+            metrics.request_accepted(1, params.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine.generate(new_request(rid, ids, params, req))
         now = int(time.time())

@@ -431,6 +431,23 @@ def test_metrics_move_with_load(sim_server: Server) -> None:
     count = f"vllm:request_prompt_tokens_count{m}"
     assert after[count] - before[count] == 4
     assert after[f"vllm:num_preemptions_total{m}"] >= 0
+    e = f"{{engine=0,model_name={MODEL}}}"
+    for hist in ("request_time_per_output_token_seconds", "request_inference_time_seconds",
+                 "request_params_n", "request_params_max_tokens",
+                 "request_max_num_generation_tokens"):  # fmt: skip
+        count = f"vllm:{hist}_count{e}"
+        assert after[count] - before[count] == 4, hist
+    assert (
+        after[f"vllm:request_params_max_tokens_sum{e}"]
+        - before[f"vllm:request_params_max_tokens_sum{e}"]
+        == 240
+    )
+    assert after[f"vllm:request_params_n_sum{e}"] - before[f"vllm:request_params_n_sum{e}"] == 4
+    generated = f"vllm:request_max_num_generation_tokens_sum{e}"
+    assert after[generated] - before[generated] == 240
+    iteration = f"vllm:iteration_tokens_total_sum{e}"
+    assert after[iteration] - before[iteration] >= 240  # every decode token, plus prefill
+    assert 'le="16384.0"' in httpx.get(f"{sim_server.url}/metrics").text
     assert after["vllm:cache_config_info{block_size=16,num_gpu_blocks=128}"] == 1
     steps = "infergate_sim_steps_total{}"
     assert after[steps] > before[steps]
