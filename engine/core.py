@@ -73,6 +73,11 @@ class _TextState:
         self.text = self.text[: hit[0] + (len(hit[1]) if self.keep_stop else 0)]
         return hit[1]
 
+    def flush(self, stopped_by_token: bool) -> None:
+        """End of the request: emit bytes the decoder still holds (incomplete UTF-8)."""
+        if self.decoder is not None:
+            self.text += self.decoder.flush(exclude_last=stopped_by_token)
+
     def delta(self, finished: bool) -> str:
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
         out = self.text[self.sent : end]
@@ -207,6 +212,8 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
             finished = True
+        elif finished:
+            state.flush(stopped_by_token=_ended_by_token(request))
         out = RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token],

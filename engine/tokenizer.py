@@ -157,7 +157,9 @@ class IncrementalDecoder:
 
     def __init__(self, tok: HFTokenizer, skip_special_tokens: bool) -> None:
         self._tok = tok
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []  # tokens whose bytes are held (incomplete UTF-8)
 
     def step(self, token_ids: Iterable[int]) -> str:
         out = []
@@ -165,4 +167,17 @@ class IncrementalDecoder:
             piece = self._stream.step(self._tok, token_id)
             if piece:
                 out.append(piece)
+                self._pending.clear()
+            else:
+                self._pending.append(token_id)
         return "".join(out)
+
+    def flush(self, exclude_last: bool = False) -> str:
+        """At the end of a stream: held bytes as text (U+FFFD for what is incomplete), as
+        vLLM does rather than dropping them. `exclude_last` leaves out the final token
+        (a stop token, whose text is not part of the output)."""
+        pending = self._pending[:-1] if exclude_last else self._pending
+        self._pending = []
+        if not pending:
+            return ""
+        return str(self._tok.decode(pending, skip_special_tokens=self._skip))

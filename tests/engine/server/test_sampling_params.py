@@ -190,3 +190,29 @@ def test_bad_sampling_values_name_the_parameter(
                         headers={"content-type": "application/json"})  # fmt: skip
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def partial_utf8_token(tiny_model_dir: Path) -> int:
+    """A token that is a lone UTF-8 lead/continuation byte (decodes to U+FFFD alone)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_trailing_incomplete_utf8_is_flushed(
+    real_server: Server, partial_utf8_token: int, stream: bool
+) -> None:
+    """A stream ending inside a UTF-8 sequence ends with U+FFFD, not silently nothing."""
+    client = real_server.client()
+    args: dict[str, Any] = {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+        "logit_bias": {str(partial_utf8_token): 100}, "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    if stream:
+        text = "".join(
+            c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices
+        )
+    else:
+        text = client.completions.create(**args).choices[0].text
+    assert text == "\ufffd"
