@@ -540,16 +540,6 @@ def build_app(
             return None  # the client is gone; the generator's exit aborted the request
         return work.result()
 
-    def usage(out: RequestOutput | None, prompt_len: int) -> dict[str, Any]:
-        completion = out.num_output_tokens if out else 0
-        cached = out.num_cached_tokens if out else 0
-        return {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": completion,
-            "total_tokens": prompt_len + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
     def token_ids(req: _Sampling, prompt: list[int], outs: list[RequestOutput]) -> dict[str, Any]:
         if not req.return_token_ids:
             return {}
@@ -743,8 +733,7 @@ def build_app(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         params = sampling_params(req, len(ids), max_tokens, None)
-        if (req.n or 1) > 1:
-            raise APIError(400, "n > 1 is only supported on /v1/completions.", "n")
+        n = req.n or 1
         if req.logprobs or req.prompt_logprobs is not None:
             check_logprobs_supported("logprobs" if req.logprobs else "prompt_logprobs")
         params = replace(
@@ -753,31 +742,56 @@ def build_app(
             prompt_logprobs=req.prompt_logprobs,
         )
         if metrics is not None:
-            metrics.request_accepted(1, params.max_tokens)
+            metrics.request_accepted(n, params.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine.generate(new_request(rid, ids, params, req))
+        children = [
+            params if params.seed is None else replace(params, seed=params.seed + j)
+            for j in range(n)
+        ]
+        stream = merge_streams(
+            [
+                engine.generate(new_request(f"{rid}-{j}", ids, p, req))
+                for j, p in enumerate(children)
+            ]
+        )
         now = int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": now, "model": model}
+        lasts: list[RequestOutput | None] = [None] * n
+
+        def total_usage() -> dict[str, Any]:
+            """The prompt once, every choice's output tokens (as vLLM sums them)."""
+            done = [o for o in lasts if o is not None]
+            completion = sum(o.num_output_tokens for o in done)
+            cached = done[0].num_cached_tokens if done else 0
+            return {
+                "prompt_tokens": len(ids), "completion_tokens": completion,
+                "total_tokens": len(ids) + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }  # fmt: skip
 
         if not req.stream:
-            outs = await run_to_end(request, stream)
-            if outs is None:
+            tagged = await run_to_end(request, stream)
+            if tagged is None:
                 return Response(status_code=499)  # nginx's "client closed request"
-            for out in outs:
+            per: list[list[RequestOutput]] = [[] for _ in range(n)]
+            for index, out in tagged:
                 check_error(out)
-            last = outs[-1] if outs else None
-            return JSONResponse({
-                **base,
-                "choices": [{
-                    "index": 0,
+                per[index].append(out)
+                lasts[index] = out
+            choices = []
+            for index, outs in enumerate(per):
+                last = outs[-1] if outs else None
+                choices.append({
+                    "index": index,
                     "message": {"role": "assistant", "content": "".join(o.new_text for o in outs)},
                     "logprobs": chat_logprobs([e for o in outs for e in o.logprobs or []]),
                     "finish_reason": last.finish_reason if last else None,
                     "stop_reason": last.stop_reason if last else None,
                     **token_ids(req, ids, outs),
-                }],
-                "usage": usage(last, len(ids)),
-                **chat_prompt_logprobs(outs[0] if outs else None),
+                })  # fmt: skip
+            return JSONResponse({
+                **base, "choices": choices, "usage": total_usage(),
+                **chat_prompt_logprobs(per[0][0] if per[0] else None),
             })  # fmt: skip
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -786,30 +800,31 @@ def build_app(
         )
         chunk_base = {**base, "object": "chat.completion.chunk"}
 
-        def chunk(delta: dict[str, Any], out: RequestOutput | None) -> str:
+        def chunk(index: int, delta: dict[str, Any], out: RequestOutput | None) -> str:
             body: dict[str, Any] = {**chunk_base, "choices": [{
-                "index": 0, "delta": delta,
+                "index": index, "delta": delta,
                 "logprobs": chat_logprobs(out.logprobs or []) if out else None,
                 "finish_reason": out.finish_reason if out else None,
                 "stop_reason": out.stop_reason if out else None,
             }]}  # fmt: skip
             if include_usage:
-                body["usage"] = usage(out, len(ids)) if continuous and out else None
+                body["usage"] = total_usage() if continuous and out else None
             return sse(body)
 
         async def events() -> AsyncIterator[str]:
-            last: RequestOutput | None = None
             try:
-                yield chunk({"role": "assistant", "content": ""}, None)
-                async for out in stream:
-                    last = out
+                for index in range(n):
+                    yield chunk(index, {"role": "assistant", "content": ""}, None)
+                async for index, out in stream:
+                    lasts[index] = out
                     if out.error is not None:
                         yield sse(error_body(500, out.error))
                         break
                     if out.new_text or out.finished or out.logprobs:
-                        yield chunk({"content": out.new_text} if out.new_text else {}, out)
+                        delta = {"content": out.new_text} if out.new_text else {}
+                        yield chunk(index, delta, out)
                 if include_usage:
-                    yield sse({**chunk_base, "choices": [], "usage": usage(last, len(ids))})
+                    yield sse({**chunk_base, "choices": [], "usage": total_usage()})
                 yield "data: [DONE]\n\n"
             finally:
                 await stream.aclose()

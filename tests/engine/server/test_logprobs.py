@@ -216,3 +216,23 @@ def test_simulated_engine_refuses_logprobs(sim_server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", logprobs=1, max_tokens=2, stream=True)
     assert info.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+def test_chat_n_stream_and_not(any_server: Server) -> None:
+    client = any_server.client()
+    args: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Tell me"}], "n": 3,
+        "max_tokens": 4, "temperature": 1.0, "seed": 5, "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    assert whole.usage is not None and whole.usage.completion_tokens == 12
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2}
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]

@@ -234,7 +234,7 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
         ),
         (
             "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2},
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17},
             400,
             "n",
         ),
