@@ -104,9 +104,19 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
     checks: list[tuple[bool, str, str]] = [
         (not 1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
         (
-            req.best_of not in (None, n),
+            req.best_of is not None and not n <= req.best_of <= MAX_N,
             "best_of",
-            "best_of different from n is not supported",
+            f"best_of must be between n and {MAX_N}",
+        ),
+        (
+            (req.best_of or n) > n and not isinstance(req, CompletionRequest),
+            "best_of",
+            "best_of > n is only supported on /v1/completions",
+        ),
+        (
+            (req.best_of or n) > n and bool(req.stream),
+            "best_of",
+            "best_of > n cannot be streamed (the best are known only at the end)",
         ),
         (bool(req.bad_words), "bad_words", "bad_words is not supported"),
         (

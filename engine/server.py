@@ -193,6 +193,7 @@ class _CompletionChoice:
         self.token_ids: list[int] = []
         self.prompt_lp: list[Any] | None = None
         self.last: RequestOutput | None = None
+        self.cumulative_logprob = 0.0  # of the sampled tokens, for best_of ranking
 
     @property
     def completion_tokens(self) -> int:
@@ -206,6 +207,7 @@ class _CompletionChoice:
         """Take one engine output; returns the streamed choice (None: nothing new)."""
         first = self.last is None
         self.last = out
+        self.cumulative_logprob += sum(e.logprob for e in out.logprobs or [])
         text, blocks = "", []
         if first:
             entries = out.prompt_logprobs or []
@@ -654,16 +656,20 @@ def build_app(
         if req.echo and want_lp:
             prompt_lp = max(prompt_lp or 0, req.logprobs or 0)
         n = req.n or 1
+        best_of = max(req.best_of or n, n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs: list[tuple[int, EngineRequest]] = []
         for p_index, ids in enumerate(prompts):
             params = sampling_params(
                 req, len(ids), 1 if echo_only else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS
             )
-            params = replace(params, logprobs=req.logprobs, prompt_logprobs=prompt_lp)
-            for j in range(n):
+            rank_lp = req.logprobs if req.logprobs is not None or best_of == n else 0
+            params = replace(params, logprobs=rank_lp, prompt_logprobs=prompt_lp)
+            for j in range(best_of):
                 child = params if params.seed is None else replace(params, seed=params.seed + j)
                 jobs.append((p_index, new_request(f"{rid}-{len(jobs)}", ids, child, req)))
+        if best_of > n:
+            check_logprobs_supported("best_of")  # ranking needs the sampled tokens' logprobs
         if want_lp or prompt_lp is not None:
             check_logprobs_supported("logprobs" if want_lp else "prompt_logprobs")
         if metrics is not None:
@@ -692,9 +698,17 @@ def build_app(
             for index, out in outs:
                 check_error(out)
                 choices[index].add(out)
-            return JSONResponse({
-                **base, "choices": [c.whole() for c in choices], "usage": total_usage(),
-            })  # fmt: skip
+            kept = choices
+            if best_of > n:  # per prompt, the n samples with the highest cumulative logprob
+                kept = []
+                for p in range(len(prompts)):
+                    group = choices[p * best_of : (p + 1) * best_of]
+                    kept += sorted(group, key=lambda c: -c.cumulative_logprob)[:n]
+            body = []
+            for index, choice in enumerate(kept):
+                choice.index = index
+                body.append(choice.whole())
+            return JSONResponse({**base, "choices": body, "usage": total_usage()})
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and bool(

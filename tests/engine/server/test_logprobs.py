@@ -236,3 +236,22 @@ def test_chat_n_stream_and_not(any_server: Server) -> None:
                 finished.add(choice.index)
     assert finished == {0, 1, 2}
     assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+
+
+def test_best_of_returns_the_most_likely_samples(real_server: Server) -> None:
+    """best_of=4, n=2 returns the 2 of the same 4 seeded samples with the highest
+    cumulative logprob (the 4 are seen with n=4 and logprobs=0)."""
+    client = real_server.client()
+    args: dict[str, Any] = {
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "seed": 11,
+        "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    every = client.completions.create(**args, n=4, logprobs=0)
+    ranked = sorted(
+        every.choices,
+        key=lambda c: -sum(c.logprobs.token_logprobs or []),
+    )
+    best = client.completions.create(**args, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in best.choices)  # not asked for: not returned

@@ -199,7 +199,19 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 1, "best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "best_of": 3, "stream": True},
+            400,
+            "best_of",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "best_of": 2},
+            400,
+            "best_of",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
         (
