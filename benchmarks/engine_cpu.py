@@ -1,5 +1,10 @@
 """CPU decode throughput of the real engine on the tiny model, at batch 1 and 32.
 
+A third view: EngineCore throughput by sampling mode (greedy; temperature with top-p;
+the same with presence/frequency/repetition penalties, min-p, a logit bias and top-5
+logprobs on every request), so the cost of the batched penalty path shows next to plain
+sampling. (Structured output is not implemented yet, so there is no grammar row.)
+
 Two views: the bare `TorchModelRunner` (prefill once, then timed decode steps over the
 paged KV cache), and the whole `EngineCore` step loop (scheduler + KV manager + runner +
 detokenization) generating the same number of tokens. Prints figures; asserts nothing.
@@ -15,6 +20,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from infergate.engine.interfaces import SamplingParams, ScheduledBatch, ScheduledSeq
@@ -53,7 +59,20 @@ def runner_decode(model_dir: Path, batch: int, steps: int, block_size: int) -> t
     return batch * steps / elapsed, 1000 * elapsed / steps
 
 
-def engine_decode(model_dir: Path, batch: int, steps: int, block_size: int) -> float | None:
+SAMPLING_MODES: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "random": {"temperature": 1.0, "top_p": 0.9, "seed": 1},
+    "penalties+logprobs": {
+        "temperature": 1.0, "top_p": 0.9, "seed": 1, "presence_penalty": 0.5,
+        "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.05,
+        "logit_bias": tuple((t, 2.0) for t in range(10, 15)), "logprobs": 5,
+    },
+}  # fmt: skip
+
+
+def engine_decode(
+    model_dir: Path, batch: int, steps: int, block_size: int, mode: str = "greedy"
+) -> float | None:
     """Output tokens/s through EngineCore (prefill included), or None if it is absent."""
     try:
         from infergate.engine.core import EngineCore
@@ -68,7 +87,8 @@ def engine_decode(model_dir: Path, batch: int, steps: int, block_size: int) -> f
         SchedulerConfig(max_num_seqs=max(batch, 1), max_model_len=runner.max_model_len),
         tokenizer=Tokenizer(model_dir),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    extra: dict[str, Any] = dict(SAMPLING_MODES[mode])
+    params = SamplingParams(max_tokens=steps, ignore_eos=True, **extra)
     for i in range(batch):
         prompt = [(7 * i + j) % 200 + 10 for j in range(PROMPT_LEN)]
         core.add_request(Request(f"e{i}", prompt, params))
@@ -109,6 +129,18 @@ def main() -> None:
             core = max((c for c in cores if c is not None), default=None)
             core_s = f"{core:16.0f}" if core is not None else f"{'n/a':>16}"
             print(f"{b:>5}  {tps:12.0f}  {ms:8.2f}  {core_s}")
+        print()
+        print(f"{'batch':>5}  " + "  ".join(f"{m + ' tok/s':>24}" for m in SAMPLING_MODES))
+        for b in args.batch:
+            row = []
+            for mode in SAMPLING_MODES:
+                runs = [
+                    engine_decode(model_dir, b, args.steps, args.block_size, mode)
+                    for _ in range(args.repeat)
+                ]
+                best = max((r for r in runs if r is not None), default=None)
+                row.append(f"{best:24.0f}" if best is not None else f"{'n/a':>24}")
+            print(f"{b:>5}  " + "  ".join(row))
         print(f"# torch intra-op threads during the runs: {torch.get_num_threads()}")
 
 

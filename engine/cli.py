@@ -69,6 +69,35 @@ def serve(
         min=1,
         help="Simulated mode: output length when a request gives no max_tokens (no EOS).",
     ),
+    generation_config: str = typer.Option(
+        "auto",
+        "--generation-config",
+        help="Request defaults: auto (MODEL_DIR's generation_config.json), vllm (none), "
+        "or a directory holding a generation_config.json.",
+    ),
+    chat_template: str | None = typer.Option(
+        None, "--chat-template", help="A Jinja chat template: a file path or the template."
+    ),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", "-tp", min=1, help="Only 1 (one device) is supported."
+    ),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Accepted for vLLM parity; no remote code is run."
+    ),
+    disable_log_requests: bool = typer.Option(
+        False, "--disable-log-requests", help="Accepted for vLLM parity (requests not logged)."
+    ),
+    enable_auto_tool_choice: bool = typer.Option(
+        False, "--enable-auto-tool-choice", help="Not implemented yet: refused."
+    ),
+    tool_call_parser: str | None = typer.Option(
+        None, "--tool-call-parser", help="Not implemented yet: refused."
+    ),
+    enable_dev_endpoints: bool = typer.Option(
+        False,
+        "--enable-dev-endpoints",
+        help="Development routes (/reset_prefix_cache), as vLLM's VLLM_SERVER_DEV_MODE=1.",
+    ),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve`."""
@@ -103,8 +132,15 @@ def serve(
             sim_ns_per_attention_pair,
         ),
         sim_default_max_tokens=sim_default_max_tokens,
+        generation_config=generation_config,
+        chat_template=chat_template,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        dev_mode=enable_dev_endpoints,
         log_level=log_level,
     )
+    del trust_remote_code, disable_log_requests  # pure no-ops, accepted as vLLM does
     try:
         run(opts)
     except ServeError as error:

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from infergate.engine.interfaces import ModelRunner
+from infergate.engine.interfaces import ModelRunner, TokenLogprob
 from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.kv_events import ZmqEventPublisher
 from infergate.engine.metrics import EngineMetrics
@@ -36,14 +36,20 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed the request
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
+    # Of prompt tokens 1.. (in the request's first output only), when asked for.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class _TextState:
     """Incremental text for one request; holds back a possible stop-string prefix."""
 
-    def __init__(self, decoder: IncrementalDecoder | None, stops: tuple[str, ...]) -> None:
+    def __init__(
+        self, decoder: IncrementalDecoder | None, stops: tuple[str, ...], keep_stop: bool = False
+    ) -> None:
         self.decoder = decoder
         self.stops = stops
+        self.keep_stop = keep_stop  # include_stop_str_in_output
         self.holdback = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.sent = 0
@@ -64,8 +70,13 @@ class _TextState:
                 hit = (idx, stop)
         if hit is None:
             return None
-        self.text = self.text[: hit[0]]
+        self.text = self.text[: hit[0] + (len(hit[1]) if self.keep_stop else 0)]
         return hit[1]
+
+    def flush(self, stopped_by_token: bool) -> None:
+        """End of the request: emit bytes the decoder still holds (incomplete UTF-8)."""
+        if self.decoder is not None:
+            self.text += self.decoder.flush(exclude_last=stopped_by_token)
 
     def delta(self, finished: bool) -> str:
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
@@ -99,6 +110,8 @@ class EngineCore:
         self.kv_events = kv_events
         self._text: dict[str, _TextState] = {}
         self._begin_step = getattr(runner, "begin_step", None)
+        self._take_logprobs = getattr(runner, "take_logprobs", None)
+        self._step_logprobs: dict[str, TokenLogprob] = {}
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
         self.num_prompt_tokens = 0  # totals, for the periodic log line
         self.num_generation_tokens = 0
@@ -116,7 +129,9 @@ class EngineCore:
         decoder = None
         if self.tokenizer is not None:
             decoder = self.tokenizer.decode_stream(skip_special_tokens=request.skip_special_tokens)
-        self._text[request.request_id] = _TextState(decoder, request.sampling.stop)
+        self._text[request.request_id] = _TextState(
+            decoder, request.sampling.stop, request.sampling.include_stop_str_in_output
+        )
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
@@ -148,7 +163,12 @@ class EngineCore:
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if sched.batch.seqs:
+            if self.metrics is not None:
+                self.metrics.iteration_tokens.observe(sched.batch.num_tokens)
             sampled = self.runner.execute(sched.batch)
+            if self._take_logprobs is not None:
+                self._step_logprobs, prompt = self._take_logprobs()
+                self._add_prompt_logprobs(prompt)
             now = time.monotonic()
             for request in self.scheduler.update_after_step(sched, sampled):
                 outputs.append(self._on_token(request, now))
@@ -156,10 +176,22 @@ class EngineCore:
         self._publish_events()
         return outputs
 
+    def _add_prompt_logprobs(self, prompt: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+        """Keep prompt logprobs in order; a recompute after preemption repeats positions."""
+        for request_id, (first, entries) in prompt.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            have = request.prompt_logprobs
+            skip = len(have) + 1 - first  # token index of entries[0] is `first`
+            if 0 <= skip < len(entries):
+                have.extend(entries[skip:])
+
     def _on_token(self, request: Request, now: float) -> RequestOutput:
         token = request.output_token_ids[-1]
         m = self.metrics
         self.num_generation_tokens += 1
+        first_output = request.first_token_time is None
         if request.first_token_time is None:
             request.first_token_time = now
             self.num_prompt_tokens += request.num_prompt_tokens
@@ -180,6 +212,8 @@ class EngineCore:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
             finished = True
+        elif finished:
+            state.flush(stopped_by_token=_ended_by_token(request))
         out = RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token],
@@ -191,6 +225,11 @@ class EngineCore:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+        if request.sampling.logprobs is not None:
+            entry = self._step_logprobs.get(request.request_id)
+            out.logprobs = [entry] if entry is not None else []
+        if first_output and request.sampling.prompt_logprobs is not None:
+            out.prompt_logprobs = list(request.prompt_logprobs)
         if finished:
             self.scheduler.finish(request, request.status)
             self._finished(request)

@@ -8,6 +8,7 @@ manager, and what lets FlashInfer slot in later behind the same runner.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +25,39 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Top-N logprobs per generated token (None: off; 0: only the chosen token's).
+    logprobs: int | None = None
+    # Top-N logprobs per prompt token (None: off). Such requests skip prefix-cache reads:
+    # a cached block has no logits to give.
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/CTRL: divides (>0) or multiplies (<0) the logit
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens
+    include_stop_str_in_output: bool = False
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties look at the tokens so far (the sampler needs the request's ids)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob: the token that is there and the N most likely ones.
+
+    Log-probabilities are of the distribution sampled from: the logits divided by the
+    temperature (raw logits for greedy rows), before top-k/top-p masking.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -37,6 +71,15 @@ class ScheduledSeq:
     sample: bool  # sample a next token after this chunk (last prefill chunk, or decode)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_generated: int = 0  # output tokens so far (seeded sampling uses it as the offset)
+    # Prompt tokens after this chunk's last position, for prompt logprobs (else empty):
+    # the chunk's last logits score the first of them.
+    next_prompt_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    # For penalties (else empty): the prompt's and the output's token ids so far.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    # Token ids masked this step (EOS and stop ids while under min_tokens).
+    blocked_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -60,4 +103,15 @@ class ModelRunner(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (e.g. a seeded generator) once a request ends."""
+        ...
+
+
+class LogprobsRunner(ModelRunner, Protocol):
+    """A runner that also reports logprobs (the real one; the simulator has no logits)."""
+
+    def take_logprobs(
+        self,
+    ) -> tuple[dict[str, TokenLogprob], dict[str, tuple[int, list[TokenLogprob]]]]:
+        """The last step's (sampled-token logprobs, (first position, prompt logprobs))
+        per request id, for requests that asked for them; clears them."""
         ...

@@ -53,8 +53,8 @@ class KVCacheManager:
         At least one token is always left to compute: the step that computes it is the one
         that produces the logits for the next token.
         """
-        if not self.enable_prefix_caching:
-            return CachedPrefix([])
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+            return CachedPrefix([])  # prompt logprobs need every prompt position computed
         request.update_block_hashes(self.block_size)
         limit = (request.num_tokens - 1) // self.block_size
         blocks: list[Block] = []

@@ -32,10 +32,35 @@ E2E_BUCKETS = (
 )  # fmt: skip
 
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50 … up to `limit` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, *, block_size: int, num_gpu_blocks: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        max_model_len: int = 50_000,
+    ) -> None:
         self.registry = CollectorRegistry()
         r, labels, m = self.registry, ["model_name"], model_name
 
@@ -98,6 +123,38 @@ class EngineMetrics:
             "vllm:request_generation_tokens", "Output length of finished requests.",
             labels, buckets=TOKEN_BUCKETS, registry=r,
         ).labels(m)  # fmt: skip
+        # Added with vLLM V1's `engine` label (engine index; one engine here: "0").
+        per_engine, e = ["model_name", "engine"], "0"
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, per_engine, buckets=buckets, registry=r)
+
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Mean time per output token of finished requests (decode time / (tokens - 1)).",
+            TPOT_BUCKETS,
+        ).labels(m, e)
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Time from first scheduling to the last token (prefill + decode).",
+            E2E_BUCKETS,
+        ).labels(m, e)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step.",
+            ITERATION_TOKEN_BUCKETS,
+        ).labels(m, e)  # fmt: skip
+        by_len = buckets_1_2_5(max_model_len)
+        self.params_n = histogram("vllm:request_params_n", "The n of requests.", N_BUCKETS).labels(
+            m, e
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "The max_tokens of requests.", by_len
+        ).labels(m, e)
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Most output tokens among a finished request's sequences.",
+            by_len,
+        ).labels(m, e)
         Gauge(
             "vllm:cache_config_info",
             "KV-cache configuration.",
@@ -145,6 +202,18 @@ class EngineMetrics:
                 self.prefill_time.observe(request.first_token_time - request.scheduled_time)
         if request.first_token_time is not None:
             self.decode_time.observe(now - request.first_token_time)
+            if request.num_output_tokens > 1:
+                self.tpot.observe(
+                    (now - request.first_token_time) / (request.num_output_tokens - 1)
+                )
+        if request.scheduled_time is not None:
+            self.inference_time.observe(now - request.scheduled_time)
+        self.max_generation_tokens.observe(request.num_output_tokens)
+
+    def request_accepted(self, n: int, max_tokens: int) -> None:
+        """An API request's parameters (once per request, whatever its n)."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,7 @@ from .attention import (
     get_backend,
     kv_cache_shape,
 )
-from .interfaces import ScheduledBatch
+from .interfaces import ScheduledBatch, ScheduledSeq, TokenLogprob
 from .models import LlamaForCausalLM, ModelConfig
 from .sampler import Sampler
 from .weights import load_model, resolve_device, resolve_dtype
@@ -62,6 +62,8 @@ class TorchModelRunner:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(device)
+        self._logprobs: dict[str, TokenLogprob] = {}
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
 
     @classmethod
     def from_model_dir(
@@ -136,15 +138,51 @@ class TorchModelRunner:
         sampled = [s for s in batch.seqs if s.sample]
         if not sampled:
             return [None] * len(batch.seqs)
-        tokens = iter(
-            self.sampler.sample(
-                logits,
-                [s.sampling for s in sampled],
-                [s.request_id for s in sampled],
-                [s.num_generated for s in sampled],
-            )
+        params = [s.sampling for s in sampled]
+        # Penalties, bias and min_tokens first, so logprobs see what sampling saw.
+        logits = self.sampler.process(
+            logits,
+            params,
+            [s.prompt_token_ids for s in sampled],
+            [s.output_token_ids for s in sampled],
+            [s.blocked_token_ids for s in sampled],
         )
+        chosen = self.sampler.sample(
+            logits, params, [s.request_id for s in sampled], [s.num_generated for s in sampled]
+        )
+        self._record_logprobs(logits, sampled, chosen)
+        tokens = iter(chosen)
         return [next(tokens) if s.sample else None for s in batch.seqs]
+
+    def _record_logprobs(
+        self, logits: torch.Tensor, sampled: list[ScheduledSeq], chosen: list[int]
+    ) -> None:
+        """Logprobs of the sampled tokens, for the rows that asked (one batched call)."""
+        rows = [i for i, s in enumerate(sampled) if s.sampling.logprobs is not None]
+        if not rows:
+            return
+        top_n = max(sampled[i].sampling.logprobs or 0 for i in rows)
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        entries = self.sampler.logprobs(
+            logits[index],
+            [sampled[i].sampling.temperature for i in rows],
+            [chosen[i] for i in rows],
+            top_n,
+        )
+        for i, entry in zip(rows, entries, strict=True):
+            n = sampled[i].sampling.logprobs or 0
+            self._logprobs[sampled[i].request_id] = (
+                entry if len(entry.top) == n else TokenLogprob(
+                    entry.token_id, entry.logprob, entry.rank, entry.top[:n])
+            )  # fmt: skip
+
+    def take_logprobs(
+        self,
+    ) -> tuple[dict[str, TokenLogprob], dict[str, tuple[int, list[TokenLogprob]]]]:
+        """The last step's logprobs (see `interfaces.LogprobsRunner`); clears them."""
+        out = (self._logprobs, self._prompt_logprobs)
+        self._logprobs, self._prompt_logprobs = {}, {}
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -173,10 +211,26 @@ class TorchModelRunner:
             end += len(s.token_ids)
             if s.sample:
                 last_rows.append(end - 1)
+            if s.sampling.prompt_logprobs is not None:
+                self._chunk_prompt_logprobs(s, hidden[end - len(s.token_ids) : end])
         if not last_rows:
             return torch.empty(0, self.vocab_size, device=self.device)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _chunk_prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> None:
+        """Raw logprobs of the prompt tokens that this chunk's positions predict."""
+        targets = seq.token_ids[1:] + seq.next_prompt_ids
+        # Position start_pos + i scores token start_pos + i + 1, prompt tokens only (a
+        # recompute after preemption also covers generated tokens).
+        count = min(len(targets), max(0, seq.num_prompt_tokens - 1 - seq.start_pos))
+        if count <= 0:
+            return
+        logits = self.model.compute_logits(hidden[:count]).float()
+        entries = self.sampler.logprobs(
+            logits, [1.0] * count, targets[:count], seq.sampling.prompt_logprobs or 0
+        )
+        self._prompt_logprobs[seq.request_id] = (seq.start_pos + 1, entries)
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)

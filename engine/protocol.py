@@ -24,7 +24,7 @@ class StreamOptions(_Open):
 
 class _Sampling(_Open):
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = False  # null is false, as in vLLM
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -43,6 +43,10 @@ class _Sampling(_Open):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM extension: token ids in the response
 
@@ -52,6 +56,11 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM extension
+
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_N = 16
 
 
 class ContentPart(_Open):
@@ -73,6 +82,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    prompt_logprobs: int | None = None  # vLLM extension
 
 
 class TokenizeRequest(_Open):
@@ -90,30 +100,59 @@ class DetokenizeRequest(_Open):
 
 def unsupported(req: _Sampling) -> tuple[str, str] | None:
     """(param, message) for the first known field whose value we cannot honour."""
+    n = 1 if req.n is None else req.n
     checks: list[tuple[bool, str, str]] = [
-        (req.n not in (None, 1), "n", "only n=1 is supported"),
-        (req.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
-        (bool(req.presence_penalty), "presence_penalty", "presence_penalty is not supported"),
-        (bool(req.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported"),
+        (not 1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N}"),
         (
-            req.repetition_penalty not in (None, 1.0),
-            "repetition_penalty",
-            "repetition_penalty is not supported",
+            req.best_of is not None and not n <= req.best_of <= MAX_N,
+            "best_of",
+            f"best_of must be between n and {MAX_N}",
         ),
-        (bool(req.min_p), "min_p", "min_p is not supported"),
-        (bool(req.min_tokens), "min_tokens", "min_tokens is not supported"),
+        (
+            (req.best_of or n) > n and not isinstance(req, CompletionRequest),
+            "best_of",
+            "best_of > n is only supported on /v1/completions",
+        ),
+        (
+            (req.best_of or n) > n and bool(req.stream),
+            "best_of",
+            "best_of > n cannot be streamed (the best are known only at the end)",
+        ),
+        (bool(req.bad_words), "bad_words", "bad_words is not supported"),
+        (
+            not req.spaces_between_special_tokens,
+            "spaces_between_special_tokens",
+            "spaces_between_special_tokens=false is not supported",
+        ),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.logprobs is not None, "logprobs", "logprobs are not supported"),
-            (bool(req.echo), "echo", "echo is not supported"),
+            (
+                req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
             (req.suffix is not None, "suffix", "suffix is not supported"),
         ]
+    if isinstance(req, (CompletionRequest, ChatCompletionRequest)):
+        checks.append((
+            req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
+        ))  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         fmt = (req.response_format or {}).get("type", "text")
         checks += [
-            (bool(req.logprobs), "logprobs", "logprobs are not supported"),
-            (bool(req.top_logprobs), "top_logprobs", "top_logprobs are not supported"),
+            (
+                req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS,
+                "top_logprobs",
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+            ),
+            (
+                bool(req.top_logprobs) and not req.logprobs,
+                "top_logprobs",
+                "top_logprobs requires logprobs=true",
+            ),
             (bool(req.tools), "tools", "tool calling is not supported"),
             (fmt != "text", "response_format", "only response_format type 'text' is supported"),
         ]

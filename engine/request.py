@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from infergate.engine.block_hash import block_hashes
-from infergate.engine.interfaces import SamplingParams
+from infergate.engine.interfaces import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +59,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    # Logprobs of prompt tokens 1.. (token 0 has no context), when asked for.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
 from infergate.engine.kv_cache_manager import KVCacheManager
@@ -136,6 +137,9 @@ class Scheduler:
 
     def _seq(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
+        next_prompt: list[int] = []
+        if request.sampling.prompt_logprobs is not None and start + n < request.num_prompt_tokens:
+            next_prompt = request.prompt_token_ids[start + n : start + n + 1]
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + n],
@@ -144,6 +148,9 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             sampling=request.sampling,
             num_generated=request.num_output_tokens,
+            next_prompt_ids=next_prompt,
+            num_prompt_tokens=request.num_prompt_tokens,
+            **_sampling_state(request),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -169,3 +176,15 @@ class Scheduler:
                 request.append_output_token(token)
                 got_token.append(request)
         return got_token
+
+
+def _sampling_state(request: Request) -> dict[str, Any]:
+    """What the sampler needs beyond the params: history for penalties, min_tokens mask."""
+    params = request.sampling
+    state: dict[str, Any] = {}
+    if params.needs_history:
+        state["prompt_token_ids"] = request.prompt_token_ids
+        state["output_token_ids"] = request.output_token_ids
+    if request.num_output_tokens < params.min_tokens:
+        state["blocked_token_ids"] = (*sorted(request.eos_token_ids), *params.stop_token_ids)
+    return state

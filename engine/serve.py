@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,63 @@ class ServeOptions:
     enable_prefix_caching: bool = True
     timing: TimingModel = field(default_factory=TimingModel)
     sim_default_max_tokens: int = 256
+    generation_config: str = "auto"  # auto | vllm | DIR
+    chat_template: str | None = None  # a path or the template itself
+    tensor_parallel_size: int = 1
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    dev_mode: bool = False  # --enable-dev-endpoints (or VLLM_SERVER_DEV_MODE=1)
     log_level: str = "info"
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(setting: str, model_dir: Path) -> dict[str, float]:
+    """vLLM's ``--generation-config``: sampling defaults from generation_config.json."""
+    if setting == "vllm":
+        return {}
+    path = (model_dir if setting == "auto" else Path(setting)) / "generation_config.json"
+    if not path.exists():
+        if setting != "auto":
+            raise ServeError(f"--generation-config {setting}: no generation_config.json there")
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ServeError(f"cannot read {path}: {error}") from None
+    out = {}
+    for key in GENERATION_DEFAULT_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    return out
+
+
+def check_vllm_flags(opts: ServeOptions) -> None:
+    """vLLM flags accepted but not (yet) meaningful here: a clear refusal, not a no-op."""
+    if opts.tensor_parallel_size != 1:
+        raise ServeError(
+            f"--tensor-parallel-size {opts.tensor_parallel_size}: tensor parallelism is not "
+            "supported; the engine runs on one device (use 1)"
+        )
+    if opts.enable_auto_tool_choice or opts.tool_call_parser is not None:
+        raise ServeError(
+            "--enable-auto-tool-choice/--tool-call-parser: tool calling is not implemented yet"
+        )
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the argument itself when it is no file."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if "{" not in value:
+        raise ServeError(f"--chat-template {value}: no such file, and not a Jinja template")
+    return value
 
 
 def _model_config(model_dir: Path) -> dict[str, Any]:
@@ -81,6 +138,7 @@ def build(opts: ServeOptions) -> Any:
     from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
     from infergate.engine.tokenizer import Tokenizer, TokenizerError
 
+    check_vllm_flags(opts)
     model_dir = opts.model_dir
     if not model_dir.is_dir():
         raise ServeError(
@@ -92,6 +150,11 @@ def build(opts: ServeOptions) -> Any:
         tokenizer = Tokenizer(model_dir)
     except (TokenizerError, ValueError, OSError) as error:
         raise ServeError(f"cannot load the tokenizer from {model_dir}: {error}") from None
+    if opts.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(opts.chat_template)
+    defaults = generation_defaults(opts.generation_config, model_dir)
+    if defaults:
+        log.info("request defaults from generation_config.json: %s", defaults)
     names = opts.served_model_name or [str(model_dir)]
     config_len = int(cfg.get("max_position_embeddings") or 2048)
     if opts.max_model_len is not None and opts.max_model_len > config_len:
@@ -154,8 +217,9 @@ def build(opts: ServeOptions) -> Any:
     # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
     prometheus_client.disable_created_metrics()
     metrics = EngineMetrics(
-        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks
-    )
+        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks,
+        max_model_len=max_model_len,
+    )  # fmt: skip
     if opts.simulate:
         metrics.registry.register(SimulatorCollector(runner))
     events = None
@@ -197,6 +261,9 @@ def build(opts: ServeOptions) -> Any:
         vocab_size=vocab_size,
         api_key=opts.api_key,
         default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
+        supports_logprobs=not opts.simulate,
+        generation_defaults=defaults,
+        dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "

@@ -8,6 +8,7 @@ tokenizer_config.json, config.json and generation_config.json, in that order of 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -86,8 +87,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Most characters one token can stand for (a vocabulary string's length bounds its
+        decoded text: byte-level and metaspace vocabularies spend one char per byte/space).
+        ``len(text) / max_token_chars`` is a floor on a text's token count."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long text
+        # tokenized on a worker thread does not stall the event loop or the step loop.
+        encoded = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoded[0].ids
         if (
             add_special_tokens
             and self.add_bos_token
@@ -146,7 +157,9 @@ class IncrementalDecoder:
 
     def __init__(self, tok: HFTokenizer, skip_special_tokens: bool) -> None:
         self._tok = tok
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._pending: list[int] = []  # tokens whose bytes are held (incomplete UTF-8)
 
     def step(self, token_ids: Iterable[int]) -> str:
         out = []
@@ -154,4 +167,17 @@ class IncrementalDecoder:
             piece = self._stream.step(self._tok, token_id)
             if piece:
                 out.append(piece)
+                self._pending.clear()
+            else:
+                self._pending.append(token_id)
         return "".join(out)
+
+    def flush(self, exclude_last: bool = False) -> str:
+        """At the end of a stream: held bytes as text (U+FFFD for what is incomplete), as
+        vLLM does rather than dropping them. `exclude_last` leaves out the final token
+        (a stop token, whose text is not part of the output)."""
+        pending = self._pending[:-1] if exclude_last else self._pending
+        self._pending = []
+        if not pending:
+            return ""
+        return str(self._tok.decode(pending, skip_special_tokens=self._skip))

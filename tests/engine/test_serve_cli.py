@@ -13,6 +13,11 @@ import pytest
     [
         ([], "infergate engine make-tiny-model"),
         (["--max-model-len", "999999"], "max_position_embeddings"),
+        (["--tensor-parallel-size", "2"], "tensor parallelism is not supported"),
+        (["--enable-auto-tool-choice"], "tool calling is not implemented"),
+        (["--tool-call-parser", "hermes"], "tool calling is not implemented"),
+        (["--generation-config", "/nonexistent-dir"], "generation_config.json"),
+        (["--chat-template", "no-such-file.jinja"], "--chat-template"),
     ],
 )
 def test_startup_errors_are_one_clear_line(

@@ -100,6 +100,7 @@ def sim_server(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Serve
         yield _start(
             group, infergate_cli, "engine-sim", tiny_model_dir,
             "--simulate", "--num-gpu-blocks-override", "128", "--max-model-len", "1024",
+            "--enable-dev-endpoints",
         )  # fmt: skip
 
 

@@ -18,6 +18,8 @@ from infergate.procs import ProcessGroup, free_port, http_ready
 
 from .conftest import API_KEY, MODEL, Server
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 
 @pytest.fixture
 def subscriber(sim_server: Server) -> Iterator[zmq.Socket[bytes]]:
@@ -66,7 +68,9 @@ def test_block_stored_hashes_match_the_shared_recipe(
     sim_server: Server, subscriber: zmq.Socket[bytes]
 ) -> None:
     prompt = "Once upon a time there was a small town by the sea. " * 3
-    ids = httpx.post(f"{sim_server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    ids = httpx.post(f"{sim_server.url}/tokenize", headers=AUTH, json={"prompt": prompt}).json()[
+        "tokens"
+    ]
     complete(sim_server, prompt, cache_salt="kv-events-test")
     stored = [e for e in receive(subscriber, BlockStored) if isinstance(e, BlockStored)]
     hashes = [h for e in stored for h in e.block_hashes]
@@ -91,7 +95,8 @@ def test_evictions_and_reset_are_published(
     removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert removed
     sim_server.wait_idle()
-    res = httpx.post(f"{sim_server.url}/reset_prefix_cache")
+    with sim_server.http() as http:
+        res = http.post("/reset_prefix_cache")
     assert res.status_code == 200
     receive(subscriber, AllBlocksCleared)
 

@@ -22,6 +22,8 @@ from .conftest import API_KEY, MODEL, Server
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 TOO_LONG = "<longer than max_model_len>"
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 
 def test_completion_and_its_stream_agree(sim_server: Server) -> None:
     client = sim_server.client()
@@ -29,7 +31,9 @@ def test_completion_and_its_stream_agree(sim_server: Server) -> None:
     choice = done.choices[0]
     assert choice.finish_reason == "length" and choice.text
     n_prompt = len(
-        httpx.post(f"{sim_server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+        httpx.post(f"{sim_server.url}/tokenize", headers=AUTH, json={"prompt": PROMPT}).json()[
+            "tokens"
+        ]
     )
     assert done.usage is not None
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (n_prompt, 12)
@@ -166,15 +170,6 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
             400,
             "max_tokens",
         ),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
-        (
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
-            400,
-            "logprobs",
-        ),
         (
             "/v1/chat/completions",
             {
@@ -194,7 +189,6 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
             400,
             "stop_token_ids",
         ),
-        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
         (
             "/v1/completions",
             {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
@@ -203,6 +197,59 @@ def test_ignore_eos_and_sampling_fields_accepted(sim_server: Server) -> None:
         ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
         ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "best_of": 3, "stream": True},
+            400,
+            "best_of",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "best_of": 2},
+            400,
+            "best_of",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "prompt_logprobs": 21},
+            400,
+            "prompt_logprobs",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_tokens": 0, "stream": True},
+            400,
+            "max_tokens",
+        ),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", []]}, 400, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "logprobs": True,
+                "top_logprobs": 21,
+            },
+            400,
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17},
+            400,
+            "n",
+        ),
     ],
 )
 def test_bad_input_gets_openai_errors(
@@ -264,7 +311,7 @@ def test_unknown_router_fields_are_ignored(sim_server: Server) -> None:
     assert "ignoring unknown request fields" in sim_server.process.log_tail(100_000)
 
 
-def test_api_key_guards_v1_only(any_server: Server) -> None:
+def test_api_key_guards_v1_and_tokenizer_routes(any_server: Server) -> None:
     bad = openai.OpenAI(base_url=f"{any_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -272,21 +319,41 @@ def test_api_key_guards_v1_only(any_server: Server) -> None:
     assert res.status_code == 401 and res.json()["error"]["code"] == 401
     for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{any_server.url}{path}").status_code == 200
+    for path, body in (
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [1]}),
+        ("/reset_prefix_cache", {}),
+    ):
+        res = httpx.post(f"{any_server.url}{path}", json=body)
+        assert res.status_code == 401 and res.json()["error"]["code"] == 401
+
+
+def test_reset_prefix_cache_only_in_dev_mode(real_server: Server) -> None:
+    """The real server runs without --enable-dev-endpoints: the route does not exist."""
+    with real_server.http() as http:
+        res = http.post("/reset_prefix_cache")
+    assert res.status_code == 404 and res.json()["error"]["code"] == 404
 
 
 def test_models_version_tokenize_detokenize(sim_server: Server) -> None:
     models = sim_server.client().models.list().data
     assert [m.id for m in models] == [MODEL]
     assert httpx.get(f"{sim_server.url}/version").json()["version"]
-    tok = httpx.post(f"{sim_server.url}/tokenize", json={"prompt": "Hello, world!"}).json()
+    tok = httpx.post(
+        f"{sim_server.url}/tokenize", headers=AUTH, json={"prompt": "Hello, world!"}
+    ).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 1024
-    text = httpx.post(f"{sim_server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    text = httpx.post(
+        f"{sim_server.url}/detokenize", headers=AUTH, json={"tokens": tok["tokens"]}
+    ).json()
     assert text["prompt"].endswith("Hello, world!")
     chat = httpx.post(
-        f"{sim_server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}
+        f"{sim_server.url}/tokenize",
+        headers=AUTH,
+        json={"messages": [{"role": "user", "content": "Hi"}]},
     ).json()
     assert chat["count"] > tok["count"] // 2
-    res = httpx.post(f"{sim_server.url}/detokenize", json={"tokens": [10**9]})
+    res = httpx.post(f"{sim_server.url}/detokenize", headers=AUTH, json={"tokens": [10**9]})
     assert res.status_code == 400
 
 
@@ -376,6 +443,23 @@ def test_metrics_move_with_load(sim_server: Server) -> None:
     count = f"vllm:request_prompt_tokens_count{m}"
     assert after[count] - before[count] == 4
     assert after[f"vllm:num_preemptions_total{m}"] >= 0
+    e = f"{{engine=0,model_name={MODEL}}}"
+    for hist in ("request_time_per_output_token_seconds", "request_inference_time_seconds",
+                 "request_params_n", "request_params_max_tokens",
+                 "request_max_num_generation_tokens"):  # fmt: skip
+        count = f"vllm:{hist}_count{e}"
+        assert after[count] - before[count] == 4, hist
+    assert (
+        after[f"vllm:request_params_max_tokens_sum{e}"]
+        - before[f"vllm:request_params_max_tokens_sum{e}"]
+        == 240
+    )
+    assert after[f"vllm:request_params_n_sum{e}"] - before[f"vllm:request_params_n_sum{e}"] == 4
+    generated = f"vllm:request_max_num_generation_tokens_sum{e}"
+    assert after[generated] - before[generated] == 240
+    iteration = f"vllm:iteration_tokens_total_sum{e}"
+    assert after[iteration] - before[iteration] >= 240  # every decode token, plus prefill
+    assert 'le="16384.0"' in httpx.get(f"{sim_server.url}/metrics").text
     assert after["vllm:cache_config_info{block_size=16,num_gpu_blocks=128}"] == 1
     steps = "infergate_sim_steps_total{}"
     assert after[steps] > before[steps]
