@@ -13,7 +13,7 @@ schedulingProfiles:
   - pluginRef: prefix
     weight: 3
 saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
-flowControl: {maxRequestsPerEndpoint: 4, defaultRequestTTL: 30s}   # optional; off if absent
+flowControl: {maxRequestsPerEndpoint: 4, defaultRequestTTL: 20s}   # optional; off if absent
 ```
 
 Errors name the offending field (``plugins[1].parameters.blockSize: ...``).
@@ -143,14 +143,14 @@ PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
 
 #: infergate's default profile with flow control on (docs/epp.md, "Flow control"): requests
 #: wait in the EPP by priority band and tenant while each endpoint has 4 EPP-routed
-#: requests unfinished or the whole pool is saturated; 30 s in the queue answers 429.
+#: requests unfinished or the whole pool is saturated; 20 s in the queue answers 429.
 FLOW_CONTROL_CONFIG_YAML = (
     DEFAULT_CONFIG_YAML
     + """\
 flowControl:
   maxRequests: 10000
   maxBytes: 1073741824
-  defaultRequestTTL: 30s
+  defaultRequestTTL: 20s
   maxRequestsPerEndpoint: 4
   useSaturationDetector: true
   fairnessPolicy: round-robin

@@ -7,13 +7,13 @@ queue until the pool has capacity::
     flowControl:
       maxRequests: 10000          # all bands together
       maxBytes: 268435456         # request bodies held, all bands together
-      defaultRequestTTL: 30s      # queued longer than this -> 429
+      defaultRequestTTL: 20s      # queued longer than this -> 429 (under Envoy's 30 s)
       maxRequestsPerEndpoint: 4   # dispatch budget: EPP-routed, unfinished requests
       useSaturationDetector: true # also hold while every endpoint is saturated
       dispatchInterval: 20ms      # re-check capacity this often while anything waits
       fairnessPolicy: round-robin # or token-fair-share (between flows of one band)
       priorityBands:              # optional per-band bounds; other bands get the defaults
-      - {priority: -1, maxRequests: 5000, maxBytes: 67108864}
+      - {priority: -1, maxRequests: 5000, maxBytes: 67108864, requestTTL: 5s}
 
 Durations accept seconds as a number or Go-style strings (``500ms``, ``30s``, ``2m``), as
 GIE's config does. Unknown fields are refused by name.
@@ -52,6 +52,12 @@ class PriorityBandConfig(BaseModel):
     priorityName: str | None = None
     maxRequests: int | None = Field(None, ge=1)
     maxBytes: int | None = Field(None, ge=1)
+    requestTTL: float | None = Field(None, gt=0, description="Overrides defaultRequestTTL.")
+
+    @field_validator("requestTTL", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> float | None:
+        return None if value is None else parse_duration(value)
 
 
 class FlowControlConfig(BaseModel):
@@ -60,7 +66,9 @@ class FlowControlConfig(BaseModel):
     enabled: bool = True
     maxRequests: int = Field(10_000, ge=1)
     maxBytes: int = Field(1 << 30, ge=1)
-    defaultRequestTTL: float = Field(30.0, gt=0)
+    #: Keep it under Envoy's ext_proc ``message_timeout`` (30 s in infergate's Envoy
+    #: config): a request queued past that is failed by Envoy, not answered 429 by us.
+    defaultRequestTTL: float = Field(20.0, gt=0)
     maxRequestsPerEndpoint: int | None = Field(None, ge=1)
     useSaturationDetector: bool = True
     dispatchInterval: float = Field(0.02, gt=0, le=5.0)
@@ -87,6 +95,13 @@ class FlowControlConfig(BaseModel):
                 "useSaturationDetector true"
             )
         return self
+
+    def ttl(self, priority: int) -> float:
+        """Seconds a request of ``priority`` may wait before it is answered 429."""
+        for band in self.priorityBands:
+            if band.priority == priority and band.requestTTL is not None:
+                return band.requestTTL
+        return self.defaultRequestTTL
 
     def band(self, priority: int) -> tuple[int | None, int | None]:
         """(maxRequests, maxBytes) of the band for ``priority``; None = only the totals."""

@@ -135,7 +135,7 @@ class FlowController:
         if waiter.done():
             return waiter.result()
         self._ensure_ticker()
-        timer = loop.call_later(self.config.defaultRequestTTL, self._expire, item)
+        timer = loop.call_later(self.config.ttl(priority), self._expire, item)
         try:
             return await waiter
         except asyncio.CancelledError:
@@ -155,7 +155,7 @@ class FlowController:
         item.waiter.set_exception(
             FlowRejected(
                 "ttl_expired",
-                f"the request waited {self.config.defaultRequestTTL:g}s in the "
+                f"the request waited {self.config.ttl(item.priority):g}s in the "
                 "flow-control queue (its TTL) without capacity",
             )
         )

@@ -142,7 +142,7 @@ def test_flow_control_is_off_unless_configured() -> None:
     assert flow_control_config(None) is None
     assert flow_control_config({"enabled": False, "maxRequestsPerEndpoint": 2}) is None
     on = load_config("builtin:flow-control").flowControl
-    assert on is not None and on.maxRequestsPerEndpoint == 4 and on.defaultRequestTTL == 30.0
+    assert on is not None and on.maxRequestsPerEndpoint == 4 and on.defaultRequestTTL == 20.0
 
 
 def test_durations_and_bands_parse() -> None:
@@ -151,11 +151,12 @@ def test_durations_and_bands_parse() -> None:
         "  defaultRequestTTL: 1500ms\n"
         "  dispatchInterval: 0.01\n"
         "  maxRequestsPerEndpoint: 2\n"
-        "  priorityBands: [{priority: -1, maxRequests: 5, maxBytes: 100}]\n"
+        "  priorityBands: [{priority: -1, maxRequests: 5, maxBytes: 100, requestTTL: 2m}]\n"
     ).flowControl
     assert config is not None
     assert config.defaultRequestTTL == 1.5 and config.dispatchInterval == 0.01
     assert config.band(-1) == (5, 100) and config.band(0) == (None, None)
+    assert config.ttl(-1) == 120.0 and config.ttl(0) == 1.5
 
 
 @pytest.mark.parametrize(
@@ -176,6 +177,10 @@ def test_durations_and_bands_parse() -> None:
         ),
         ("flowControl: {useSaturationDetector: false}", "needs a capacity signal"),
         ("flowControl: [1, 2]", "flowControl"),
+        (
+            "flowControl: {priorityBands: [{priority: 1, requestTTL: -1s}]}",
+            "flowControl.priorityBands[0].requestTTL",
+        ),
     ],
 )
 def test_bad_flow_control_config_is_named(yaml_text: str, named: str) -> None:
