@@ -24,9 +24,9 @@ from infergate.epp.datalayer.discovery.file import (
     watch_file,
 )
 from infergate.epp.eds import EndpointDiscovery
+from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
-from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.requestcontrol.director import Director
 from infergate.epp.requestcontrol.objectives import (
     ObjectivesError,

@@ -179,3 +179,5 @@ class BandQueues:
             del band.flows[flow.fairness_id]
         if not band.requests:
             del self.bands[band.priority]
+        if not self.requests:
+            self._index = {}  # a dict keeps its high-water capacity; a burst's is let go

@@ -248,7 +248,10 @@ async def test_ttl_expiry_is_a_rejection_that_leaves_nothing_queued() -> None:
     assert error.value.reason == "ttl_expired" and "TTL" in error.value.message
     assert len(flow.queues) == 0 and flow.queues.bands == {}
     text = generate_latest(registry).decode()
-    assert 'infergate_epp_flow_control_rejections_total{priority="-1",reason="ttl_expired"} 1.0' in text
+    assert (
+        'infergate_epp_flow_control_rejections_total{priority="-1",reason="ttl_expired"} 1.0'
+        in text
+    )
     flow.release(held)
     assert flow.in_flight == 0
 
@@ -284,7 +287,11 @@ async def test_dispatched_then_cancelled_gives_its_capacity_back() -> None:
     [
         ({"maxRequests": 3}, 1, "maximum of 3 requests"),
         ({"maxBytes": 250}, 100, "maximum of 250 bytes"),
-        ({"priorityBands": [{"priority": 0, "maxRequests": 2}]}, 1, "band 0 holds its maximum of 2"),
+        (
+            {"priorityBands": [{"priority": 0, "maxRequests": 2}]},
+            1,
+            "band 0 holds its maximum of 2",
+        ),
         ({"priorityBands": [{"priority": 0, "maxBytes": 150}]}, 100, "maximum of 150 bytes"),
     ],
 )
