@@ -1,5 +1,11 @@
 """The request director: body → rewrite → objective → admission → candidates → schedule.
 
+Admission is shed-or-pass (sheddable requests get 429 while the pool is saturated) unless
+flow control is configured; then a request with a body waits in the flow controller
+until it is dispatched, is scheduled against the candidates as they are at that moment,
+and gives its capacity back in ``finish`` (or at once if scheduling fails). Requests
+without a body (GET /v1/models…) are not inference work and are never queued.
+
 It owns no per-request state; the ext-proc stream does, and calls ``finish`` exactly
 once for every request it routed.
 """
@@ -140,8 +146,8 @@ class Director:
 
         candidates = self._candidates(subset)
         ticket: Ticket | None = None
-        if self.flow is not None:
-            ticket, candidates = await self._admit(request, len(raw_body or b""), subset)
+        if self.flow is not None and raw_body:
+            ticket, candidates = await self._admit(request, len(raw_body), subset)
         elif request.priority < 0 and self.saturation.pool_saturated(candidates):
             raise Rejected(429, "the pool is saturated; sheddable request dropped")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 
 import pytest
 from infergate.epp.config import ConfigError, load_config, parse_config
@@ -295,9 +296,7 @@ async def test_dispatched_then_cancelled_gives_its_capacity_back() -> None:
         ({"priorityBands": [{"priority": 0, "maxBytes": 150}]}, 100, "maximum of 150 bytes"),
     ],
 )
-async def test_bounds_reject_with_a_reason(
-    overrides: dict[str, object], size: int, says: str
-) -> None:
+async def test_bounds_reject_with_a_reason(overrides: dict[str, Any], size: int, says: str) -> None:
     flow = make_controller(**overrides)
     held = await flow.admit(0, "default", 1)
     waiters = []
