@@ -61,7 +61,7 @@ class _QueueGauges(Collector):
                     oldest = head.enqueued if oldest is None else min(oldest, head.enqueued)
                     labels = [flow.fairness_id, str(priority), pool]
                     size.add_metric(labels, len(flow.items))
-                    nbytes.add_metric(labels, sum(item.size for item in flow.items.values()))
+                    nbytes.add_metric(labels, flow.bytes)
                 if oldest is not None:
                     age.add_metric([str(priority)], now - oldest)
             in_flight.add_metric([], controller.in_flight)

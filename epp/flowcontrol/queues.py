@@ -54,6 +54,7 @@ class QueueItem:
 class Flow:
     fairness_id: str
     items: OrderedDict[int, QueueItem] = field(default_factory=OrderedDict)
+    bytes: int = 0
     served: float = 0.0  # tokens charged (token-fair-share)
 
 
@@ -104,6 +105,7 @@ class BandQueues:
         if not flow.items:
             band.ring.append(item.flow)
         flow.items[item.id] = item
+        flow.bytes += item.size
         band.requests += 1
         band.bytes += item.size
         self.requests += 1
@@ -165,6 +167,7 @@ class BandQueues:
         return flow
 
     def _account_removed(self, band: Band, flow: Flow, item: QueueItem) -> None:
+        flow.bytes -= item.size
         band.requests -= 1
         band.bytes -= item.size
         self.requests -= 1

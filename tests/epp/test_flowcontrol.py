@@ -350,3 +350,22 @@ async def test_burst_of_10000_respects_the_bound_and_empties_completely() -> Non
     assert len(flow.queues) == 0 and flow.queues.bands == {} and flow.in_flight == 0
     assert not flow.queues._index
     await flow.close()
+
+
+async def test_queue_gauges_follow_the_live_queues() -> None:
+    registry = CollectorRegistry()
+    flow = make_controller(registry=registry)
+    held = await flow.admit(0, "default", 1)
+    waiters = [asyncio.create_task(flow.admit(-1, "team-a", 100)) for _ in range(3)]
+    await settle()
+    text = generate_latest(registry).decode()
+    labels = 'fairness_id="team-a",inference_pool="local",priority="-1"'
+    assert f"inference_extension_flow_control_queue_size{{{labels}}} 3.0" in text
+    assert f"inference_extension_flow_control_queue_bytes{{{labels}}} 300.0" in text
+    assert "infergate_epp_flow_control_in_flight_requests 1.0" in text
+    for task in waiters:
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    text = generate_latest(registry).decode()
+    assert not [line for line in text.splitlines() if "team-a" in line]  # no series left
+    flow.release(held)
