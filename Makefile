@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo test test-all lint typecheck bench conformance conformance-local clean
+.PHONY: help install controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -14,16 +14,23 @@ install: $(VENV)/.installed ## Create .venv with torch (CPU) and infergate[dev]
 
 $(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
-	# torch first, pinned, so pip takes the local CPU build instead of GBs of CUDA wheels.
+	# torch first, pinned. pip takes a local CPU wheel if the machine's find-links has one;
+	# otherwise PyPI's build of 2.13.0, which bundles CUDA (~4 GB installed) and runs on CPU.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from source (needs Go)
+	tools/controlplane/build.sh
+
 demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
 	$(BIN)/infergate up
 
-test: install ## Run the test suite (gpu/cluster tests skip themselves without hardware)
-	$(BIN)/pytest $(PYTEST_ARGS)
+test: install controlplane ## Run the test suite, the cluster tier included (gpu tests skip themselves without a GPU)
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest $(PYTEST_ARGS)
+
+test-cluster: install controlplane ## Only the cluster tier (the local control plane, or INFERGATE_TEST_KUBECONFIG)
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m cluster $(PYTEST_ARGS)
 
 lint: install typecheck ## ruff + mypy
 	$(BIN)/ruff check .
@@ -51,6 +58,11 @@ conformance: install ## The InferencePool conformance suite on a kind cluster (n
 conformance-local: install ## The conformance suite against the local stack; writes conformance/reports/local/
 	$(BIN)/pytest -m conformance conformance -p no:cacheprovider \
 		--conformance-report=conformance/reports/local/infergate-local-gateway-report.yaml
+
+conformance-controlplane: install controlplane ## The conformance suite over the real control plane; writes conformance/reports/controlplane/
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \
+		-p no:cacheprovider --conformance-driver=controlplane \
+		--conformance-report=conformance/reports/controlplane/infergate-controlplane-gateway-report.yaml
 
 clean: ## Remove the venv, caches and build outputs
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -43,13 +43,20 @@ def main() -> None:
         action="store_true",
         help="Envoy sends the EPP no response bodies (response_body_mode NONE)",
     )
+    parser.add_argument(
+        "--single-filter",
+        action="store_true",
+        help="GIE's single ext_proc filter (response chunks through the EPP) instead of the "
+        "routing filter + observability-mode observer",
+    )
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
         f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
-        f"{args.endpoints} endpoints, response bodies to EPP: {not args.no_response_body}"
+        f"{args.endpoints} endpoints, response bodies to EPP: {not args.no_response_body}, "
+        f"design: {'single filter' if args.single_filter else 'routing + observer'}"
     )
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
         rig = start_rig(
@@ -58,6 +65,7 @@ def main() -> None:
             upstream=args.upstream,
             endpoints=args.endpoints,
             response_bodies=not args.no_response_body,
+            observe_responses=not args.single_filter,
         )
         header = (
             f"{'rate':>6} {'path':>8} {'ok/sent':>11} {'p50 ms':>8} {'p90 ms':>8} "

@@ -23,9 +23,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "InferencePool conformance suite")
     group.addoption(
         "--conformance-driver",
-        choices=("local", "cluster"),
+        choices=("local", "controlplane", "cluster"),
         default=os.environ.get("CONFORMANCE_DRIVER", "local"),
-        help="local: processes on loopback (default); cluster: the cluster in $KUBECONFIG",
+        help="local: processes on loopback (default); controlplane: the same over the real "
+        "kube-apiserver `make controlplane` builds; cluster: the cluster in $KUBECONFIG",
     )
     group.addoption(
         "--conformance-report",
@@ -54,6 +55,11 @@ def driver(
         from conformance.drivers.local import LocalDriver
 
         made = LocalDriver(tmp_path_factory.mktemp("conformance"), _cli())
+    elif kind == "controlplane":
+        from conformance.drivers.controlplane import ControlPlaneDriver
+        from infergate.testing.controlplane import binaries_dir
+
+        made = ControlPlaneDriver(tmp_path_factory.mktemp("conformance"), _cli(), binaries_dir())
     else:
         from conformance.drivers.cluster import ClusterDriver
 
@@ -112,8 +118,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         return
     # GIE's `mode` is the implementation's operating mode: on a cluster the default one
     # (a Gateway API implementation + the operator); locally Envoy is configured directly.
-    if session.config.getoption("--conformance-driver") == "local":
+    driver = session.config.getoption("--conformance-driver")
+    if driver == "local":
         mode, gateway = "local", "one Envoy per pool (infergate.stack.envoy_config), no Gateway API"
+    elif driver == "controlplane":
+        mode = "local"
+        gateway = (
+            "one Envoy per pool (infergate.stack.envoy_config), no Gateway API; real "
+            "kube-apiserver + controller-manager + scheduler + kwok, operator and EPPs on "
+            "the chart's and their own ServiceAccount tokens"
+        )
     else:
         mode, gateway = "default", f"GatewayClass {session.config.getoption('--gateway-class')}"
     write_report(Path(path), build_report(outcomes, mode=mode, root=ROOT, gateway=gateway))

@@ -35,7 +35,7 @@ from infergate.epp.requestcontrol.objectives import (
 )
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
-from infergate.epp.server import ExtProcServer
+from infergate.epp.server import ExtProcServer, Limits
 from infergate.epp.types import Endpoint
 from prometheus_client import start_http_server
 
@@ -61,6 +61,9 @@ class EppOptions:
     metrics_staleness_threshold: float = 2.0
     metrics_timeout: float = 1.0
     max_request_body_bytes: int = 8 << 20
+    max_buffered_bytes: int = 128 << 20
+    max_streams: int = 10_000
+    body_timeout_s: float | None = 20.0
     scores_header: bool = False
     secure_serving: bool = False
     cert_path: Path | None = None
@@ -96,7 +99,14 @@ class Epp:
             self.flow,
         )
         self.ext_proc = ExtProcServer(
-            self.director, options.max_request_body_bytes, options.scores_header
+            self.director,
+            Limits(
+                max_body_bytes=options.max_request_body_bytes,
+                max_buffered_bytes=options.max_buffered_bytes,
+                max_streams=options.max_streams,
+                body_timeout_s=options.body_timeout_s,
+            ),
+            options.scores_header,
         )
         if options.endpoints_file is not None:
             self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
@@ -146,6 +156,9 @@ class Epp:
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
+        # Health on the ext-proc port too, over its transport: Envoy's check then fails
+        # when ext-proc would (TLS mismatch, not gRPC), not only when the port is closed.
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         if o.secure_serving:
             from infergate.epp.tls import server_credentials
 

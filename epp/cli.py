@@ -42,7 +42,8 @@ def epp(
         "--config-file",
         help="EndpointPickerConfig YAML (plugins and profiles), or a built-in config by name: "
         "builtin:infergate-default (the default), builtin:gie-default (GIE's default "
-        "profile), builtin:precise-prefix.",
+        "profile), builtin:precise-prefix (infergate's default plus the engines' KV "
+        "events), builtin:gie-precise-prefix.",
     ),
     config_text: str | None = typer.Option(
         None, "--config-text", help="The EndpointPickerConfig inline, instead of a file."
@@ -72,6 +73,19 @@ def epp(
     metrics_timeout: str = typer.Option("1s", "--metrics-timeout", help="Scrape timeout."),
     max_request_body_bytes: int = typer.Option(
         8 << 20, "--max-request-body-bytes", help="Larger request bodies get 413."
+    ),
+    max_buffered_bytes: int = typer.Option(
+        128 << 20,
+        "--max-buffered-bytes",
+        help="Request bodies buffered across all requests in flight; beyond it 503.",
+    ),
+    max_streams: int = typer.Option(
+        10_000, "--max-streams", help="Concurrent ext-proc streams; beyond it 503."
+    ),
+    body_timeout: str = typer.Option(
+        "20s",
+        "--body-timeout",
+        help="A request body must arrive within this (after its headers), else 408; 0 = none.",
     ),
     scores_header: bool = typer.Option(
         False,
@@ -145,6 +159,13 @@ def epp(
             metrics_staleness_threshold=staleness,
             metrics_timeout=scrape_timeout,
             max_request_body_bytes=max_request_body_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            max_streams=max_streams,
+            body_timeout_s=(
+                None
+                if body_timeout.strip() in ("0", "0s")
+                else parse_duration(body_timeout, "--body-timeout")
+            ),
             scores_header=scores_header,
             secure_serving=secure_serving,
             cert_path=cert_path,

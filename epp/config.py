@@ -137,7 +137,7 @@ schedulingProfiles:
 
 #: GIE's default profile with the precise (KV-event driven) prefix scorer in place of the
 #: approximate one: llm-d's "precise prefix-cache aware" routing.
-PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
+GIE_PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
     "prefix-cache-scorer", "precise-prefix-cache-scorer"
 )
 
@@ -157,12 +157,33 @@ flowControl:
 """
 )
 
+#: infergate's default with the engines' KV events as well (``infergate up
+#: --precise-prefix``): the precise index gives exact token counts and confirmed blocks,
+#: the calibrated approximate index covers the window before an event arrives; the
+#: predicted-latency scorer takes the larger cached estimate.
+PRECISE_PREFIX_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: precise-prefix-cache-scorer
+- type: predicted-latency-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
     "gie-default": GIE_DEFAULT_CONFIG_YAML,
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
     "flow-control": FLOW_CONTROL_CONFIG_YAML,
+    "gie-precise-prefix": GIE_PRECISE_PREFIX_CONFIG_YAML,
 }
 BUILTIN_PREFIX = "builtin:"
 

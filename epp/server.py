@@ -7,15 +7,26 @@ header plus the same value as dynamic metadata ``envoy.lb`` — followed by the 
 ``StreamedBodyResponse`` chunks. Response headers and body chunks are passed straight
 back while usage is read. Whatever happens to the stream (end, error, Envoy cancelling),
 ``close`` runs once and releases the request's accounting.
+
+Memory is bounded (``Limits``): request bodies buffered across all streams share one
+byte budget, concurrent streams have a cap, and a body must finish arriving within a
+deadline. Beyond them the EPP answers at once with an OpenAI-shaped error — 503 for its
+own limits (the client may retry, possibly on another replica), 408 for a body that
+trickles past the deadline, 413 for one request over its own cap — so a flood of slow
+or large uploads can never grow the process without bound. Worst-case RSS is about the
+idle RSS + 3 x ``max_buffered_bytes`` (the buffer, one contiguous copy and the decoded
+document of the bodies being routed) + ~20 KiB per stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,9 +49,26 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 SCORES_HEADER = "x-infergate-epp-scores"
+REQUEST_ID_HEADER = "x-infergate-request-id"
+"""Set by the EPP on the routed request; the observer stream names its request with it."""
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 USAGE_BUFFER_LIMIT = 4 << 20
 BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one EPP process holds for requests in flight (see the module docstring)."""
+
+    max_body_bytes: int = 8 << 20
+    """One request's body; larger gets 413."""
+    max_buffered_bytes: int = 128 << 20
+    """Request bodies buffered across all streams; a chunk that would pass it gets 503."""
+    max_streams: int = 10_000
+    """Concurrent ext-proc streams; the next one gets 503 at its first message."""
+    body_timeout_s: float | None = 20.0
+    """From request headers to the body's last chunk; past it 408. Under Envoy's
+    ext-proc ``message_timeout`` (30 s in our bootstrap) so the client gets our answer."""
 
 
 class Phase(enum.Enum):
@@ -186,6 +214,13 @@ class StreamState:
         self.usage = UsageReader()
         self.body_mode_none = False
         self.closed = False
+        self.deadline = 0.0  # loop time by which the body must have arrived
+        # Response observation (see ``ObserverState``): while an observer is attached, the
+        # request finishes when both this stream and the observer's have ended.
+        self.key = ""
+        self.observer_attached = False
+        self.observer_ended = False
+        self.stream_ended = False
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request") or ""
@@ -221,6 +256,8 @@ class StreamState:
         self.request = InferenceRequest(request_id=request_id, headers=headers)
         self.subset = _subset(_metadata(message))
         self.phase = Phase.BODY
+        if self.server.limits.body_timeout_s is not None:
+            self.deadline = asyncio.get_running_loop().time() + self.server.limits.body_timeout_s
         if message.request_headers.end_of_stream or self.body_mode_none:
             return await self._route(end_of_stream=True, with_body=False)
         return []
@@ -228,21 +265,39 @@ class StreamState:
     async def _request_body(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self.phase is not Phase.BODY:
             return []
-        self.body += message.request_body.body
-        if len(self.body) > self.server.max_body_bytes:
+        chunk = message.request_body.body
+        limits = self.server.limits
+        if len(self.body) + len(chunk) > limits.max_body_bytes:
             return self._reject(
-                Rejected(413, f"request body exceeds {self.server.max_body_bytes} bytes")
+                Rejected(413, f"request body exceeds {limits.max_body_bytes} bytes")
             )
+        if not self.server.reserve(len(chunk)):
+            self.server.count("overloaded_503")
+            return self._reject(
+                Rejected(503, "the endpoint picker is buffering too many request bodies; retry")
+            )
+        self.body += chunk
         if message.request_body.end_of_stream:
             return await self._route(end_of_stream=True)
         return []
 
+    def _release_body(self) -> None:
+        self.server.release(len(self.body))
+        self.body = bytearray()
+
+    def timed_out(self) -> list[pb.ProcessingResponse]:
+        """The body did not arrive within ``Limits.body_timeout_s``."""
+        return self._reject(
+            Rejected(408, f"request body not received within {self.server.limits.body_timeout_s} s")
+        )
+
     def _reject(self, rejection: Rejected) -> list[pb.ProcessingResponse]:
         self.phase = Phase.DONE
-        self.body = bytearray()
+        self._release_body()
         self.server.count(
             {
                 400: "bad_request_400",
+                408: "timeout_408",
                 413: "too_large_413",
                 429: "shed_429",
                 503: "no_endpoint_503",
@@ -262,16 +317,21 @@ class StreamState:
     ) -> list[pb.ProcessingResponse]:
         assert self.request is not None
         raw = bytes(self.body) if with_body else None
+        held = len(self.body)
         self.body = bytearray()
-        try:
+        try:  # the bytes stay reserved while they are parsed and routed
             decision = await self.server.director.route(self.request, raw or None, self.subset)
         except Rejected as rejection:
             return self._reject(rejection)
+        finally:
+            self.server.release(held)
         self.decision = decision
         self.phase = Phase.ROUTED
         self.server.count("routed")
         destination = decision.destination
-        headers = {DESTINATION_HEADER: destination}
+        self.key = uuid.uuid4().hex
+        self.server.routed[self.key] = self
+        headers = {DESTINATION_HEADER: destination, REQUEST_ID_HEADER: self.key}
         if decision.body_rewritten and decision.body is not None:
             headers["content-length"] = str(len(decision.body))
         if self.server.scores_header:
@@ -347,6 +407,13 @@ class StreamState:
         """Response finished normally: read usage, then release."""
         if self.closed:
             return
+        self._read_usage()
+        self.close()
+        self.phase = Phase.DONE
+
+    def _read_usage(self) -> None:
+        if self.response.complete:
+            return
         self.usage.finish()
         usage = self.usage.usage or {}
         for field, attr in (
@@ -360,31 +427,118 @@ class StreamState:
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.response.cached_tokens = details["cached_tokens"]
         self.response.complete = True
-        self.close()
-        self.phase = Phase.DONE
+
+    def observed_end(self, complete: bool) -> None:
+        """The observer saw the response end (``complete``) or its stream went away."""
+        if complete:
+            self._read_usage()
+        self.observer_ended = True
+        if self.stream_ended:
+            self.close()
 
     def close(self) -> None:
-        """Release everything this request holds; safe to call more than once."""
+        """Release everything this request holds; safe to call more than once.
+
+        With an observer attached the request is not over until the observer says so:
+        Envoy ends this stream right after the response headers.
+        """
         if self.closed:
             return
+        self.stream_ended = True
+        if self.observer_attached and not self.observer_ended:
+            return
         self.closed = True
-        self.body = bytearray()
+        if self.key:
+            self.server.routed.pop(self.key, None)
+        self._release_body()
         if self.decision is not None:
             self.server.director.finish(self.decision, self.response)
 
 
+class ObserverState:
+    """A second ext_proc filter in ``observability_mode`` watching one routed response.
+
+    Envoy sends it the response headers and body chunks without waiting for answers, and
+    ignores its failures: the EPP reads usage (and the end of the response) here at the
+    cost of receiving each chunk, never answering it, and its death cuts no stream. The
+    routing stream (``StreamState``) has no response body to pass back and is closed by
+    Envoy after the response headers, so nothing there can break a response either.
+    """
+
+    def __init__(self, server: ExtProcServer) -> None:
+        self.server = server
+        self.target: StreamState | None = None
+        self.done = False
+
+    def handle(self, message: pb.ProcessingRequest) -> None:
+        kind = message.WhichOneof("request") or ""
+        if kind == "request_headers":
+            if self.target is None and not self.done:
+                key = ""
+                for header in message.request_headers.headers.headers:
+                    if header.key == REQUEST_ID_HEADER:
+                        key = header.raw_value.decode("ascii", "replace") or header.value
+                        break
+                target = self.server.routed.get(key)
+                if target is not None and not target.observer_attached:
+                    target.observer_attached = True
+                    self.target = target
+            return
+        target = self.target
+        if target is None or self.done:
+            return
+        if kind == "response_headers":
+            headers = message.response_headers.headers.headers
+            for header in headers:
+                if header.key == "content-type":
+                    value = header.raw_value or header.value.encode()
+                    target.usage.sse = b"text/event-stream" in value
+            if message.response_headers.end_of_stream:
+                self.end(complete=True)
+        elif kind == "response_body":
+            target.usage.feed(message.response_body.body)
+            if message.response_body.end_of_stream:
+                self.end(complete=True)
+        elif kind == "response_trailers":
+            self.end(complete=True)
+
+    def end(self, complete: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.target is not None:
+            self.target.observed_end(complete)
+
+
 class ExtProcServer(pb_grpc.ExternalProcessorServicer):
     def __init__(
-        self, director: Director, max_body_bytes: int, scores_header: bool = False
+        self, director: Director, limits: Limits | int = Limits(), scores_header: bool = False
     ) -> None:
         self.director = director
-        self.max_body_bytes = max_body_bytes
+        # An int is the old signature's max_body_bytes.
+        self.limits = limits if isinstance(limits, Limits) else Limits(max_body_bytes=limits)
         self.scores_header = scores_header
         self.active_streams = 0
+        self.buffered_bytes = 0
         self.metrics = director.metrics
+        self.routed: dict[str, StreamState] = {}  # REQUEST_ID_HEADER -> its routing stream
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.limits.max_body_bytes
 
     def count(self, outcome: str) -> None:
         self.metrics.requests.labels(outcome).inc()
+
+    def reserve(self, size: int) -> bool:
+        """Take ``size`` bytes of the shared body budget; False when it would overflow."""
+        if self.buffered_bytes + size > self.limits.max_buffered_bytes:
+            return False
+        self.buffered_bytes += size
+        return True
+
+    def release(self, size: int) -> None:
+        self.buffered_bytes = max(0, self.buffered_bytes - size)
 
     async def Process(
         self,
@@ -393,8 +547,42 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         state = StreamState(self)
         self.active_streams += 1
+        messages = request_iterator.__aiter__()
+        loop = asyncio.get_running_loop()
+        observer: ObserverState | None = None
         try:
-            async for message in request_iterator:
+            if self.active_streams > self.limits.max_streams:
+                self.count("overloaded_503")
+                state.phase = Phase.DONE
+                log.warning("ext-proc stream refused: %d streams open", self.active_streams - 1)
+                try:  # answer Envoy's first message (its request headers), hold nothing
+                    await messages.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield immediate(503, "the endpoint picker has too many requests open; retry")
+                return
+            while True:
+                try:
+                    if observer is not None:
+                        message = await messages.__anext__()
+                        observer.handle(message)
+                        continue
+                    if state.phase is Phase.BODY and state.deadline:
+                        message = await asyncio.wait_for(
+                            messages.__anext__(), max(0.0, state.deadline - loop.time())
+                        )
+                    else:
+                        message = await messages.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    for response in state.timed_out():
+                        yield response
+                    return
+                if message.observability_mode and state.phase is Phase.HEADERS:
+                    observer = ObserverState(self)  # never answered (Envoy does not wait)
+                    observer.handle(message)
+                    continue
                 try:
                     responses = await state.handle(message)
                 except Exception:
@@ -407,5 +595,8 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                 for response in responses:
                     yield response
         finally:
-            state.close()
+            if observer is not None:
+                observer.end(complete=False)
+            else:
+                state.close()
             self.active_streams -= 1

@@ -150,6 +150,8 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "--grpc-port", str(c.EPP_GRPC_PORT),
         "--grpc-health-port", str(c.EPP_HEALTH_PORT),
         "--metrics-port", str(c.EPP_METRICS_PORT),
+        # GIE's default: gateways (Istio, the sidecar below) reach ext-proc over TLS.
+        "--secure-serving",
         *settings.extra_epp_args,
     ]  # fmt: skip
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
@@ -326,6 +328,7 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
         failure_mode_allow=pool.failure_mode == "FailOpen",
         admin_port=c.ENVOY_ADMIN_PORT,
         listen_address="0.0.0.0",
+        epp_tls=True,  # the EPP container runs with --secure-serving
     )
 
 

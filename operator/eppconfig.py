@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from infergate.epp.config import DEFAULT_CONFIG_YAML, ConfigError, parse_config
 
-# The EPP's own default (DESIGN.md's profile behind the saturation filter), so a pool
+# The EPP's own default (predicted latency over the calibrated prefix index), so a pool
 # in a cluster schedules exactly as `infergate up` does.
 DEFAULT_EPP_CONFIG = DEFAULT_CONFIG_YAML
 

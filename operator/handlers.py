@@ -2,7 +2,9 @@
 
 Thin on purpose: every handler only works out *which* pool to look at and calls
 :func:`infergate.operator.reconcile.reconcile` in a worker thread, one pool at a
-time. kopf stores nothing on the pools (raw event handlers need no finalizers or
+time. What the watches have seen lives in kopf's own indexes (``pool_refs``,
+``objectives_by_pool``, ``rewrites_by_pool``); the client, settings and locks in kopf's
+``memo``. kopf stores nothing on the pools (raw event handlers need no finalizers or
 progress annotations), so the operator's writes are exactly what it applies.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -24,47 +26,97 @@ from infergate.operator.settings import OperatorSettings
 
 log = logging.getLogger("infergate.operator")
 
-_state: dict[str, Any] = {}
-_locks: dict[tuple[str, str], asyncio.Lock] = {}
-_pending: set[tuple[str, str]] = set()
-
 
 @dataclass(frozen=True)
 class _PoolRefs:
+    """What pod and Service events are matched against, per pool."""
+
     match_labels: dict[str, str]
     picker: str
 
 
-#: Pools seen on the watch: what pod and Service events are matched against.
-_pools: dict[tuple[str, str], _PoolRefs] = {}
+@dataclass
+class _Shared:
+    """The operator's shared state, kept in kopf's ``memo`` (one per operator process)."""
+
+    kube: Kube
+    settings: OperatorSettings
+    locks: dict[Any, asyncio.Lock] = field(default_factory=dict)
+    pending: set[tuple[str, str]] = field(default_factory=set)
+    resync: asyncio.Task[None] | None = None
 
 
-def _kube() -> Kube:
-    kube = _state.get("kube")
-    if kube is None:
-        kube = _state["kube"] = Kube()
-    return kube
+def _shared(memo: kopf.Memo) -> _Shared:
+    shared: _Shared = memo["infergate"]
+    return shared
 
 
-def _settings() -> OperatorSettings:
-    settings = _state.get("settings")
-    if settings is None:
-        settings = _state["settings"] = OperatorSettings.from_env()
-    return settings
+# -- kopf indexes: the pools and policy objects the watches have seen ---------------------
 
 
-async def reconcile_pool(namespace: str | None, name: str, why: str) -> None:
+@kopf.index(c.POOL_GROUP, c.POOL_VERSION, c.POOL_PLURAL)
+def pool_refs(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> Any:
+    """(namespace, name) -> the pool's selector labels and picker Service name."""
+    return {
+        (namespace or "default", name): _PoolRefs(
+            match_labels=dict((spec.get("selector") or {}).get("matchLabels") or {}),
+            picker=str((spec.get("endpointPickerRef") or {}).get("name") or ""),
+        )
+    }
+
+
+def _policy_index(body: kopf.Body, namespace: str | None, name: str, spec: kopf.Spec) -> Any:
+    kind = str(body.get("kind") or "")
+    if kind not in POLICY_KINDS:
+        return None
+    return {
+        (namespace or "default", str((spec.get("poolRef") or {}).get("name") or "")): (kind, name)
+    }
+
+
+@kopf.index(c.X_GROUP, c.X_VERSION, c.OBJECTIVE_PLURAL)
+def objectives_by_pool(
+    body: kopf.Body, namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> Any:
+    """(namespace, pool name) -> (kind, name) of each InferenceObjective naming it."""
+    return _policy_index(body, namespace, name, spec)
+
+
+@kopf.index(c.X_GROUP, c.X_VERSION, c.REWRITE_PLURAL)
+def rewrites_by_pool(
+    body: kopf.Body, namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> Any:
+    """(namespace, pool name) -> (kind, name) of each InferenceModelRewrite naming it."""
+    return _policy_index(body, namespace, name, spec)
+
+
+def _index(kwargs: dict[str, Any], name: str) -> kopf.Index[Any, Any]:
+    """One of this module's kopf indexes, as kopf passes it to every handler."""
+    index: kopf.Index[Any, Any] = kwargs[name]
+    return index
+
+
+def _policy_indexes(kwargs: dict[str, Any]) -> tuple[kopf.Index[Any, Any], ...]:
+    return _index(kwargs, "objectives_by_pool"), _index(kwargs, "rewrites_by_pool")
+
+
+# -- reconciling -------------------------------------------------------------------------
+
+
+async def reconcile_pool(shared: _Shared, namespace: str | None, name: str, why: str) -> None:
     """Reconcile one pool; coalesce bursts (a pending run covers later triggers)."""
     namespace = namespace or "default"
     key = (namespace, name)
-    if key in _pending:
+    if key in shared.pending:
         return
-    _pending.add(key)
-    lock = _locks.setdefault(key, asyncio.Lock())
+    shared.pending.add(key)
+    lock = shared.locks.setdefault(key, asyncio.Lock())
     async with lock:
-        _pending.discard(key)
+        shared.pending.discard(key)
         try:
-            result = await asyncio.to_thread(reconcile, _kube(), namespace, name, _settings())
+            result = await asyncio.to_thread(
+                reconcile, shared.kube, namespace, name, shared.settings
+            )
         except Exception as error:  # a failed pass is retried by the next trigger or resync
             log.warning(
                 "reconcile of %s/%s failed (%s): %s", namespace, name, why, error,
@@ -85,8 +137,33 @@ async def reconcile_pool(namespace: str | None, name: str, why: str) -> None:
         )  # fmt: skip
 
 
+async def reconcile_policy_object(shared: _Shared, kind: str, namespace: str, name: str) -> None:
+    lock = shared.locks.setdefault((kind, namespace, name), asyncio.Lock())
+    async with lock:
+        try:
+            await asyncio.to_thread(reconcile_policy, shared.kube, kind, namespace, name)
+        except Exception as error:  # retried by the next event or resync
+            log.warning("status of %s %s/%s failed: %s", kind, namespace, name, error)
+
+
+async def _policies_of(
+    shared: _Shared, namespace: str, pool: str, *indexes: kopf.Index[Any, Any]
+) -> None:
+    """A pool came or went: the objectives and rewrites naming it re-check their status."""
+    for index in indexes:
+        for kind, name in list(index.get((namespace, pool), [])):
+            await reconcile_policy_object(shared, kind, namespace, name)
+
+
+# -- kopf handlers -----------------------------------------------------------------------
+
+
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
     # Only our own, explicit Events (no log-line-per-event bridge) and no kopf state
     # on the pools: the operator's writes stay exactly what it decides to write.
     settings.posting.enabled = False
@@ -97,110 +174,113 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf logs every handled watch event at INFO; keep our own, meaningful lines instead.
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    _settings()
-    _state["resync"] = asyncio.create_task(_resync_forever())
+    shared = _Shared(kube=Kube(), settings=OperatorSettings.from_env())
+    memo["infergate"] = shared
+    shared.resync = asyncio.create_task(
+        _resync_forever(shared, _index(kwargs, "pool_refs"), *_policy_indexes(kwargs))
+    )
 
 
 @kopf.on.cleanup()
-async def stop_resync(**_: Any) -> None:
-    task = _state.pop("resync", None)
-    if task is not None:
-        task.cancel()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    shared: _Shared | None = memo.get("infergate")
+    if shared is not None and shared.resync is not None:
+        shared.resync.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            await shared.resync
 
 
 @kopf.on.event(c.POOL_GROUP, c.POOL_VERSION, c.POOL_PLURAL)
 async def pool_event(
-    event: kopf.RawEvent, namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+    event: kopf.RawEvent,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    **kwargs: Any,
 ) -> None:
+    shared = _shared(memo)
     key = (namespace or "default", name)
     if event.get("type") == "DELETED":
-        _pools.pop(key, None)
-        _locks.pop(key, None)
-        await _policies_of(*key)
+        shared.locks.pop(key, None)
+        await _policies_of(shared, *key, *_policy_indexes(kwargs))
         return  # garbage collection removes the owned objects
-    _pools[key] = _PoolRefs(
-        match_labels=dict((spec.get("selector") or {}).get("matchLabels") or {}),
-        picker=str((spec.get("endpointPickerRef") or {}).get("name") or ""),
-    )
-    await reconcile_pool(namespace, name, f"pool {event.get('type') or 'listed'}")
+    await reconcile_pool(shared, namespace, name, f"pool {event.get('type') or 'listed'}")
     if event.get("type") == "ADDED" or event.get("type") is None:
-        await _policies_of(*key)
+        await _policies_of(shared, *key, *_policy_indexes(kwargs))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={c.LABEL_MANAGED_BY: "infergate-operator"})
 async def owned_deployment_event(
-    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, **_: Any
+    event: kopf.RawEvent,
+    namespace: str | None,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    **kwargs: Any,
 ) -> None:
     pool = labels.get(c.LABEL_POOL)
-    if pool and (namespace, pool) in _pools:
-        await reconcile_pool(namespace, pool, f"deployment {event.get('type')}")
+    if pool and (namespace, pool) in _index(kwargs, "pool_refs"):
+        await reconcile_pool(_shared(memo), namespace, pool, f"deployment {event.get('type')}")
 
 
 @kopf.on.event("", "v1", "services")
-async def service_event(event: kopf.RawEvent, namespace: str | None, name: str, **_: Any) -> None:
+async def service_event(
+    event: kopf.RawEvent,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    **kwargs: Any,
+) -> None:
     """Our Service changed, or a Service a pool refers to came or went (own picker)."""
-    for (pool_ns, pool_name), refs in list(_pools.items()):
-        if pool_ns == namespace and refs.picker == name:
-            await reconcile_pool(namespace, pool_name, f"service {event.get('type')}")
+    for (pool_ns, pool_name), refs in list(_index(kwargs, "pool_refs").items()):
+        if pool_ns == namespace and any(r.picker == name for r in refs):
+            await reconcile_pool(
+                _shared(memo), namespace, pool_name, f"service {event.get('type')}"
+            )
 
 
 @kopf.on.event("", "v1", "pods")
 async def pod_event(
-    event: kopf.RawEvent, namespace: str | None, labels: kopf.Labels, **_: Any
+    event: kopf.RawEvent,
+    namespace: str | None,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    **kwargs: Any,
 ) -> None:
     """A model-server pod changed: pools whose selector matches it update their counts."""
-    for (pool_ns, pool_name), refs in list(_pools.items()):
-        if pool_ns != namespace or not refs.match_labels:
+    for (pool_ns, pool_name), refs in list(_index(kwargs, "pool_refs").items()):
+        if pool_ns != namespace:
             continue
-        if all(labels.get(k) == v for k, v in refs.match_labels.items()):
-            await reconcile_pool(namespace, pool_name, f"pod {event.get('type')}")
-
-
-#: Policy objects seen on the watch: (kind, namespace, name) -> the pool they name.
-_policies: dict[tuple[str, str, str], str] = {}
-_policy_locks: dict[tuple[str, str, str], asyncio.Lock] = {}
-
-
-async def reconcile_policy_object(kind: str, namespace: str, name: str) -> None:
-    lock = _policy_locks.setdefault((kind, namespace, name), asyncio.Lock())
-    async with lock:
-        try:
-            await asyncio.to_thread(reconcile_policy, _kube(), kind, namespace, name)
-        except Exception as error:  # retried by the next event or resync
-            log.warning("status of %s %s/%s failed: %s", kind, namespace, name, error)
+        for ref in refs:
+            if ref.match_labels and all(labels.get(k) == v for k, v in ref.match_labels.items()):
+                await reconcile_pool(
+                    _shared(memo), namespace, pool_name, f"pod {event.get('type')}"
+                )
+                break
 
 
 @kopf.on.event(c.X_GROUP, c.X_VERSION, c.OBJECTIVE_PLURAL)
 @kopf.on.event(c.X_GROUP, c.X_VERSION, c.REWRITE_PLURAL)
 async def policy_event(
-    event: kopf.RawEvent, namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+    event: kopf.RawEvent, namespace: str | None, name: str, memo: kopf.Memo, **_: Any
 ) -> None:
     obj = event.get("object") or {}
     kind = str(obj.get("kind") or "")
-    if kind not in POLICY_KINDS:
+    if kind not in POLICY_KINDS or event.get("type") == "DELETED":
         return
-    key = (kind, namespace or "default", name)
-    if event.get("type") == "DELETED":
-        _policies.pop(key, None)
-        return
-    _policies[key] = str((spec.get("poolRef") or {}).get("name") or "")
-    await reconcile_policy_object(*key)
+    await reconcile_policy_object(_shared(memo), kind, namespace or "default", name)
 
 
-async def _policies_of(namespace: str, pool: str) -> None:
-    """A pool came or went: the objectives and rewrites naming it re-check their status."""
-    for (kind, ns, name), target in list(_policies.items()):
-        if ns == namespace and target == pool:
-            await reconcile_policy_object(kind, ns, name)
-
-
-async def _resync_forever() -> None:
+async def _resync_forever(
+    shared: _Shared,
+    pools: kopf.Index[Any, Any],
+    *policy_indexes: kopf.Index[Any, Any],
+) -> None:
     """Full resync every ``resync_seconds``: status follows the world without events."""
     while True:
-        await asyncio.sleep(_settings().resync_seconds)
-        for namespace, name in list(_pools):
-            await reconcile_pool(namespace, name, "resync")
-        for kind, namespace, name in list(_policies):
-            await reconcile_policy_object(kind, namespace, name)
+        await asyncio.sleep(shared.settings.resync_seconds)
+        for namespace, name in list(pools):
+            await reconcile_pool(shared, namespace, name, "resync")
+        for index in policy_indexes:
+            for (namespace, _pool), entries in list(index.items()):
+                for kind, name in list(entries):
+                    await reconcile_policy_object(shared, kind, namespace, name)

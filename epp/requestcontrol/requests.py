@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from infergate.epp.types import InferenceRequest
 
 CHARS_PER_TOKEN = 4
+MAX_TOKEN_ID = 1 << 32
+#: One reusable decoder: msgspec parses a 220 KB body ~2.5x faster than ``json.loads``.
+#: It rejects what ``json.loads`` would let through to crash later: lone UTF-16
+#: surrogates (which cannot be encoded for prefix hashing or a rewrite), integers beyond
+#: 64 bits and floats beyond double range; deep nesting raises RecursionError, caught below.
+_DECODER = msgspec.json.Decoder()
 
 
 class BadRequest(ValueError):
@@ -19,23 +26,44 @@ class BadRequest(ValueError):
 
 
 def _content_text(content: Any) -> str:
+    """The text of one message's ``content``: a string, null, or a list of parts.
+
+    Non-text parts (images, audio) carry no prefix text; anything else is a 400, as
+    OpenAI answers it, rather than an empty prompt that would route as a cache miss.
+    """
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # multi-part content: take the text parts
-        return "".join(
-            part.get("text", "")
-            for part in content
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-        )
-    return ""
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        texts = []
+        for part in content:
+            text = part.get("text")
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise BadRequest("a content part's 'text' must be a string", "messages")
+            texts.append(text)
+        return "".join(texts)
+    raise BadRequest(
+        "a message's 'content' must be a string, null or a list of content parts", "messages"
+    )
+
+
+def _token_id(value: Any) -> bool:
+    """A token id: a non-negative int that fits a vocabulary index (not a bool)."""
+    return type(value) is int and 0 <= value < MAX_TOKEN_ID
 
 
 def parse_body(raw: bytes, request: InferenceRequest) -> dict[str, Any]:
     """Fill ``request`` from the JSON body and return the decoded body."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadRequest(f"request body is not valid JSON: {error}") from None
+        body = _DECODER.decode(raw)
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    except (msgspec.DecodeError, UnicodeDecodeError, ValueError) as error:
+        reason = str(error).removeprefix("JSON is malformed: ")[:200]
+        raise BadRequest(f"request body is not valid JSON: {reason}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model", "")
@@ -55,11 +83,11 @@ def parse_body(raw: bytes, request: InferenceRequest) -> dict[str, Any]:
             request.prompt_text = prompt
         elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
             request.prompt_text = "\n".join(prompt)
-        elif isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+        elif isinstance(prompt, list) and all(_token_id(p) for p in prompt):
             token_count = len(prompt)
             request.prompt_text = " ".join(map(str, prompt))
         elif isinstance(prompt, list) and all(
-            isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt
+            isinstance(p, list) and all(_token_id(t) for t in p) for p in prompt
         ):
             token_count = sum(len(p) for p in prompt)
             request.prompt_text = "\n".join(" ".join(map(str, p)) for p in prompt)

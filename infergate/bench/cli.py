@@ -187,9 +187,9 @@ def routing(
         [],
         "--router",
         "--routers",
-        help="Router(s) to compare (repeat; default: all built in): round-robin, "
-        "least-request, sglang-cache-aware, epp-gie, epp-infergate, or epp:CONFIG.yaml "
-        "for the EPP with any EndpointPickerConfig.",
+        help="Router(s) to compare (repeat; default: all but epp-precise): round-robin, "
+        "least-request, sglang-cache-aware, epp-gie, epp-infergate, epp-precise (engines "
+        "publish KV events), or epp:CONFIG.yaml for the EPP with any EndpointPickerConfig.",
     ),
     rates: str | None = typer.Option(
         None,
@@ -230,7 +230,7 @@ def routing(
 
     from infergate.bench.routing.lab import LabSpec, run_lab
     from infergate.bench.routing.report import plot, print_summary, row_cells, write_json
-    from infergate.bench.routing.routers import ROUTERS, resolve
+    from infergate.bench.routing.routers import DEFAULT_ROUTERS, resolve
     from infergate.bench.routing.workloads import WORKLOADS
 
     console = Console()
@@ -245,7 +245,7 @@ def routing(
             param_hint="--workload",
         ) from None
     try:
-        routers = [resolve(n) for n in (router or list(ROUTERS))]
+        routers = [resolve(n) for n in (router or list(DEFAULT_ROUTERS))]
         sweep = [float(x) for x in rates.split(",")] if rates else None
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None

@@ -113,8 +113,8 @@ def direct_twin(config: dict[str, Any]) -> dict[str, Any]:
     listener and router."""
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = hcm["typed_config"]["http_filters"]
-    hcm["typed_config"]["http_filters"] = [
-        f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
+    hcm["typed_config"]["http_filters"] = [  # the routing filter and the observer
+        f for f in filters if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
     ]
     for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
         host["routes"] = [
@@ -145,6 +145,7 @@ def start_rig(
     endpoints: int = 4,
     envoy_concurrency: int = 1,
     response_bodies: bool = True,
+    observe_responses: bool = True,
 ) -> Rig:
     ports = [free_port() for _ in range(endpoints)]
     if upstream == "static":
@@ -194,6 +195,7 @@ def start_rig(
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
         "stream_response_bodies": response_bodies,
+        "observe_responses": observe_responses,
     }
     start_envoy(
         group,

@@ -91,6 +91,12 @@ def up(
         help="Extra argument for every `infergate engine serve`, e.g. --engine-arg=--max-num-seqs=8; "
         "may repeat.",
     ),
+    secure_serving: bool = typer.Option(
+        True,
+        "--secure-serving/--no-secure-serving",
+        help="ext-proc over TLS (GIE's default): the EPP serves a self-signed certificate and "
+        "the generated Envoy config dials it with TLS, so the two always match.",
+    ),
     epp_arg: list[str] = typer.Option(
         [],
         "--epp-arg",
@@ -132,6 +138,7 @@ def up(
         kv_events_port=kv_events_port,
         engine_args=list(engine_arg),
         epp_args=list(epp_arg),
+        secure_serving=secure_serving,
     )
     stack = LocalStack(spec)
     # Installed explicitly: a shell starting us in the background leaves SIGINT ignored.
@@ -178,12 +185,22 @@ def up(
 
 
 def _watch(stack: LocalStack) -> None:
-    """Block until a component dies (then fail loudly) or the user stops us."""
-    from infergate.stack.local import StackError
+    """Block until the EPP or Envoy dies (then fail loudly) or the user stops us; a dead
+    engine is reported and restarted (:mod:`infergate.stack.supervise`)."""
+    from rich.console import Console
+    from rich.text import Text
 
+    from infergate.stack.local import StackError
+    from infergate.stack.supervise import EngineSupervisor
+
+    console = Console(stderr=True)
+    engines = EngineSupervisor(stack, lambda text: console.print(Text(text, style="yellow")))
     while True:
         time.sleep(0.5)
+        engines.check()
         for name, _, process in stack.components():
+            if name.startswith("engine-"):
+                continue
             if process is not None and not process.alive():
                 code = process.popen.returncode if process.popen else None
                 raise StackError(

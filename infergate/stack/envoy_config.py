@@ -25,7 +25,12 @@ Why each piece is there:
   only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
   ``failure_mode_allow`` let the request through) are balanced least-request over a static
   fallback cluster when one is given, else over the endpoints the EPP last announced.
-* The EPP cluster is TCP health-checked with panic routing off: with FULL_DUPLEX_STREAMED
+* The EPP cluster speaks TLS when the EPP does (``epp_tls``, GIE's ``--secure-serving``;
+  like GIE's gateways it does not verify the EPP's certificate, which is self-signed by
+  default), and is health-checked with gRPC health (service ``liveness``) on the ext-proc
+  port itself, over the same transport: a TLS mismatch, or a port that accepts TCP but
+  does not speak gRPC, shows as unhealthy instead of failing every request. Panic routing
+  is off: with FULL_DUPLEX_STREAMED
   bodies Envoy can fail open only before the first body chunk went out, so a dead EPP
   must be known before the request starts, not discovered at connect time.
 * On the way back the upstream really used is copied into ``envoy.lb`` as
@@ -49,14 +54,20 @@ UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
 """Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
 PICKED_HEADER = "x-infergate-picked-endpoint"
 """Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
+REQUEST_ID_HEADER = "x-infergate-request-id"
+"""The EPP's id for a routed request; the observer filter's stream names it (client copies
+are stripped)."""
 LB_METADATA_NAMESPACE = "envoy.lb"
 EPP_CLUSTER = "infergate_epp"
+EPP_HEALTH_SERVICE = "liveness"
+"""gRPC health service the EPP reports SERVING while it runs, on its ext-proc port too."""
 POOL_CLUSTER = "infergate_pool"
 FALLBACK_CLUSTER = "infergate_pool_fallback"
 
 _T = "type.googleapis.com/envoy."
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_UPSTREAM_TLS = _T + "extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
@@ -157,7 +168,10 @@ def _ext_proc_filter(
     message_timeout_s: float,
     grpc_authority: str,
     response_bodies: bool,
+    observe: bool = False,
 ) -> dict[str, Any]:
+    """The routing filter. With ``observe`` it sees no response body (the observer does)."""
+    response_bodies = response_bodies and not observe
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -189,12 +203,43 @@ def _ext_proc_filter(
     }
 
 
+def _observer_filter(*, grpc_authority: str) -> dict[str, Any]:
+    """A second ext_proc filter in observability mode: Envoy streams it the response
+    headers and body without waiting for answers and ignores its failures, so what the EPP
+    learns from responses (usage, cached tokens, completion) costs no round trip per chunk
+    and the EPP dying cuts no response. The EPP ties it to its request by the
+    ``x-infergate-request-id`` header it set when routing."""
+    return {
+        "name": "infergate.ext_proc.observer",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EPP_CLUSTER, "authority": grpc_authority},
+            },
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            # Envoy keeps the stream this long after the response so the last chunk arrives.
+            "deferred_close_timeout": "5s",
+        },
+    }
+
+
 def _strip_client_headers_filter() -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
             "@type": _HEADER_MUTATION,
-            "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]},
+            "mutations": {
+                "request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": REQUEST_ID_HEADER}]
+            },
         },
     }
 
@@ -349,6 +394,8 @@ def build_envoy_config(
     stream_response_bodies: bool = True,
     fallback_retries: int = 3,
     eds_initial_fetch_timeout_s: float = 5.0,
+    epp_tls: bool = False,
+    observe_responses: bool = True,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -363,6 +410,12 @@ def build_envoy_config(
     FailOpen starts to apply to requests with a body. ``stream_response_bodies=False``
     stops sending response bodies to the EPP (one gRPC message pair per SSE chunk saved;
     the EPP then reads no ``usage`` and finishes a request when its stream closes).
+    ``observe_responses`` (the default) takes response bodies off the routing filter and
+    gives them to a second ext_proc filter in observability mode (see
+    :func:`_observer_filter`); False restores GIE's single FULL_DUPLEX_STREAMED filter
+    that passes every response chunk through the EPP (``stream_response_bodies``).
+    ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
+    unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
     """
     if route_timeout_s <= 0:
         raise ValueError("route_timeout_s must be > 0")
@@ -400,6 +453,12 @@ def build_envoy_config(
                 message_timeout_s=message_timeout_s,
                 grpc_authority=f"{epp_address}:{epp_port}",
                 response_bodies=stream_response_bodies,
+                observe=observe_responses and stream_response_bodies,
+            ),
+            *(
+                [_observer_filter(grpc_authority=f"{epp_address}:{epp_port}")]
+                if observe_responses and stream_response_bodies
+                else []
             ),
             _served_to_metadata_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
@@ -442,10 +501,20 @@ def build_envoy_config(
                 "no_traffic_interval": interval,
                 "unhealthy_threshold": 1,
                 "healthy_threshold": 1,
-                "tcp_health_check": {},
+                # On the ext-proc port, over the same transport as ext-proc (see above).
+                "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE},
             }
         ]
         epp_cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    if epp_tls:
+        epp_cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _UPSTREAM_TLS,
+                "common_tls_context": {"alpn_protocols": ["h2"]},
+                **({} if _is_ip(epp_address) else {"sni": epp_address}),
+            },
+        }
     clusters = [epp_cluster, pool_cluster]
     if fallback_endpoints:
         clusters.append(

@@ -35,6 +35,7 @@ LOOPBACK = "127.0.0.1"
 TINY_MODEL_NAME = "infergate-tiny"
 KV_EVENTS_PORT_LABEL = "infergate.io/kv-events-port"  # read by precise-prefix-cache-scorer
 
+
 class StackError(RuntimeError):
     """The stack could not start; the message names the component and says why."""
 
@@ -138,6 +139,8 @@ class StackSpec:
     per_engine_args: Sequence[Sequence[str]] = ()
     """Extra arguments for engine i (after ``engine_args``), e.g. a slower timing model."""
     epp_args: Sequence[str] = ()
+    secure_serving: bool = False
+    """ext-proc over TLS (the EPP's ``--secure-serving``; Envoy's EPP cluster then uses TLS)."""
     envoy_concurrency: int = 1
     access_log: bool = True
     workdir: Path | None = None
@@ -322,6 +325,7 @@ class LocalStack:
             "fallback_endpoints": fallback if self.spec.failure_mode_allow else (),
             "debug_headers": True,
             "access_log": self.spec.access_log,
+            "epp_tls": self.spec.secure_serving,
         }
         args.update(overrides)
         if args["failure_mode_allow"] and "fallback_endpoints" not in overrides:
@@ -369,6 +373,8 @@ class LocalStack:
             argv += ["--config-file", str(generated)]
         if self.spec.objectives_file:
             argv += ["--objectives-file", str(self.spec.objectives_file)]
+        if self.spec.secure_serving:
+            argv.append("--secure-serving")
         argv += list(self.spec.epp_args)
         self.epp = self._start(
             "epp",

@@ -13,11 +13,19 @@ import shutil
 import sys
 from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from infergate.envoy import EnvoyNotFound, find_envoy
 from infergate.procs import ProcessGroup, free_port
+from infergate.testing.controlplane import (
+    Cluster,
+    ControlPlane,
+    ControlPlaneError,
+    binaries_dir,
+    missing_binaries,
+)
 
 _PROCS_KEY = pytest.StashKey[ProcessGroup]()
 
@@ -31,16 +39,24 @@ def _has_cuda() -> bool:
 
 
 def _has_cluster() -> bool:
-    kubeconfig = os.environ.get("KUBECONFIG")
-    return bool(kubeconfig and Path(kubeconfig).exists()) or bool(
-        os.environ.get("KUBERNETES_SERVICE_HOST")
-    )
+    """A cluster for the ``cluster`` tier: the user's (``INFERGATE_TEST_KUBECONFIG``) or the
+    control plane ``make controlplane`` built. In CI it is never skipped: a missing build
+    is an error of the ``cluster`` fixture, not a skip."""
+    if os.environ.get("INFERGATE_TEST_KUBECONFIG") or os.environ.get("CI"):
+        return True
+    try:
+        return not missing_binaries(binaries_dir())
+    except ControlPlaneError:
+        return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skips = {
         "gpu": (_has_cuda, "needs an NVIDIA GPU with CUDA"),
-        "cluster": (_has_cluster, "needs a Kubernetes cluster (set KUBECONFIG)"),
+        "cluster": (
+            _has_cluster,
+            "needs the control plane (`make controlplane`) or INFERGATE_TEST_KUBECONFIG",
+        ),
     }
     available = {marker: probe() for marker, (probe, _) in skips.items()}
     for item in items:
@@ -61,6 +77,56 @@ def pytest_runtest_makereport(
                 (f"log of {process.name} ({process.log_path})", process.log_tail())
             )
     return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None, None]:
+    """Remember each ``cluster`` test that ran (its call phase passed or failed)."""
+    yield
+    if report.when == "call" and "cluster" in report.keywords:
+        _cluster_ran.append(f"{report.outcome} {report.nodeid}")
+
+
+_cluster_ran: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print how many ``cluster`` tests ran against a real API server, and on what."""
+    if not _cluster_ran:
+        return
+    passed = sum(1 for line in _cluster_ran if line.startswith("passed"))
+    where = os.environ.get("INFERGATE_TEST_KUBECONFIG") or "the local control plane"
+    terminalreporter.write_line(
+        f"cluster tier: {len(_cluster_ran)} cluster tests ran against {where} "
+        f"({passed} passed, {len(_cluster_ran) - passed} failed)"
+    )
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A real API server for the session: the user's (``INFERGATE_TEST_KUBECONFIG``) or
+    etcd + kube-apiserver + controller-manager + scheduler + kwok started here."""
+    workdir = tmp_path_factory.mktemp("cluster")
+    external = os.environ.get("INFERGATE_TEST_KUBECONFIG")
+    try:
+        bin_dir = binaries_dir()
+    except ControlPlaneError as error:
+        pytest.fail(str(error))
+    if external:
+        yield Cluster(kubeconfig=Path(external), bin_dir=bin_dir, workdir=workdir, local=False)
+        return
+    plane = ControlPlane(bin_dir=bin_dir, workdir=workdir / "plane")
+    try:
+        plane.start()
+    except ControlPlaneError as error:
+        pytest.fail(str(error))
+    try:
+        yield Cluster(
+            kubeconfig=plane.admin_kubeconfig, bin_dir=bin_dir, workdir=workdir,
+            audit_log=plane.audit_log,
+        )  # fmt: skip
+    finally:
+        plane.stop()
 
 
 @pytest.fixture

@@ -275,3 +275,23 @@ def test_speculative_entries_count_until_events_confirm_or_they_expire() -> None
     index.speculate("a", [9])
     index.cleared("a")  # a total eviction drops guesses too
     assert index.leading_matches([9]) == {} and index.leading_matches([1]) == {"b": 1}
+
+
+async def test_latency_prefers_the_precise_index_where_it_knows_more() -> None:
+    states = fleet(2, blocks=10_000)
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, decodeSecondsPerRequest=0.0)
+    a, b = states
+    cycle = CycleState(
+        {
+            "prefix.tokens": 900.0,  # the approximate estimate of the prompt's length...
+            "prefix.cached_tokens": {a.key: 500.0},
+            "precise.tokens": 1000,  # ...and the exact one, from the engine's tokenizer
+            "precise.cached_tokens": {b.key: 992},  # KV events: b holds nearly all of it
+        }
+    )
+    scorer.score(cycle, InferenceRequest("r", {}), states)
+    uncached = cycle["latency.uncached"]
+    assert uncached == {a.key: 500.0, b.key: 8.0}

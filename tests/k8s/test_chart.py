@@ -101,15 +101,33 @@ def _kind_rules(clusterrole: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 
 def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
-    (clusterrole,) = [o for o in objects({}) if o["kind"] == "ClusterRole"]
+    (clusterrole,) = [
+        o
+        for o in objects({})
+        if o["kind"] == "ClusterRole" and not o["metadata"]["name"].endswith("-discovery")
+    ]
     allowed = _kind_rules(clusterrole)
     # Server-side apply creates or patches; pruning lists and deletes.
     for kind in OWNED_KINDS:
         ref = KINDS[kind]
-        assert {"get", "list", "watch", "create", "patch", "delete"} <= allowed[
-            (ref.group, ref.plural)
-        ], kind
-    assert {"get", "list", "watch"} <= allowed[("", "pods")]
+        assert {"get", "list", "create", "patch", "delete"} <= allowed[(ref.group, ref.plural)], (
+            kind
+        )
+    # kopf watches only the pools, their policy objects, pods, Deployments and Services.
+    watched = {key for key, verbs in allowed.items() if "watch" in verbs}
+    assert watched == {
+        (c.POOL_GROUP, "inferencepools"),
+        (c.X_GROUP, "inferenceobjectives"),
+        (c.X_GROUP, "inferencemodelrewrites"),
+        ("", "pods"),
+        ("", "services"),
+        ("apps", "deployments"),
+        ("kopf.dev", "kopfpeerings"),
+        ("kopf.dev", "clusterkopfpeerings"),
+    }
+    assert allowed[("", "pods")] == {"get", "list", "watch"}
+    assert ("", "secrets") not in allowed
+    assert all("update" not in verbs and "*" not in verbs for verbs in allowed.values())
     assert "patch" in allowed[(c.POOL_GROUP, "inferencepools/status")]
     assert "patch" in allowed[(c.X_GROUP, "inferenceobjectives/status")]
     assert "patch" in allowed[(c.X_GROUP, "inferencemodelrewrites/status")]
@@ -125,6 +143,22 @@ def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
                     group,
                     resource,
                 )
+
+
+def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
+    rendered = objects({"operator": {"watchNamespaces": ["team-a", "team-b"]}})
+    kinds = {o["kind"] for o in rendered}
+    assert "ClusterKopfPeering" not in kinds
+    # At cluster scope only kopf's read-only discovery: CRDs and namespaces.
+    (discovery,) = [o for o in rendered if o["kind"] == "ClusterRole"]
+    assert _kind_rules(discovery) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("", "namespaces"): {"list", "watch"},
+    }
+    roles = {o["metadata"]["namespace"] for o in rendered if o["kind"] == "Role"}
+    bindings = {o["metadata"]["namespace"] for o in rendered if o["kind"] == "RoleBinding"}
+    peerings = {o["metadata"]["namespace"] for o in rendered if o["kind"] == "KopfPeering"}
+    assert roles == bindings == peerings == {"team-a", "team-b"}
 
 
 def test_operator_deployment_runs_the_operator_hardened() -> None:

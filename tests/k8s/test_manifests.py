@@ -41,13 +41,21 @@ def test_operator_install_matches_the_chart() -> None:
     } <= kinds
     (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
     assert deployment["metadata"]["namespace"] == "infergate-system"
-    (binding,) = [o for o in objs if o["kind"] == "ClusterRoleBinding"]
-    assert binding["subjects"][0]["namespace"] == "infergate-system"
+    bindings = [o for o in objs if o["kind"] == "ClusterRoleBinding"]
+    assert {b["subjects"][0]["namespace"] for b in bindings} == {"infergate-system"}
     helm = pytest.importorskip("helm_python")
     rendered = helm.Chart.load(str(ROOT / "charts/infergate")).render({}, name="ig", namespace="ig")
-    (chart_role,) = documents(rendered["infergate/templates/clusterrole.yaml"])[:1]
-    (role,) = [o for o in objs if o["kind"] == "ClusterRole"]
-    assert role["rules"] == chart_role["rules"]
+    chart_roles = {
+        o["metadata"]["name"].removeprefix("ig-infergate"): o["rules"]
+        for o in documents(rendered["infergate/templates/rbac.yaml"])
+        if o["kind"] == "ClusterRole"
+    }
+    roles = {
+        o["metadata"]["name"].removeprefix("infergate-operator"): o["rules"]
+        for o in objs
+        if o["kind"] == "ClusterRole"
+    }
+    assert roles == chart_roles and set(roles) == {"", "-discovery"}
 
 
 def test_samples_pool_selects_the_engine_and_standalone_overlay_switches_envoy_on() -> None:

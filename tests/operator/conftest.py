@@ -1,10 +1,12 @@
-"""Fixtures: the KMock-based API server and the operator as a real process against it."""
+"""Fixtures: the KMock-based API server and the operator as a real process against it;
+for the cluster tier, the chart installed on the real API server (`installed`)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import pytest_asyncio
 
 from infergate.operator.crd_validation import CRDRegistry
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
+from infergate.testing.controlplane import Cluster
 from infergate.testing.kube_emulator import KubeEmulator, serve_emulator, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,3 +70,19 @@ def start_operator(
 @pytest.fixture(scope="session")
 def crd_registry() -> CRDRegistry:
     return CRDRegistry.from_paths(CRDS)
+
+
+@pytest.fixture
+def installed(cluster: Cluster) -> Iterator[tuple[str, Path]]:
+    """The chart in a fresh namespace, watching only it; yields (namespace, SA kubeconfig)."""
+    namespace = f"ig-op-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.helm(
+        "install", "ig", str(ROOT / "charts" / "infergate"), "-n", namespace,
+        "--set", f"operator.watchNamespaces={{{namespace}}}",
+    )  # fmt: skip
+    try:
+        yield namespace, cluster.service_account_kubeconfig(namespace, "ig-infergate")
+    finally:
+        cluster.helm("uninstall", "ig", "-n", namespace, check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -135,6 +135,7 @@ def test_deployment_is_hardened_and_wired() -> None:
         "epp", "--pool-name", "qwen-pool", "--pool-namespace", "default",
         "--config-file", "/etc/infergate/epp/config.yaml",
         "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090",
+        "--secure-serving",
     ]  # fmt: skip
     assert epp["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert epp["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import yaml
-from kmock import KubernetesError
 
 from infergate.testing.kube_emulator import KubeEmulator, pool_conditions, wait_for
 
@@ -147,87 +146,6 @@ async def test_pool_lifecycle(emulator: KubeEmulator, start_operator: Any) -> No
     await wait_for(lambda: not any(owned(emulator, k) for k in OWNED), what="owned objects gone")
 
 
-async def test_invalid_pools_get_a_false_condition_not_a_crash(
-    emulator: KubeEmulator, start_operator: Any
-) -> None:
-    operator = await start_operator()
-
-    # The API server itself rejects a schema-invalid pool (CEL: unique ports).
-    bad = pool()
-    bad["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8000}]
-    with pytest.raises(KubernetesError) as rejected:
-        await emulator.create_object(bad)
-    assert rejected.value.status == 422 and "port number must be unique" in str(
-        rejected.value.message
-    )
-
-    # Valid for the API, invalid for the operator: missing user config, bad annotation.
-    await emulator.create_object(pool(**{"infergate.io/epp-config": "my-epp-config"}))
-    await wait_for(
-        lambda: status_is(
-            emulator, Accepted="False/EndpointPickerConfigNotFound", Ready="False/NotAccepted"
-        ),
-        what="config-not-found condition",
-    )
-    assert owned(emulator, "Deployment") is None
-    warnings = [e for e in emulator.list_objects("Event", NS) if e["type"] == "Warning"]
-    assert any(e["reason"] == "EndpointPickerConfigNotFound" for e in warnings)
-
-    # The user creates the ConfigMap → accepted, and the EPP gets the user's config.
-    user_config = "apiVersion: inference.networking.x-k8s.io/v1alpha1\nkind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\nschedulingProfiles:\n- name: default\n  plugins:\n  - pluginRef: queue-scorer\n"
-    await emulator.create_object(
-        {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": "my-epp-config", "namespace": NS},
-         "data": {"config.yaml": user_config}}
-    )  # fmt: skip
-    # (No event ties a ConfigMap to the pool: the periodic resync notices it.)
-    await wait_for(lambda: status_is(emulator, Accepted="True/Accepted"), what="accepted")
-    await wait_for(lambda: owned(emulator, "ConfigMap"), what="managed ConfigMap")
-    assert owned(emulator, "ConfigMap")["data"]["config.yaml"] == user_config  # type: ignore[index]
-
-    # A bad annotation → InvalidAnnotation; the last good EPP keeps running.
-    await emulator.patch_object(
-        "InferencePool",
-        NS,
-        "qwen-pool",
-        {"metadata": {"annotations": {"infergate.io/epp-replicas": "many"}}},
-    )
-    await wait_for(
-        lambda: status_is(emulator, Accepted="False/InvalidAnnotation"), what="InvalidAnnotation"
-    )
-    assert owned(emulator, "Deployment") is not None
-    assert operator.alive()
-
-
-async def test_restart_and_resync_write_nothing_new(
-    emulator: KubeEmulator, start_operator: Any, processes: Any
-) -> None:
-    operator = await start_operator(resync=0.5)
-    await emulator.create_object(pool())
-    await emulator.add_pod(NS, "engine-0", {"app": "qwen-engine"})
-    await wait_for(lambda: owned(emulator, "Deployment"), what="deployment")
-    await emulator.set_deployment_available(NS, EPP)
-    await wait_for(lambda: status_is(emulator, Ready="True/EndpointPickerAvailable"), what="ready")
-
-    # Steady state: several resyncs pass without a single write.
-    import asyncio
-
-    mark = len(emulator.write_requests())
-    await asyncio.sleep(2.0)
-    assert [str(r.url.path) for r in emulator.write_requests(mark)] == []
-
-    # Restart: the new process lists everything, compares, and writes nothing.
-    await asyncio.to_thread(operator.stop)
-    mark = len(emulator.write_requests())
-    reads_before = emulator.request_count
-    await start_operator(resync=0.5, name="operator-restarted")
-    await wait_for(
-        lambda: emulator.request_count > reads_before + 20, what="the new operator to read"
-    )
-    await asyncio.sleep(2.0)
-    assert [f"{r.method.value} {r.url.path}" for r in emulator.write_requests(mark)] == []
-
-
 async def test_a_service_the_user_owns_is_resolved_not_replaced(
     emulator: KubeEmulator, start_operator: Any
 ) -> None:
@@ -279,46 +197,6 @@ async def test_standalone_envoy_sidecar(emulator: KubeEmulator, start_operator: 
     )  # fmt: skip
     await wait_for(
         lambda: owned(emulator, "ConfigMap", f"{EPP}-envoy") is None, what="envoy config pruned"
-    )
-
-
-async def test_objectives_and_rewrites_report_whether_their_pool_exists(
-    emulator: KubeEmulator, start_operator: Any
-) -> None:
-    await start_operator()
-    for path in ("inferenceobjective.yaml", "inferencemodelrewrite.yaml"):
-        body = yaml.safe_load((ROOT / "crds/examples/valid" / path).read_text())
-        body["metadata"]["namespace"] = NS
-        await emulator.create_object(body)
-
-    def condition(kind: str, name: str, type_: str) -> str | None:
-        obj = emulator.get_object(kind, NS, name) or {}
-        for cond in (obj.get("status") or {}).get("conditions") or []:
-            if cond["type"] == type_:
-                return f"{cond['status']}/{cond['reason']}"
-        return None
-
-    await wait_for(
-        lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "False/PoolNotFound",
-        what="objective PoolNotFound",
-    )
-    await wait_for(
-        lambda: condition("InferenceModelRewrite", "canary", "Accepted") == "False/PoolNotFound",
-        what="rewrite PoolNotFound",
-    )
-    await emulator.create_object(pool())
-    await wait_for(
-        lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "True/Ready",
-        what="objective Ready",
-    )
-    await wait_for(
-        lambda: condition("InferenceModelRewrite", "canary", "Accepted") == "True/Accepted",
-        what="rewrite Accepted",
-    )
-    await emulator.delete_object("InferencePool", NS, "qwen-pool")
-    await wait_for(
-        lambda: condition("InferenceObjective", "batch-jobs", "Ready") == "False/PoolNotFound",
-        what="objective PoolNotFound again",
     )
 
 

@@ -40,6 +40,9 @@ def _ext_proc(config: dict) -> dict:
         {"debug_headers": True, "access_log": True, "route_timeout_s": 0.5},
         {"fallback_endpoints": [("engine-0.local", 8000), ("10.0.0.7", 8001)]},
         {"stream_response_bodies": False, "epp_health_check_interval_s": None},
+        {"epp_tls": True},
+        {"observe_responses": False},
+        {"epp_tls": True, "epp_address": "epp.default.svc.cluster.local"},
     ],
 )
 def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binary: Path) -> None:
@@ -70,8 +73,28 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     assert open_["failure_mode_allow"] is True
     assert closed["failure_mode_allow"] is False
     mode = closed["processing_mode"]
-    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
-    assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
+    # Responses go to the observer (observability mode), not through the routing filter.
+    assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["response_body_mode"] == "NONE"
+    assert mode["request_trailer_mode"] == "SEND"
+    config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    observer = hcm["typed_config"]["http_filters"][names.index("infergate.ext_proc.observer")]
+    assert (
+        names.index("infergate.ext_proc.observer") == names.index("envoy.filters.http.ext_proc") + 1
+    )
+    assert observer["typed_config"]["observability_mode"] is True
+    assert observer["typed_config"]["processing_mode"]["response_body_mode"] == "STREAMED"
+    # GIE's single filter, every response chunk through the EPP, on request.
+    single = _ext_proc(
+        build_envoy_config(
+            listen_port=1, epp_address="127.0.0.1", epp_port=2, observe_responses=False
+        )
+    )["processing_mode"]
+    assert single["request_body_mode"] == single["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert single["request_trailer_mode"] == single["response_trailer_mode"] == "SEND"
+
 
 def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
     config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)

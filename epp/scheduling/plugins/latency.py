@@ -7,7 +7,10 @@ token there (all times in seconds)::
 
 * ``uncached(e) = prompt_tokens − cached(e)``: ``prompt_tokens`` is the prompt's length
   in characters over the learned characters-per-token; ``cached(e)`` is what the prefix
-  index (``prefix-cache-scorer``, calibrated by the engines) predicts ``e`` holds.
+  index (``prefix-cache-scorer``, calibrated by the engines) predicts ``e`` holds. When
+  ``precise-prefix-cache-scorer`` runs too (engines publishing KV events), its exact
+  token count and the larger of the two cached estimates are used: events are the truth
+  once they arrive, the approximate index covers the window before they do.
 * ``base(e)``, ``per_token(e)``: the endpoint's own prefill cost, fitted online from its
   ``vllm:request_prefill_time_seconds`` and prompt/hit token counters
   (:mod:`infergate.epp.datalayer.prefill_cost`) — a slow engine learns a large
@@ -94,6 +97,9 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         return self.context.extras.get("prefix_index")
 
     def _prompt_tokens(self, cycle: CycleState, request: InferenceRequest) -> float:
+        exact = cycle.get("precise.tokens")
+        if exact:
+            return float(exact)
         tokens = cycle.get("prefix.tokens")
         if tokens is not None:
             return float(tokens)
@@ -106,7 +112,9 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         """Per endpoint: (predicted TTFT seconds, uncached tokens)."""
         now = self.clock()
         prompt = self._prompt_tokens(cycle, request)
-        cached: dict[str, float] = cycle.get("prefix.cached_tokens") or {}
+        cached: dict[str, float] = dict(cycle.get("prefix.cached_tokens") or {})
+        for key, tokens in (cycle.get("precise.cached_tokens") or {}).items():
+            cached[key] = max(cached.get(key, 0.0), float(tokens))
         prefix = self._prefix()
         model = request.target_model or request.model
         out: list[tuple[float, float]] = []

@@ -151,8 +151,13 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
         )
         tokens = tokens[: block * self.p.maxPrefixBlocksToMatch]
         hashes = block_hashes(tokens, block, cache_salt=request.cache_salt or None)
+        matches = self.index.leading_matches(hashes) if hashes else {}
         cycle["precise.hashes"] = hashes
-        cycle["precise.matches"] = self.index.leading_matches(hashes) if hashes else {}
+        cycle["precise.matches"] = matches
+        # Exact token counts for the predicted-latency scorer (it prefers these to the
+        # approximate index's estimates).
+        cycle["precise.tokens"] = len(tokens)
+        cycle["precise.cached_tokens"] = {e: n * block for e, n in matches.items()}
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]

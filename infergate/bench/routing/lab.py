@@ -116,7 +116,11 @@ def run_one(
     if spec.output_len is not None:
         for sample in samples:
             sample.output_len = spec.output_len
-    stack = LocalStack(fleet_spec(workload, spec))
+    fleet = fleet_spec(workload, spec)
+    if router.kv_events:
+        fleet.precise_prefix = True
+        fleet.kv_events_ports = [free_port() for _ in range(spec.engines)]
+    stack = LocalStack(fleet)
     try:
         stack.start_engines()
         try:

@@ -7,7 +7,10 @@
   --policy cache_aware``), the Rust router users pick for cache-aware routing; skipped
   with a message when the ``sglang-router`` package is not installed.
 * ``epp-gie`` / ``epp-infergate`` — the real Envoy + our EPP with GIE's default profile
-  or infergate's default; ``epp:PATH`` runs the EPP with any EndpointPickerConfig file.
+  or infergate's default; ``epp-precise`` adds the engines' KV events (the engines of its
+  fleet publish them); ``epp:PATH`` runs the EPP with any EndpointPickerConfig file (a
+  file that uses ``precise-prefix-cache-scorer`` needs ``epp:builtin:…`` or KV events
+  are not published).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Router:
     name: str
     description: str
     start: Callable[[LocalStack], str]  # starts it in the stack's process group; base URL
+    kv_events: bool = False  # the engines must publish KV events (precise prefix routing)
 
 
 def _envoy_lb(policy: str) -> Callable[[LocalStack], str]:
@@ -105,8 +109,18 @@ ROUTERS: dict[str, Router] = {
             "infergate EPP, infergate's default profile",
             _epp("builtin:infergate-default"),
         ),
+        Router(
+            "epp-precise",
+            "infergate EPP, default profile plus the engines' KV events (up --precise-prefix)",
+            _epp("builtin:precise-prefix"),
+            kv_events=True,
+        ),
     )
 }
+
+#: What the lab runs when no --router is given (epp-precise on request: it needs engines
+#: that publish KV events, and the others do not use them).
+DEFAULT_ROUTERS = ("round-robin", "least-request", "sglang-cache-aware", "epp-gie", "epp-infergate")
 
 
 def resolve(name: str) -> Router:
@@ -117,7 +131,8 @@ def resolve(name: str) -> Router:
         path = name[4:]
         if not path.startswith("builtin:") and not Path(path).is_file():
             raise ValueError(f"router {name!r}: no EndpointPickerConfig file at {path}")
-        return Router(name, f"infergate EPP, {path}", _epp(path))
+        precise = path == "builtin:precise-prefix" or path == "builtin:gie-precise-prefix"
+        return Router(name, f"infergate EPP, {path}", _epp(path), kv_events=precise)
     raise ValueError(
         f"unknown router {name!r}: choose from {', '.join(ROUTERS)} or epp:CONFIG.yaml"
     )

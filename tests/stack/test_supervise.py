@@ -1,0 +1,68 @@
+"""``infergate up`` supervision: a SIGKILLed engine is reported and restarted while the
+EPP and Envoy keep serving, through the real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from infergate.procs import free_port
+from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
+from infergate.stack.supervise import EngineSupervisor
+
+
+def _completion(stack: LocalStack) -> httpx.Response:
+    return httpx.post(
+        f"{stack.base_url}/v1/completions",
+        json={"model": stack.model_name, "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
+
+
+def test_dead_engine_is_reported_and_restarted_while_the_stack_serves(tmp_path: Path) -> None:
+    spec = StackSpec(
+        engines=2,
+        model=ensure_tiny_model(),
+        simulate=True,
+        port=free_port(),
+        admin_port=free_port(),
+        engine_ports=[free_port(), free_port()],
+        epp_grpc_port=free_port(),
+        epp_health_port=free_port(),
+        epp_metrics_port=free_port(),
+        access_log=False,
+        workdir=tmp_path,
+        start_timeout=180.0,
+    )
+    with LocalStack(spec) as stack:
+        reports: list[str] = []
+        supervisor = EngineSupervisor(stack, reports.append)
+        victim = stack.engines[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.popen.wait(10)  # type: ignore[union-attr]
+        supervisor.check()
+        assert reports and "engine-0 exited" in reports[0]
+        assert supervisor.restarts == [1, 0]
+        assert stack.engines[0] is not victim
+        # The rest keeps serving meanwhile, and the restarted engine comes back.
+        assert _completion(stack).status_code == 200
+        assert stack.epp is not None and stack.envoy is not None
+        assert stack.epp.alive() and stack.envoy.alive()
+        port = spec.resolved_engine_ports()[0]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            supervisor.check()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("engine-0 did not come back")
+        assert supervisor.restarts == [1, 0]
+        assert all(_completion(stack).status_code == 200 for _ in range(4))
