@@ -24,6 +24,7 @@ from infergate.epp.datalayer.discovery.file import (
     watch_file,
 )
 from infergate.epp.eds import EndpointDiscovery
+from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.director import Director
@@ -89,8 +90,13 @@ class Epp:
             self.objectives.replace(*load_objectives_file(options.objectives_file))
         context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
         self.scheduler = Scheduler.from_config(config, context, self.metrics.plugin_timer)
+        self.flow = build_flow_controller(
+            config.flowControl, self.datastore, self.saturation, self.metrics,
+            options.pool_name or "local",
+        )
         self.director = Director(
-            self.datastore, self.scheduler, self.saturation, self.objectives, self.metrics
+            self.datastore, self.scheduler, self.saturation, self.objectives, self.metrics,
+            self.flow,
         )
         self.ext_proc = ExtProcServer(
             self.director,
@@ -227,6 +233,8 @@ class Epp:
             await self._kube.stop()
         await self.collectors.stop()
         await self.scheduler.stop()
+        if self.flow is not None:
+            await self.flow.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -13,6 +13,7 @@ schedulingProfiles:
   - pluginRef: prefix
     weight: 3
 saturationDetector: {queueDepthThreshold: 5, kvCacheUtilThreshold: 0.8}
+flowControl: {maxRequestsPerEndpoint: 4, defaultRequestTTL: 20s}   # optional; off if absent
 ```
 
 Errors name the offending field (``plugins[1].parameters.blockSize: ...``).
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from infergate.epp.flowcontrol.config import FlowControlConfig
 from infergate.epp.flowcontrol.saturation import SaturationConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -64,7 +66,8 @@ class EndpointPickerConfig(BaseModel):
     featureGates: Any = None
     data: Any = None
     parser: Any = None
-    flowControl: Any = None
+    #: Off when absent (or ``enabled: false``); see infergate.epp.flowcontrol.config.
+    flowControl: FlowControlConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> EndpointPickerConfig:
@@ -138,6 +141,22 @@ GIE_PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
     "prefix-cache-scorer", "precise-prefix-cache-scorer"
 )
 
+#: infergate's default profile with flow control on (docs/epp.md, "Flow control"): requests
+#: wait in the EPP by priority band and tenant while each endpoint has 4 EPP-routed
+#: requests unfinished or the whole pool is saturated; 20 s in the queue answers 429.
+FLOW_CONTROL_CONFIG_YAML = (
+    DEFAULT_CONFIG_YAML
+    + """\
+flowControl:
+  maxRequests: 10000
+  maxBytes: 1073741824
+  defaultRequestTTL: 20s
+  maxRequestsPerEndpoint: 4
+  useSaturationDetector: true
+  fairnessPolicy: round-robin
+"""
+)
+
 #: infergate's default with the engines' KV events as well (``infergate up
 #: --precise-prefix``): the precise index gives exact token counts and confirmed blocks,
 #: the calibrated approximate index covers the window before an event arrives; the
@@ -163,6 +182,7 @@ BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
     "gie-default": GIE_DEFAULT_CONFIG_YAML,
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
+    "flow-control": FLOW_CONTROL_CONFIG_YAML,
     "gie-precise-prefix": GIE_PRECISE_PREFIX_CONFIG_YAML,
 }
 BUILTIN_PREFIX = "builtin:"

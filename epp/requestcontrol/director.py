@@ -1,5 +1,11 @@
 """The request director: body → rewrite → objective → admission → candidates → schedule.
 
+Admission is shed-or-pass (sheddable requests get 429 while the pool is saturated) unless
+flow control is configured; then a request with a body waits in the flow controller
+until it is dispatched, is scheduled against the candidates as they are at that moment,
+and gives its capacity back in ``finish`` (or at once if scheduling fails). Requests
+without a body (GET /v1/models…) are not inference work and are never queued.
+
 It owns no per-request state; the ext-proc stream does, and calls ``finish`` exactly
 once for every request it routed.
 """
@@ -12,6 +18,12 @@ import time
 from dataclasses import dataclass
 
 from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.flowcontrol.controller import (
+    FlowController,
+    FlowRejected,
+    Ticket,
+    fairness_id,
+)
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.objectives import OBJECTIVE_HEADER, ObjectiveStore
@@ -43,6 +55,7 @@ class Decision:
     body: bytes | None  # the (possibly rewritten) body to send upstream
     body_rewritten: bool
     started: float = 0.0  # time.monotonic() when routing began
+    ticket: Ticket | None = None  # flow control's claim on capacity, released in finish
 
     @property
     def destination(self) -> str:
@@ -61,12 +74,50 @@ class Director:
         saturation: SaturationDetector,
         objectives: ObjectiveStore,
         metrics: EppMetrics,
+        flow: FlowController | None = None,
     ) -> None:
         self.datastore = datastore
         self.scheduler = scheduler
         self.saturation = saturation
         self.objectives = objectives
         self.metrics = metrics
+        #: None: admission is shed-or-pass (sheddable requests get 429 when the pool is
+        #: saturated). Set: every request waits in flow control until it is dispatched.
+        self.flow = flow
+
+    def _candidates(self, subset: list[str] | None) -> list[EndpointState]:
+        candidates = self.datastore.all()
+        if subset is not None:
+            wanted = {item.strip() for item in subset if item.strip()}
+            candidates = [s for s in candidates if _matches(s, wanted)]
+            if not candidates:
+                raise Rejected(503, "no ready endpoint in the requested subset")
+        if not candidates:
+            raise Rejected(503, "no ready endpoint in the pool")
+        return candidates
+
+    async def _admit(
+        self, request: InferenceRequest, size: int, subset: list[str] | None
+    ) -> tuple[Ticket, list[EndpointState]]:
+        """Wait in flow control; then the candidates as they are *now* (the pool may have
+        changed while the request waited), preferring endpoints under their budget."""
+        assert self.flow is not None
+        try:
+            ticket = await self.flow.admit(
+                request.priority, fairness_id(request.headers), size, request.max_tokens
+            )
+        except FlowRejected as error:
+            raise Rejected(429, f"{error.reason}: {error.message}") from None
+        try:
+            candidates = self._candidates(subset)
+        except Rejected:
+            self.flow.release(ticket)
+            raise
+        budget = self.flow.config.maxRequestsPerEndpoint
+        if budget is not None:
+            under = [s for s in candidates if s.in_flight_requests < budget]
+            candidates = under or candidates
+        return ticket, candidates
 
     async def route(
         self,
@@ -93,20 +144,21 @@ class Director:
         request.objective = request.headers.get(OBJECTIVE_HEADER, "")
         request.priority = self.objectives.priority(request.objective)
 
-        candidates = self.datastore.all()
-        if subset is not None:
-            wanted = {item.strip() for item in subset if item.strip()}
-            candidates = [s for s in candidates if _matches(s, wanted)]
-            if not candidates:
-                raise Rejected(503, "no ready endpoint in the requested subset")
-        if not candidates:
-            raise Rejected(503, "no ready endpoint in the pool")
-        if request.priority < 0 and self.saturation.pool_saturated(candidates):
+        candidates = self._candidates(subset)
+        ticket: Ticket | None = None
+        if self.flow is not None and raw_body:
+            ticket, candidates = await self._admit(request, len(raw_body), subset)
+        elif request.priority < 0 and self.saturation.pool_saturated(candidates):
             raise Rejected(429, "the pool is saturated; sheddable request dropped")
 
-        result = await self.scheduler.schedule(request, candidates)
-        if not result.targets:
-            raise Rejected(503, "no endpoint passed the scheduling filters")
+        try:
+            result = await self.scheduler.schedule(request, candidates)
+            if not result.targets:
+                raise Rejected(503, "no endpoint passed the scheduling filters")
+        except BaseException:
+            if ticket is not None and self.flow is not None:
+                self.flow.release(ticket)
+            raise
         result.targets[0].in_flight_requests += 1
         elapsed = time.perf_counter() - started
         self.metrics.scheduling_latency.observe(elapsed)
@@ -128,7 +180,7 @@ class Director:
             self.metrics.gie_prefix_hit_ratio.observe(result.prefix_hit_ratio)
         if result.prefix_hit_bytes is not None:
             self.metrics.gie_prefix_hit_bytes.observe(result.prefix_hit_bytes)
-        return Decision(request, result, body_out, rewritten, arrived)
+        return Decision(request, result, body_out, rewritten, arrived, ticket)
 
     def finish(self, decision: Decision, response: ResponseInfo) -> None:
         """Release per-request accounting and run response-complete hooks (exactly once)."""
@@ -140,6 +192,9 @@ class Director:
                 primary.completed_cached_tokens += min(
                     response.cached_tokens, response.prompt_tokens
                 )
+        if decision.ticket is not None and self.flow is not None:
+            used = (response.prompt_tokens or 0) + (response.completion_tokens or 0)
+            self.flow.release(decision.ticket, used if response.complete and used else None)
         if response.prompt_tokens:
             self.metrics.tokens.labels("prompt").inc(response.prompt_tokens)
         if response.completion_tokens:

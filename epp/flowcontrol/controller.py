@@ -1,0 +1,218 @@
+"""The flow controller: admission becomes "enqueue, then await dispatch".
+
+Why hold requests in the gateway at all: a request committed early to one engine waits in
+that engine's FCFS queue behind whatever came first, whatever its priority, and is stuck
+there even if another engine frees up sooner. Held here, it is ordered by priority band
+and fairness flow (see ``queues.py``), and when it leaves the queue the normal scheduler
+picks the endpoint *at that moment*.
+
+Capacity (when the head of the queue may go):
+
+- ``maxRequestsPerEndpoint = B``: the pool takes ``B * ready_endpoints`` requests that the
+  flow controller dispatched and that have not finished (``in_flight`` counts them from
+  dispatch to ``release``). This is exact and immediate, so it is the recommended gate.
+- ``useSaturationDetector``: hold while every endpoint is saturated (queue depth / KV
+  usage / stale metrics, the same detector the shed path uses). Scraped metrics lag by
+  up to one refresh, so alone it can over-dispatch a burst; with the budget it is a brake
+  on top of it.
+
+Dispatch is attempted whenever something could have changed: a request enqueued, a
+request finished (``release``), and every ``dispatchInterval`` while anything waits (the
+saturation detector's metrics change without an event). Everything runs on the EPP's
+event loop, so no locks: a pump is a synchronous loop of pops.
+
+Leaving the queue other than by dispatch: the TTL fires (429, reason ``ttl_expired``), the
+bounds are exceeded at enqueue (429, reason ``queue_full``), or the waiting task is
+cancelled — which is what grpc.aio does to the handler when Envoy closes the ext-proc
+stream because the client went away — and the item is removed before the cancellation
+propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.flowcontrol.config import FlowControlConfig
+from infergate.epp.flowcontrol.metrics import FlowControlMetrics
+from infergate.epp.flowcontrol.queues import DEFAULT_FLOW, BandQueues, QueueItem
+from infergate.epp.flowcontrol.saturation import SaturationDetector
+
+log = logging.getLogger("infergate.epp.flowcontrol")
+
+#: GIE's fairness header: requests with the same value share one flow.
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+#: Longest fairness ID kept (longer ones are cut): a header is not a way to grow memory.
+MAX_FAIRNESS_ID = 128
+
+
+class FlowRejected(Exception):
+    """The request leaves flow control without being dispatched; the director answers 429."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A dispatched request's claim on capacity; ``release`` it exactly once."""
+
+    priority: int
+    flow: str
+    cost_estimate: float
+    released: bool = False
+
+
+def fairness_id(headers: dict[str, str]) -> str:
+    value = headers.get(FAIRNESS_HEADER, "").strip()
+    return value[:MAX_FAIRNESS_ID] if value else DEFAULT_FLOW
+
+
+def cost_estimate(size_bytes: int, max_tokens: int | None) -> float:
+    """Tokens charged at dispatch: ~4 bytes of prompt per token, plus the output asked for."""
+    return max(1.0, size_bytes / 4 + (max_tokens or 0))
+
+
+class FlowController:
+    def __init__(
+        self,
+        config: FlowControlConfig,
+        datastore: Datastore,
+        saturation: SaturationDetector,
+        metrics: FlowControlMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.datastore = datastore
+        self.saturation = saturation
+        self.metrics = metrics
+        self.clock = clock
+        self.queues = BandQueues(config.fairnessPolicy)
+        self.in_flight = 0
+        self._ticker: asyncio.Task[None] | None = None
+        metrics.bind(self)
+
+    # -- admission ------------------------------------------------------------------------
+
+    async def admit(
+        self, priority: int, flow: str, size_bytes: int, max_tokens: int | None = None
+    ) -> Ticket:
+        """Wait until this request may be dispatched; raises FlowRejected (429) or the
+        task's cancellation, and in every case the request is no longer queued after."""
+        band_max_requests, band_max_bytes = self.config.band(priority)
+        band_requests, band_bytes = self.queues.band_size(priority)
+        full = None
+        if len(self.queues) + 1 > self.config.maxRequests:
+            full = f"the flow-control queue holds its maximum of {self.config.maxRequests} requests"
+        elif self.queues.bytes + size_bytes > self.config.maxBytes:
+            full = f"the flow-control queue holds its maximum of {self.config.maxBytes} bytes"
+        elif band_max_requests is not None and band_requests + 1 > band_max_requests:
+            full = f"priority band {priority} holds its maximum of {band_max_requests} requests"
+        elif band_max_bytes is not None and band_bytes + size_bytes > band_max_bytes:
+            full = f"priority band {priority} holds its maximum of {band_max_bytes} bytes"
+        if full is not None:
+            self.metrics.rejected(priority, "queue_full")
+            raise FlowRejected("queue_full", full)
+        loop = asyncio.get_running_loop()
+        item = QueueItem(
+            flow=flow,
+            priority=priority,
+            size=size_bytes,
+            enqueued=self.clock(),
+            cost_estimate=cost_estimate(size_bytes, max_tokens),
+            waiter=loop.create_future(),
+        )
+        self.queues.add(item)
+        self.pump()
+        waiter: asyncio.Future[Ticket] = item.waiter
+        if waiter.done():
+            return waiter.result()
+        self._ensure_ticker()
+        timer = loop.call_later(self.config.ttl(priority), self._expire, item)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if self.queues.remove(item):
+                self.metrics.rejected(priority, "cancelled", self.clock() - item.enqueued)
+            elif waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.release(waiter.result())  # dispatched, but its client is gone
+            raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, item: QueueItem) -> None:
+        """The TTL fired: a still-queued item leaves with 429 ``ttl_expired``."""
+        if not self.queues.remove(item):
+            return
+        self.metrics.rejected(item.priority, "ttl_expired", self.clock() - item.enqueued)
+        item.waiter.set_exception(
+            FlowRejected(
+                "ttl_expired",
+                f"the request waited {self.config.ttl(item.priority):g}s in the "
+                "flow-control queue (its TTL) without capacity",
+            )
+        )
+
+    def release(self, ticket: Ticket, actual_tokens: int | None = None) -> None:
+        """The dispatched request finished (or never reached an engine): free its capacity
+        and, with usage known, correct its flow's token charge by (actual - estimate)."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self.in_flight = max(0, self.in_flight - 1)
+        if actual_tokens is not None:
+            self.queues.charge(ticket.priority, ticket.flow, actual_tokens - ticket.cost_estimate)
+        self.pump()
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def has_capacity(self) -> bool:
+        states = self.datastore.all()
+        if not states:
+            return False
+        budget = self.config.maxRequestsPerEndpoint
+        if budget is not None and self.in_flight >= budget * len(states):
+            return False
+        return not (self.config.useSaturationDetector and self.saturation.pool_saturated(states))
+
+    def pump(self) -> int:
+        """Dispatch while there is capacity and anything waits; returns how many went."""
+        sent = 0
+        while len(self.queues) and self.has_capacity():
+            item = self.queues.pop()
+            if item is None:
+                break
+            waiter: asyncio.Future[Ticket] = item.waiter
+            if waiter.done():  # cancelled between its removal and now: nothing to send
+                continue
+            self.in_flight += 1
+            waiter.set_result(Ticket(item.priority, item.flow, item.cost_estimate))
+            self.metrics.dispatched(item.priority, self.clock() - item.enqueued)
+            sent += 1
+        return sent
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """Re-check capacity every dispatchInterval while anything waits, then stop."""
+        try:
+            while len(self.queues):
+                await asyncio.sleep(self.config.dispatchInterval)
+                self.pump()
+        except Exception:
+            log.exception("flow-control dispatch tick failed")
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
