@@ -15,6 +15,7 @@ endpoint holds as a leading run. Unlike the approximate index, evictions are rea
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,11 @@ class PrecisePrefixParams(BaseModel):
         description="Directory or tokenizer.json for plain prompts; else the engine's /tokenize.",
     )
     tokenizeTimeout: float = Field(1.0, gt=0)
+    apiKeyEnv: str | None = Field(
+        None,
+        description="Environment variable holding the engines' --api-key; sent as a bearer "
+        "token to their /tokenize (which needs it when the engines have a key).",
+    )
     maxPrefixBlocksToMatch: int = Field(1024, ge=1)
     speculativeTTL: float = Field(
         2.0,
@@ -92,7 +98,14 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
             )
 
     async def start(self) -> None:
+        headers = {}
+        if self.p.apiKeyEnv:
+            key = os.environ.get(self.p.apiKeyEnv, "")
+            if not key:
+                log.warning("apiKeyEnv %s is empty: /tokenize will be refused", self.p.apiKeyEnv)
+            headers["Authorization"] = f"Bearer {key}"
         self._session = aiohttp.ClientSession(
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
         )
         # Listeners registered after construction (plugin order) are picked up here.
