@@ -295,3 +295,16 @@ async def test_latency_prefers_the_precise_index_where_it_knows_more() -> None:
     scorer.score(cycle, InferenceRequest("r", {}), states)
     uncached = cycle["latency.uncached"]
     assert uncached == {a.key: 500.0, b.key: 8.0}
+
+
+async def test_an_endpoint_with_stale_metrics_is_predicted_slow() -> None:
+    states = fleet(2, blocks=10_000)
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx)
+    dead, alive = states
+    dead.metrics.updated_at = time.monotonic() - 60  # no scrape for a minute
+    alive.prefill_busy_until = time.monotonic() + 5.0  # even a long queue is better
+    picked, _, _ = await schedule(ctx, states, "x" * 400, scorer)
+    assert states[picked] is alive

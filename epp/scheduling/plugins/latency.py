@@ -27,6 +27,9 @@ token there (all times in seconds)::
   is what makes a tight-capacity fleet thrash) while still letting a group move when its
   holder's queue costs more than recomputing it elsewhere.
 * ``busy(e) = running(e) × decodeSecondsPerRequest``: a small tie-break for decode load.
+* An endpoint whose metrics are stale (DESIGN.md: stale means saturated; a dead engine
+  stops answering its scrapes) gets ``STALE_PENALTY_S`` added, so it is chosen only when
+  every candidate is stale.
 
 The score is ``min_e ttft(e) / ttft(e)``, in (0, 1]: the fastest endpoint scores 1.
 
@@ -55,6 +58,10 @@ from infergate.epp.scheduling.plugins.base import (
 )
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
+
+
+#: Added to the prediction of an endpoint with stale metrics (seconds).
+STALE_PENALTY_S = 60.0
 
 
 class PredictedLatencyParams(BaseModel):
@@ -117,6 +124,7 @@ class PredictedLatencyScorer(Scorer, PreRequest):
             cached[key] = max(cached.get(key, 0.0), float(tokens))
         prefix = self._prefix()
         model = request.target_model or request.model
+        stale = self.context.saturation.is_stale
         out: list[tuple[float, float]] = []
         for e in endpoints:
             cost = self._cost(e)
@@ -128,6 +136,8 @@ class PredictedLatencyScorer(Scorer, PreRequest):
                 if free is not None and uncached > free:
                     ttft += (uncached - free) * cost.per_token * self.p.evictionPenalty
             ttft += max(e.in_flight_requests, e.metrics.running) * self.p.decodeSecondsPerRequest
+            if stale(e, now):
+                ttft += STALE_PENALTY_S
             out.append((ttft, uncached))
         cycle["latency.predicted"] = {e.key: t for e, (t, _) in zip(endpoints, out, strict=True)}
         cycle["latency.uncached"] = {e.key: u for e, (_, u) in zip(endpoints, out, strict=True)}
