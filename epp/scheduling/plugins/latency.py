@@ -59,7 +59,6 @@ from infergate.epp.scheduling.plugins.base import (
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
-
 #: Added to the prediction of an endpoint with stale metrics (seconds).
 STALE_PENALTY_S = 60.0
 
