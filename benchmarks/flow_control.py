@@ -37,7 +37,6 @@ from pathlib import Path
 
 import httpx
 
-from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
 
 OBJECTIVES = """\
@@ -160,17 +159,11 @@ def run_fleet(flow_control: bool, seconds: float, seed: int, model: Path) -> dic
         workdir = Path(tmp)
         (workdir / "objectives.yaml").write_text(OBJECTIVES)
         (workdir / "epp.yaml").write_text(PROFILE + (FLOW_CONTROL if flow_control else ""))
-        spec = StackSpec(
+        spec = StackSpec.on_free_ports(
             engines=2,
             model=model,
             served_model_name="tiny",
             simulate=True,
-            port=free_port(),
-            admin_port=free_port(),
-            engine_ports=[free_port(), free_port()],
-            epp_grpc_port=free_port(),
-            epp_health_port=free_port(),
-            epp_metrics_port=free_port(),
             objectives_file=workdir / "objectives.yaml",
             epp_config_file=workdir / "epp.yaml",
             engine_args=["--max-num-seqs", "4"],

@@ -42,14 +42,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=args.engines,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port() for _ in range(args.engines)],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         access_log=False,
         engine_args=["--num-gpu-blocks-override", str(args.kv_blocks)],
         precise_prefix=args.precise_prefix,

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -26,6 +27,7 @@ from infergate.procs import (
     ProcessGroup,
     ProcessStartError,
     ReadyCheck,
+    free_port,
     http_ready,
 )
 from infergate.stack.envoy_config import build_envoy_config
@@ -146,6 +148,20 @@ class StackSpec:
     workdir: Path | None = None
     cache_dir: Path | None = None
     start_timeout: float = 120.0
+
+    @classmethod
+    def on_free_ports(cls, engines: int, **fields: Any) -> StackSpec:
+        """A spec whose listener, admin, engine and EPP ports are free loopback ports (for
+        tests, benchmarks and the routing lab, which run beside other stacks)."""
+        ports = {
+            "port": free_port(),
+            "admin_port": free_port(),
+            "engine_ports": [free_port() for _ in range(engines)],
+            "epp_grpc_port": free_port(),
+            "epp_health_port": free_port(),
+            "epp_metrics_port": free_port(),
+        }
+        return cls(engines=engines, **{**ports, **fields})
 
     def resolved_kv_events_ports(self) -> list[int]:
         if not self.precise_prefix:

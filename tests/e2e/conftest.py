@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
 
 _STACKS: list[LocalStack] = []
@@ -92,17 +91,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterato
     objectives.write_text(OBJECTIVES_YAML)
     epp_config = workdir / "epp-config.yaml"
     epp_config.write_text(EPP_CONFIG_YAML)
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=2,
         model=tiny_model,
         served_model_name="tiny",
         simulate=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port(), free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         objectives_file=objectives,
         epp_config_file=epp_config,
         # A small batch makes queues form quickly; a short staleness window keeps the

@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec
 
 STREAMS = 100
@@ -31,17 +30,11 @@ TOKENS = 48
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[LocalStack]:
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=2,
         model=tiny_model,
         served_model_name="tiny",
         simulate=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port(), free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         failure_mode_allow=request.param == "FailOpen",
         # Slow steps: the generations are still streaming when the EPP dies.
         engine_args=["--sim-base-ms", "40", "--max-num-seqs", "64"],

@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec
 from infergate.stack.probes import engines_idle, metric_sum, wait_for
 
@@ -71,17 +70,11 @@ def flow_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> It
     workdir = tmp_path_factory.mktemp("flow-control")
     (workdir / "objectives.yaml").write_text(OBJECTIVES)
     (workdir / "epp.yaml").write_text(EPP_CONFIG)
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=2,
         model=tiny_model,
         served_model_name="tiny",
         simulate=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port(), free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         objectives_file=workdir / "objectives.yaml",
         epp_config_file=workdir / "epp.yaml",
         engine_args=["--max-num-seqs", "2"],

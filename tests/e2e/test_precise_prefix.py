@@ -20,18 +20,12 @@ from infergate.stack.probes import metric_sum, wait_for
 def precise_stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[LocalStack]:
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=2,
         model=tiny_model,
         simulate=True,
         precise_prefix=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port(), free_port()],
         kv_events_ports=[free_port(), free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         workdir=tmp_path_factory.mktemp("precise"),
         start_timeout=180.0,
     )

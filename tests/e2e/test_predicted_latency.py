@@ -17,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.procs import free_port
 from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER
 from infergate.stack.local import LocalStack, StackSpec
 
@@ -26,17 +25,11 @@ from infergate.stack.local import LocalStack, StackSpec
 def default_stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[LocalStack]:
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=2,
         model=tiny_model,
         served_model_name="tiny",
         simulate=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port(), free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         access_log=False,
         workdir=tmp_path_factory.mktemp("default-profile"),
         start_timeout=180.0,
@@ -73,10 +66,7 @@ async def test_a_group_sticks_while_its_engine_keeps_up_and_spreads_when_overloa
         # queues a lot of uncached prefill on the holder, so after a few, recomputing the
         # prefix on the other engine is predicted faster and the group spreads.
         burst = await asyncio.gather(
-            *[
-                _complete(client, default_stack, f"{group}\nQ{i}: {_words(120)}")
-                for i in range(16)
-            ]
+            *[_complete(client, default_stack, f"{group}\nQ{i}: {_words(120)}") for i in range(16)]
         )
     served = Counter(burst)
     assert len(served) == 2, f"the overloaded group never left its holder: {served}"

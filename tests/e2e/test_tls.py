@@ -22,17 +22,11 @@ from infergate.stack.local import LocalStack, StackSpec
 
 @pytest.fixture(scope="module")
 def tls_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalStack]:
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=1,
         model=tiny_model,
         served_model_name="tiny",
         simulate=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         secure_serving=True,
         workdir=tmp_path_factory.mktemp("tls-stack"),
         start_timeout=180.0,

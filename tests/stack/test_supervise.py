@@ -10,7 +10,6 @@ from pathlib import Path
 
 import httpx
 
-from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
 from infergate.stack.supervise import EngineSupervisor
 
@@ -24,16 +23,10 @@ def _completion(stack: LocalStack) -> httpx.Response:
 
 
 def test_dead_engine_is_reported_and_restarted_while_the_stack_serves(tmp_path: Path) -> None:
-    spec = StackSpec(
+    spec = StackSpec.on_free_ports(
         engines=2,
         model=ensure_tiny_model(),
         simulate=True,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port(), free_port()],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         access_log=False,
         workdir=tmp_path,
         start_timeout=180.0,

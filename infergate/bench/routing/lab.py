@@ -92,14 +92,8 @@ def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
         engine_args += ["--num-gpu-blocks-override", str(workload.kv_blocks)]
     slow = ["--sim-base-ms", "12", "--sim-us-per-token", "60", "--sim-us-per-seq", "30"]
     per_engine = [slow if i < workload.slow_engines else [] for i in range(spec.engines)]
-    return StackSpec(
+    return StackSpec.on_free_ports(
         engines=spec.engines,
-        port=free_port(),
-        admin_port=free_port(),
-        engine_ports=[free_port() for _ in range(spec.engines)],
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
         access_log=False,
         engine_args=engine_args,
         per_engine_args=per_engine,
@@ -175,8 +169,9 @@ def _fill(
     def delta(name: str) -> list[float]:
         return [a[name] - b[name] for a, b in zip(after, before, strict=True)]
 
-    hits, queries = sum(delta("vllm:prefix_cache_hits_total")), sum(
-        delta("vllm:prefix_cache_queries_total")
+    hits, queries = (
+        sum(delta("vllm:prefix_cache_hits_total")),
+        sum(delta("vllm:prefix_cache_queries_total")),
     )
     result.prefix_hit_rate = hits / queries if queries else 0.0
     served = delta("vllm:request_success_total")
