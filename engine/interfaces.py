@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,8 @@ class ScheduledSeq:
     output_token_ids: Sequence[int] = ()
     # Token ids masked this step (EOS and stop ids while under min_tokens).
     blocked_token_ids: tuple[int, ...] = ()
+    # Structured output: the request's GrammarState (its bitmask restricts sampling).
+    grammar: Any = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .attention import (
 from .interfaces import ScheduledBatch, ScheduledSeq, TokenLogprob
 from .models import LlamaForCausalLM, ModelConfig
 from .sampler import Sampler
+from .structured_output.matcher import apply_grammar_bitmask
 from .weights import load_model, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -147,8 +148,11 @@ class TorchModelRunner:
             [s.output_token_ids for s in sampled],
             [s.blocked_token_ids for s in sampled],
         )
+        # The grammar's bitmask restricts what is sampled; logprobs stay those of the
+        # distribution before it (a masked token's logprob would be -inf).
+        allowed = apply_grammar_bitmask(logits, [s.grammar for s in sampled])
         chosen = self.sampler.sample(
-            logits, params, [s.request_id for s in sampled], [s.num_generated for s in sampled]
+            allowed, params, [s.request_id for s in sampled], [s.num_generated for s in sampled]
         )
         self._record_logprobs(logits, sampled, chosen)
         tokens = iter(chosen)

@@ -49,6 +49,13 @@ class _Sampling(_Open):
     spaces_between_special_tokens: bool = True
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM extension: token ids in the response
+    # Structured output (engine/structured_output/spec.py reads and checks them).
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -80,7 +87,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     prompt_logprobs: int | None = None  # vLLM extension
 
@@ -141,7 +147,6 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
             f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}",
         ))  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
-        fmt = (req.response_format or {}).get("type", "text")
         checks += [
             (
                 req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS,
@@ -154,7 +159,6 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
                 "top_logprobs requires logprobs=true",
             ),
             (bool(req.tools), "tools", "tool calling is not supported"),
-            (fmt != "text", "response_format", "only response_format type 'text' is supported"),
         ]
     for bad, param, message in checks:
         if bad:

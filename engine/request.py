@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from infergate.engine.block_hash import block_hashes
 from infergate.engine.interfaces import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from infergate.engine.structured_output.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +51,8 @@ class Request:
     max_model_len: int | None = None
     skip_special_tokens: bool = True  # in the output text
     arrival_time: float = field(default_factory=time.monotonic)
+    # Structured output: the request's grammar matcher (None: unconstrained).
+    grammar: GrammarState | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -100,12 +106,16 @@ class Request:
     def check_stop(self) -> bool:
         """Apply the token-level stop rules after a new token; True when finished."""
         token = self.output_token_ids[-1]
+        if self.grammar is not None:
+            self.grammar.accept(token)
         params = self.sampling
         if not params.ignore_eos and token in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif token in params.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token
+        elif self.grammar is not None and self.grammar.finished:
+            self.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
         elif self.num_output_tokens >= params.max_tokens or (
             self.max_model_len is not None and self.num_tokens >= self.max_model_len
         ):

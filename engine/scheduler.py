@@ -187,4 +187,6 @@ def _sampling_state(request: Request) -> dict[str, Any]:
         state["output_token_ids"] = request.output_token_ids
     if request.num_output_tokens < params.min_tokens:
         state["blocked_token_ids"] = (*sorted(request.eos_token_ids), *params.stop_token_ids)
+    if request.grammar is not None:
+        state["grammar"] = request.grammar
     return state

@@ -263,6 +263,7 @@ def build(opts: ServeOptions) -> Any:
         api_key=opts.api_key,
         default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
         supports_logprobs=not opts.simulate,
+        structured_output=not opts.simulate,
         generation_defaults=defaults,
         dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
     )

@@ -84,6 +84,11 @@ class Tokenizer:
         self._template_fn: Any = None
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers`` object (xgrammar reads its vocabulary and decoder)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from infergate.engine.async_engine import AsyncEngine, EngineDeadError
 from infergate.engine.metrics import EngineMetrics
+from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.tokenizer import Tokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -120,6 +121,8 @@ def build_app(
 ) -> FastAPI:
     """The engine's HTTP app; its lifespan starts and stops the engine's step loop."""
 
+    grammars = GrammarCompiler(tokenizer, config.vocab_size) if config.structured_output else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -127,12 +130,14 @@ def build_app(
             yield
         finally:
             engine.shutdown()
+            if grammars is not None:
+                grammars.shutdown()
 
     app = FastAPI(title="infergate engine", version=__version__, lifespan=lifespan)
     app.add_middleware(Guard, config=config)
     _add_error_handlers(app)
     models = OpenAIServingModels(config)
-    shared = (engine, tokenizer, config, metrics, models)
+    shared = (engine, tokenizer, config, metrics, models, grammars)
     _add_ops_routes(app, engine, config, metrics)
     _add_api_routes(
         app,

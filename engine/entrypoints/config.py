@@ -20,6 +20,7 @@ class ServerConfig:
     # Cap on the default max_tokens (simulated engines never emit EOS on their own).
     default_max_tokens_cap: int | None = None
     supports_logprobs: bool = True  # False for the simulator, which has no logits
+    structured_output: bool = True  # grammars need logits too (False for the simulator)
     # Defaults for omitted sampling fields (--generation-config), as vLLM applies them.
     generation_defaults: dict[str, float] = field(default_factory=dict)
     dev_mode: bool = False  # development routes (/reset_prefix_cache)

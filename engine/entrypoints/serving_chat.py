@@ -87,6 +87,7 @@ class OpenAIServingChat(OpenAIServing):
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         params = self.sampling_params(req, len(ids), max_tokens, None)
+        grammar = await self.compile_grammar(self.grammar_spec(req))
         n = req.n or 1
         if req.logprobs or req.prompt_logprobs is not None:
             self.check_logprobs_supported("logprobs" if req.logprobs else "prompt_logprobs")
@@ -103,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
             for j in range(n)
         ]
         streams = [
-            self.engine.generate(self.new_request(f"{rid}-{j}", ids, p, req))
+            self.engine.generate(self.new_request(f"{rid}-{j}", ids, p, req, grammar))
             for j, p in enumerate(children)
         ]
         chat = [ChatChoice(j, ids, req, self.token_text) for j in range(n)]

@@ -146,8 +146,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_lp = max(prompt_lp or 0, req.logprobs or 0)
         n = req.n or 1
         best_of = max(req.best_of or n, n)
+        spec = self.grammar_spec(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs: list[tuple[int, EngineRequest]] = []
+        grammar = None if echo_only else await self.compile_grammar(spec)
         for p_index, ids in enumerate(prompts):
             params = self.sampling_params(
                 req, len(ids), 1 if echo_only else req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS
@@ -156,7 +158,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params = replace(params, logprobs=rank_lp, prompt_logprobs=prompt_lp)
             for j in range(best_of):
                 child = params if params.seed is None else replace(params, seed=params.seed + j)
-                jobs.append((p_index, self.new_request(f"{rid}-{len(jobs)}", ids, child, req)))
+                engine_req = self.new_request(f"{rid}-{len(jobs)}", ids, child, req, grammar)
+                jobs.append((p_index, engine_req))
         if best_of > n:
             self.check_logprobs_supported("best_of")  # ranking needs the sampled logprobs
         if want_lp or prompt_lp is not None:

@@ -15,9 +15,13 @@ from infergate.engine.interfaces import SamplingParams
 from infergate.engine.metrics import EngineMetrics
 from infergate.engine.protocol import ChatMessage, _Sampling
 from infergate.engine.request import Request as EngineRequest
+from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, spec_from_request
+from infergate.engine.structured_output.compiler import GrammarCompiler
+from infergate.engine.structured_output.matcher import GrammarState
 from infergate.engine.tokenizer import Tokenizer, TokenizerError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
+from xgrammar import CompiledGrammar
 
 from .config import LONG_TEXT_CHARS, ServerConfig
 from .errors import APIError, ClientGone
@@ -39,9 +43,11 @@ class OpenAIServing:
         config: ServerConfig,
         metrics: EngineMetrics | None = None,
         models: OpenAIServingModels | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
         self.models = models or OpenAIServingModels(config)
+        self.grammars = grammars  # None: structured output is refused
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def _token_text(self, token_id: int) -> str:
@@ -154,10 +160,37 @@ class OpenAIServing:
                         default_max: int | None) -> SamplingParams:  # fmt: skip
         return to_sampling_params(req, self.config, prompt_len, max_tokens, default_max)
 
+    async def compile_grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | None:
+        """The compiled grammar for `spec` (None: none asked); bad grammars are a 400."""
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise APIError(
+                400,
+                f"{spec.param}: structured output is not available in simulated mode.",
+                spec.param,
+            )
+        try:
+            return await self.grammars.compile(spec)
+        except GrammarSpecError as error:
+            raise APIError(400, error.message, error.param) from None
+
+    def grammar_spec(self, req: _Sampling) -> GrammarSpec | None:
+        try:
+            return spec_from_request(req)
+        except GrammarSpecError as error:
+            raise APIError(400, error.message, error.param) from None
+
     def new_request(
-        self, rid: str, prompt: list[int], params: SamplingParams, req: _Sampling
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        req: _Sampling,
+        grammar: CompiledGrammar | None = None,
     ) -> EngineRequest:
         return EngineRequest(
+            grammar=GrammarState(grammar) if grammar is not None else None,
             request_id=rid,
             prompt_token_ids=prompt,
             sampling=params,
