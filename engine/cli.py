@@ -88,10 +88,14 @@ def serve(
         False, "--disable-log-requests", help="Accepted for vLLM parity (requests not logged)."
     ),
     enable_auto_tool_choice: bool = typer.Option(
-        False, "--enable-auto-tool-choice", help="Not implemented yet: refused."
+        False,
+        "--enable-auto-tool-choice",
+        help="Let the model choose to call tools (tool_choice auto); needs --tool-call-parser.",
     ),
     tool_call_parser: str | None = typer.Option(
-        None, "--tool-call-parser", help="Not implemented yet: refused."
+        None,
+        "--tool-call-parser",
+        help="How tool calls appear in the model's text: hermes (Hermes/Qwen) or llama3_json.",
     ),
     enable_dev_endpoints: bool = typer.Option(
         False,

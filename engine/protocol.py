@@ -87,6 +87,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     prompt_logprobs: int | None = None  # vLLM extension
 
@@ -158,7 +159,6 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
                 "top_logprobs",
                 "top_logprobs requires logprobs=true",
             ),
-            (bool(req.tools), "tools", "tool calling is not supported"),
         ]
     for bad, param, message in checks:
         if bad:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from infergate.engine.sim_runner import TimingModel
+from infergate.engine.tool_parsers import PARSERS
 
 log = logging.getLogger("infergate.engine")
 
@@ -81,10 +82,13 @@ def check_vllm_flags(opts: ServeOptions) -> None:
             f"--tensor-parallel-size {opts.tensor_parallel_size}: tensor parallelism is not "
             "supported; the engine runs on one device (use 1)"
         )
-    if opts.enable_auto_tool_choice or opts.tool_call_parser is not None:
+    if opts.tool_call_parser is not None and opts.tool_call_parser not in PARSERS:
         raise ServeError(
-            "--enable-auto-tool-choice/--tool-call-parser: tool calling is not implemented yet"
+            f"--tool-call-parser {opts.tool_call_parser}: unknown parser "
+            f"(known: {', '.join(sorted(PARSERS))})"
         )
+    if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
+        raise ServeError("--enable-auto-tool-choice requires --tool-call-parser to be set")
 
 
 def read_chat_template(value: str) -> str:
@@ -264,6 +268,8 @@ def build(opts: ServeOptions) -> Any:
         default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
         supports_logprobs=not opts.simulate,
         structured_output=not opts.simulate,
+        enable_auto_tool_choice=opts.enable_auto_tool_choice,
+        tool_call_parser=opts.tool_call_parser,
         generation_defaults=defaults,
         dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
     )

@@ -23,5 +23,8 @@ class ServerConfig:
     structured_output: bool = True  # grammars need logits too (False for the simulator)
     # Defaults for omitted sampling fields (--generation-config), as vLLM applies them.
     generation_defaults: dict[str, float] = field(default_factory=dict)
+    # Tool calling: --enable-auto-tool-choice and --tool-call-parser (vLLM's flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     dev_mode: bool = False  # development routes (/reset_prefix_cache)
     warned_fields: set[str] = field(default_factory=set)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -14,6 +15,10 @@ from infergate.engine.core import RequestOutput
 from infergate.engine.interfaces import TokenLogprob
 from infergate.engine.openai_logprobs import chat_content, prompt_logprobs
 from infergate.engine.protocol import ChatCompletionRequest
+from infergate.engine.structured_output import GrammarSpec
+from infergate.engine.tool_parsers import ToolCall, ToolParser, get_parser
+from infergate.engine.tool_parsers.choice import ToolChoiceError, ToolPlan, plan_tools
+from infergate.engine.tool_parsers.stream import ToolCallState
 
 from .errors import APIError
 from .responses import Choice, ResponsePlan, merge_streams, respond, stream_usage_flags
@@ -24,10 +29,12 @@ class ChatChoice:
     """One chat choice: the assistant message, streamed as deltas or whole."""
 
     def __init__(self, index: int, prompt_ids: list[int], req: ChatCompletionRequest,
-                 text: Callable[[int], str]) -> None:  # fmt: skip
+                 text: Callable[[int], str], tools: ToolCallState | None = None) -> None:  # fmt: skip
         self.index, self.prompt_index = index, 0
         self.prompt_ids, self.req, self.text = prompt_ids, req, text
         self.outs: list[RequestOutput] = []
+        self.tools = tools if tools is not None and tools.active else None
+        self.num_calls = 0  # tool calls streamed so far
 
     @property
     def last(self) -> RequestOutput | None:
@@ -46,23 +53,44 @@ class ChatChoice:
 
     def add(self, out: RequestOutput) -> dict[str, Any] | None:
         self.outs.append(out)
-        if not (out.new_text or out.finished or out.logprobs):
+        delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+        if self.tools is not None:
+            content, calls = self.tools.feed(out.new_text, out.finished)
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
+                self.num_calls += sum(1 for c in calls if "id" in c)
+        if not (delta or out.finished or out.logprobs):
             return None
         return {
             "index": self.index,
-            "delta": {"content": out.new_text} if out.new_text else {},
+            "delta": delta,
             "logprobs": self.logprobs(out.logprobs or []),
-            "finish_reason": out.finish_reason,
+            "finish_reason": self.finish_reason(out, self.num_calls),
             "stop_reason": out.stop_reason,
         }
 
+    def finish_reason(self, out: RequestOutput | None, num_calls: int) -> str | None:
+        """``tool_calls`` when the model chose to call (auto, required), as OpenAI."""
+        if out is None or not out.finished:
+            return None
+        if out.finish_reason == "stop" and self.tools is not None and num_calls:
+            return "tool_calls" if self.tools.plan.mode in ("auto", "required") else "stop"
+        return out.finish_reason
+
     def whole(self) -> dict[str, Any]:
         last = self.last
+        text = "".join(o.new_text for o in self.outs)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            message["content"], calls = self.tools.split(text)
+            message["tool_calls"] = [c.openai() for c in calls]
         choice = {
             "index": self.index,
-            "message": {"role": "assistant", "content": "".join(o.new_text for o in self.outs)},
+            "message": message,
             "logprobs": self.logprobs([e for o in self.outs for e in o.logprobs or []]),
-            "finish_reason": last.finish_reason if last else None,
+            "finish_reason": self.finish_reason(last, len(calls)),
             "stop_reason": last.stop_reason if last else None,
         }
         if self.req.return_token_ids:
@@ -77,17 +105,42 @@ class ChatChoice:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def tool_parser(self) -> ToolParser | None:
+        name = self.config.tool_call_parser
+        return get_parser(name) if name is not None else None
+
+    def tool_grammar(self, req: ChatCompletionRequest, plan: ToolPlan) -> GrammarSpec | None:
+        """The request's own grammar, or the one forcing tool calls (not both)."""
+        spec = self.grammar_spec(req)
+        schema = plan.schema()
+        if schema is None:
+            return spec
+        if spec is not None:
+            raise APIError(
+                400,
+                f"tool_choice {plan.mode!r} cannot be combined with {spec.param}.",
+                "tool_choice",
+            )
+        return GrammarSpec("json", json.dumps(schema, sort_keys=True), "tool_choice")
+
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, ChatCompletionRequest)
         model = self.check_model(req.model)
         if not req.messages:
             raise APIError(400, "messages must not be empty.", "messages")
-        ids = await self.render_chat(req.messages, req.add_generation_prompt)
+        try:
+            tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                              self.config.enable_auto_tool_choice)  # fmt: skip
+        except ToolChoiceError as error:
+            raise APIError(400, error.message, error.param) from None
+        ids = await self.render_chat(
+            req.messages, req.add_generation_prompt, tool_plan.template_tools()
+        )
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         params = self.sampling_params(req, len(ids), max_tokens, None)
-        grammar = await self.compile_grammar(self.grammar_spec(req))
+        grammar = await self.compile_grammar(self.tool_grammar(req, tool_plan))
         n = req.n or 1
         if req.logprobs or req.prompt_logprobs is not None:
             self.check_logprobs_supported("logprobs" if req.logprobs else "prompt_logprobs")
@@ -107,7 +160,11 @@ class OpenAIServingChat(OpenAIServing):
             self.engine.generate(self.new_request(f"{rid}-{j}", ids, p, req, grammar))
             for j, p in enumerate(children)
         ]
-        chat = [ChatChoice(j, ids, req, self.token_text) for j in range(n)]
+        parser = self.tool_parser()
+        chat = [
+            ChatChoice(j, ids, req, self.token_text, ToolCallState(tool_plan, parser))
+            for j in range(n)
+        ]
         choices: list[Choice] = list(chat)
 
         def extra() -> dict[str, Any]:

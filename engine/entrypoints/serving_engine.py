@@ -4,6 +4,7 @@ tokenizing (off the event loop when long), the chat template, engine requests.""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from functools import lru_cache
@@ -138,9 +139,10 @@ class OpenAIServing:
                 if any(part.type != "text" for part in content):
                     raise APIError(400, "Only text content parts are supported.", "messages")
                 content = "".join(part.text or "" for part in content)
-            plain.append(
-                {**(message.model_extra or {}), "role": message.role, "content": content or ""}
-            )
+            extra = dict(message.model_extra or {})
+            if isinstance(extra.get("tool_calls"), list):
+                extra["tool_calls"] = [_template_call(c) for c in extra["tool_calls"]]
+            plain.append({**extra, "role": message.role, "content": content or ""})
         try:
             return self.tokenizer.apply_chat_template(
                 plain, add_generation_prompt=add_generation_prompt, tools=tools
@@ -199,6 +201,18 @@ class OpenAIServing:
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.config.max_model_len,
         )
+
+
+def _template_call(call: Any) -> Any:
+    """An assistant message's tool call for the chat template: ``arguments`` as an object
+    (OpenAI sends a JSON text; HF templates render it with ``tojson``), as vLLM does."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except json.JSONDecodeError:
+            return call
+    return call
 
 
 async def run_to_end(request: Request, stream: AsyncIterator[T]) -> list[T] | None:
