@@ -37,6 +37,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens
     include_stop_str_in_output: bool = False
+    # vLLM's bad_words as token sequences: the last token of each is banned wherever the
+    # output so far ends with the ones before it (a one-token word: always).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def needs_history(self) -> bool:

@@ -125,7 +125,6 @@ def unsupported(req: _Sampling) -> tuple[str, str] | None:
             "best_of",
             "best_of > n cannot be streamed (the best are known only at the end)",
         ),
-        (bool(req.bad_words), "bad_words", "bad_words is not supported"),
         (
             not req.spaces_between_special_tokens,
             "spaces_between_special_tokens",

@@ -117,6 +117,21 @@ def apply_bias_and_blocks(
     return logits
 
 
+def bad_word_blocks(
+    bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]
+) -> tuple[int, ...]:
+    """Token ids a request may not sample next: for each banned sequence w, its last
+    token when ``output[-(len(w)-1):] == w[:-1]`` (always, for a one-token word)."""
+    out = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix == 0 or (
+            len(output_ids) >= prefix and list(output_ids[-prefix:]) == list(word[:-1])
+        ):
+            out.append(word[-1])
+    return tuple(out)
+
+
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Zero tokens whose probability is under min_p x the row's top probability."""
     top = probs.max(dim=-1, keepdim=True).values

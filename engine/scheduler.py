@@ -21,6 +21,7 @@ from typing import Any
 from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
 from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.request import Request, RequestStatus
+from infergate.engine.sampler import bad_word_blocks
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,13 @@ def _sampling_state(request: Request) -> dict[str, Any]:
     if params.needs_history:
         state["prompt_token_ids"] = request.prompt_token_ids
         state["output_token_ids"] = request.output_token_ids
+    blocked: tuple[int, ...] = ()
     if request.num_output_tokens < params.min_tokens:
-        state["blocked_token_ids"] = (*sorted(request.eos_token_ids), *params.stop_token_ids)
+        blocked = (*sorted(request.eos_token_ids), *params.stop_token_ids)
+    if params.bad_words_token_ids:
+        blocked += bad_word_blocks(params.bad_words_token_ids, request.output_token_ids)
+    if blocked:
+        state["blocked_token_ids"] = blocked
     if request.grammar is not None:
         state["grammar"] = request.grammar
     return state

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -160,7 +161,24 @@ class OpenAIServing:
     # -- engine requests ----------------------------------------------------------------
     def sampling_params(self, req: _Sampling, prompt_len: int, max_tokens: int | None,
                         default_max: int | None) -> SamplingParams:  # fmt: skip
-        return to_sampling_params(req, self.config, prompt_len, max_tokens, default_max)
+        params = to_sampling_params(req, self.config, prompt_len, max_tokens, default_max)
+        if req.bad_words:
+            params = replace(params, bad_words_token_ids=self.bad_words(req.bad_words))
+        return params
+
+    def bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's reading of ``bad_words``: each word tokenized as written (leading space
+        stripped) and, when that tokenizes differently, with one leading space."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            if not word.strip():
+                raise APIError(400, "bad_words entries must not be empty.", "bad_words")
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out.append(bare)
+            if spaced != bare and len(spaced) == len(bare):
+                out.append(spaced)
+        return tuple(out)
 
     async def compile_grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | None:
         """The compiled grammar for `spec` (None: none asked); bad grammars are a 400."""

@@ -1,0 +1,53 @@
+"""Tool-call parsers on the texts models write (Hermes/Qwen, Llama 3 JSON), whole and
+streamed piece by piece."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from infergate.engine.tool_parsers import get_parser
+from infergate.engine.tool_parsers.choice import plan_tools
+from infergate.engine.tool_parsers.stream import ToolCallState
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+CASES = [
+    ("hermes",
+     'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+     "Sure.", [("f", {"a": 1}), ("g", {})]),
+    ("hermes", "no calls here", "no calls here", []),
+    ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}', None, [("f", {"a": 1})]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", '
+     '"parameters": {"x": "y"}}', None, [("f", {}), ("g", {"x": "y"})]),
+    ("llama3_json", "The answer is {not a call}", "The answer is {not a call}", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_extract_whole(parser: str, text: str, content: str | None, calls: list) -> None:
+    got_content, got = get_parser(parser).extract(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_streamed_pieces_match_whole(parser: str, text: str, content: str | None,
+                                     calls: list) -> None:  # fmt: skip
+    state = ToolCallState(plan_tools(TOOLS, "auto", None, True), get_parser(parser))
+    streamed, deltas = "", []
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for i, piece in enumerate(pieces):
+        c, d = state.feed(piece, i == len(pieces) - 1)
+        streamed += c or ""
+        deltas += d
+    assert streamed.strip() == (content or "")
+    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == calls
+    assert [d["index"] for d in deltas] == list(range(len(calls)))
+
+
+def test_unknown_parser_is_named() -> None:
+    with pytest.raises(ValueError, match="mistral"):
+        get_parser("mistral")
