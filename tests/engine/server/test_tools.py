@@ -70,7 +70,7 @@ def test_required_returns_valid_calls(real_server: Server, seed: int) -> None:
     assert len(calls) == 1 and choice.message.content is None
     for call in calls:
         assert call.type == "function" and call.id
-        _check_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+        _check_call(call.function.name, call.function.arguments)
 
 
 def test_named_function_returns_its_arguments(real_server: Server) -> None:
