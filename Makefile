@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
+.PHONY: help install lmeval controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -20,13 +20,25 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# lm-eval in its own venv: lm-eval[api] pins python-dateutil<3, kubernetes needs >=3. It sees
+# .venv's packages through a .pth (appended after its own site-packages, so its own
+# python-dateutil wins) and installs only what lm-eval adds.
+LMEVAL_VENV ?= .venv-lmeval
+lmeval: $(LMEVAL_VENV)/.installed ## Create .venv-lmeval (lm-eval[api]) for tests/engine/server/test_lm_eval.py
+
+$(LMEVAL_VENV)/.installed: $(VENV)/.installed
+	python3 -m venv $(LMEVAL_VENV)
+	$(PY) -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' > "$$($(LMEVAL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infergate-main-venv.pth"
+	$(LMEVAL_VENV)/bin/python -m pip install -q "lm-eval[api]>=0.4.8"
+	touch $@
+
 controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from source (needs Go)
 	tools/controlplane/build.sh
 
 demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
 	$(BIN)/infergate up
 
-test: install controlplane ## Run the test suite, the cluster tier included (gpu tests skip themselves without a GPU)
+test: install lmeval controlplane ## Run the test suite, the cluster tier included (gpu tests skip themselves without a GPU)
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest $(PYTEST_ARGS)
 
 test-cluster: install controlplane ## Only the cluster tier (the local control plane, or INFERGATE_TEST_KUBECONFIG)

@@ -2,8 +2,9 @@
 
 A third view: EngineCore throughput by sampling mode (greedy; temperature with top-p;
 the same with presence/frequency/repetition penalties, min-p, a logit bias and top-5
-logprobs on every request), so the cost of the batched penalty path shows next to plain
-sampling. (Structured output is not implemented yet, so there is no grammar row.)
+logprobs on every request; and json_schema: every request under an xgrammar JSON-schema
+grammar, an unbounded array of integers, so it runs the full length), so the cost of
+the batched penalty and grammar-bitmask paths shows next to plain sampling.
 
 Two views: the bare `TorchModelRunner` (prefill once, then timed decode steps over the
 paged KV cache), and the whole `EngineCore` step loop (scheduler + KV manager + runner +
@@ -67,7 +68,22 @@ SAMPLING_MODES: dict[str, dict[str, Any]] = {
         "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.05,
         "logit_bias": tuple((t, 2.0) for t in range(10, 15)), "logprobs": 5,
     },
+    "json_schema": {"temperature": 1.0, "top_p": 0.9, "seed": 1},  # + a grammar, below
 }  # fmt: skip
+GRAMMAR_SCHEMA = '{"type": "array", "items": {"type": "integer"}}'
+
+
+def grammar_states(model_dir: Path, vocab_size: int, count: int) -> list[Any]:
+    """`count` fresh matchers of the benchmark's JSON-schema grammar (compiled once)."""
+    from infergate.engine.structured_output import GrammarSpec
+    from infergate.engine.structured_output.compiler import GrammarCompiler
+    from infergate.engine.structured_output.matcher import GrammarState
+    from infergate.engine.tokenizer import Tokenizer
+
+    compiler = GrammarCompiler(Tokenizer(model_dir), vocab_size)
+    compiled = compiler.compile_sync(GrammarSpec("json", GRAMMAR_SCHEMA, "bench"))
+    compiler.shutdown()
+    return [GrammarState(compiled) for _ in range(count)]
 
 
 def engine_decode(
@@ -89,9 +105,12 @@ def engine_decode(
     )
     extra: dict[str, Any] = dict(SAMPLING_MODES[mode])
     params = SamplingParams(max_tokens=steps, ignore_eos=True, **extra)
+    grammars: list[Any] = [None] * batch
+    if mode == "json_schema":
+        grammars = grammar_states(model_dir, runner.vocab_size, batch)
     for i in range(batch):
         prompt = [(7 * i + j) % 200 + 10 for j in range(PROMPT_LEN)]
-        core.add_request(Request(f"e{i}", prompt, params))
+        core.add_request(Request(f"e{i}", prompt, params, grammar=grammars[i]))
     produced = 0
     start = time.perf_counter()
     while core.has_work():
