@@ -54,6 +54,6 @@ def test_grammar_request_does_not_disturb_a_plain_one(tiny_model_dir: Path) -> N
                      grammar=GrammarState(compiled))  # fmt: skip
     together = _run(tiny_model_dir, [Request("plain", prompt, plain), guided])
     assert together["plain"][0] == alone[0] and len(alone[0]) == 40
-    ids, text, finish = together["json"]
+    _, text, finish = together["json"]
     assert finish == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
