@@ -172,7 +172,8 @@ BAD = [
     ("logit_bias", '{"abc": 1}'),
     ("logit_bias", '{"5": 200}'),
     ("logit_bias", '{"99999999": 1}'),
-    ("bad_words", '["x"]'),
+    ("bad_words", '[""]'),
+    ("bad_words", '"x"'),
     ("spaces_between_special_tokens", "false"),
     ("suffix", '"tail"'),
 ]
