@@ -1,0 +1,62 @@
+"""The grammar compiler: cached by grammar, shared while in flight, errors not cached,
+and the event loop keeps running while a compile is on the worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from infergate.engine.protocol import ChatCompletionRequest, CompletionRequest
+from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, spec_from_request
+from infergate.engine.structured_output.compiler import GrammarCompiler
+from infergate.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def compiler(tiny_model_dir: Path) -> GrammarCompiler:
+    tok = Tokenizer(tiny_model_dir)
+    return GrammarCompiler(tok, tok.vocab_size)
+
+
+async def test_identical_grammars_compile_once(compiler: GrammarCompiler) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    a = GrammarSpec("json", json.dumps(schema, sort_keys=True), "guided_json")
+    b = GrammarSpec("json", json.dumps(schema, sort_keys=True), "response_format")
+    threads: list[str] = []
+    compile_sync = compiler.compile_sync
+
+    def recording(spec: GrammarSpec) -> object:
+        threads.append(threading.current_thread().name)
+        return compile_sync(spec)
+
+    compiler.compile_sync = recording  # type: ignore[method-assign,assignment]
+    first = await asyncio.gather(compiler.compile(a), compiler.compile(b), compiler.compile(a))
+    assert compiler.compiles == 1 and first[0] is first[1] is first[2]
+    # Off the event loop's thread (and so off the engine's step loop too).
+    assert len(threads) == 1 and threads[0].startswith("grammar-compile")
+    await compiler.compile(GrammarSpec("regex", "[0-9]+", "guided_regex"))
+    assert compiler.compiles == 2
+    compiler.shutdown()
+
+
+async def test_bad_grammar_is_named_and_not_cached(compiler: GrammarCompiler) -> None:
+    bad = GrammarSpec("grammar", "root ::= missing", "guided_grammar")
+    for _ in range(2):
+        with pytest.raises(GrammarSpecError) as info:
+            await compiler.compile(bad)
+        assert info.value.param == "guided_grammar" and "missing" in info.value.message
+    assert compiler.compiles == 2
+    compiler.shutdown()
+
+
+def test_same_schema_from_different_fields_shares_a_key() -> None:
+    chat = ChatCompletionRequest.model_validate({
+        "messages": [], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"b": 1, "a": 2}}}})  # fmt: skip
+    completion = CompletionRequest.model_validate({"prompt": "x", "guided_json": '{"a": 2, "b": 1}'})
+    one, two = spec_from_request(chat), spec_from_request(completion)
+    assert one is not None and two is not None and one.key == two.key
+    assert (one.param, two.param) == ("response_format", "guided_json")
