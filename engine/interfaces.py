@@ -80,6 +80,8 @@ class ScheduledSeq:
     output_token_ids: Sequence[int] = ()
     # Token ids masked this step (EOS and stop ids while under min_tokens).
     blocked_token_ids: tuple[int, ...] = ()
+    # The LoRA adapter this sequence runs with (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass
