@@ -110,6 +110,7 @@ class LoRAManager:
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.slots = SlotTable(max_loras)
         self._next_id = 1
+        self.parents: dict[str, str] = {}  # adapter → base model name for /v1/models
         self._generations: dict[str, int] = {}
 
     def add(self, name: str, path: str) -> LoRARequest:
