@@ -1,0 +1,40 @@
+"""``vllm:lora_requests_info`` from a real engine core with waiting and running adapter
+requests, read back by the EPP's collector from the rendered text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infergate.engine.core import EngineCore
+from infergate.engine.interfaces import SamplingParams
+from infergate.engine.lora.manager import LoRAManager
+from infergate.engine.metrics import EngineMetrics
+from infergate.engine.request import Request
+from infergate.engine.scheduler import SchedulerConfig
+from infergate.engine.sim_runner import SimulatedRunner, TimingModel
+from infergate.epp.datalayer.dialects import VLLM, parse_metrics
+
+
+def test_running_and_waiting_adapters_reach_the_epp_collector(tmp_path: Path) -> None:
+    runner = SimulatedRunner(block_size=16, num_blocks=64, filler_token_ids=[5], sleep=False,
+                             timing=TimingModel())  # fmt: skip
+    manager = LoRAManager(max_loras=2, max_lora_rank=8, max_cpu_loras=4)
+    runner.lora, runner.lora_load_seconds = manager, 0.05
+    metrics = EngineMetrics("base", block_size=16, num_gpu_blocks=64)
+    core = EngineCore(runner, SchedulerConfig(max_loras=2), metrics=metrics, lora=manager)
+    for name in ("sql", "chat", "math"):
+        core.add_lora(name, str(tmp_path / name))  # simulated: the path is never read
+    for i, name in enumerate(("sql", "chat", "math", "sql")):
+        request = Request(f"r{i}", list(range(1, 40)), SamplingParams(max_tokens=50))
+        request.lora = manager.get(name)
+        core.add_request(request)
+    core.step()
+    text = metrics.render()
+    assert b'max_lora="2",running_lora_adapters="chat,sql",waiting_lora_adapters="math"' in text
+    seen = parse_metrics(text, VLLM)
+    assert seen.active_models == {"sql", "chat"}
+    assert seen.waiting_models == {"math"}
+    assert seen.max_active_models == 2
+    # Two adapters came into the slots in that step, at the modelled load cost each.
+    assert runner.lora_loads == 2
+    assert runner.simulated_seconds > 2 * 0.05
