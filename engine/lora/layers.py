@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models import LlamaForCausalLM
 from .adapter import LoRAAdapter
 
 
@@ -101,7 +102,7 @@ class LoRALinear(nn.Module):
 
 
 def wrap_model(
-    model: nn.Module, num_slots: int, max_rank: int
+    model: LlamaForCausalLM, num_slots: int, max_rank: int
 ) -> tuple[LoRAStepState, list[tuple[int, LoRALinear]]]:
     """Replace the Llama/Qwen3 projections of ``model`` by :class:`LoRALinear` in place.
 
@@ -109,7 +110,7 @@ def wrap_model(
     """
     state = LoRAStepState()
     wrapped: list[tuple[int, LoRALinear]] = []
-    cfg = model.config  # type: ignore[attr-defined]
+    cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     inter, hidden = cfg.intermediate_size, cfg.hidden_size
     layout = {
@@ -118,7 +119,7 @@ def wrap_model(
         ("mlp", "gate_up_proj"): [("gate_proj", 0, inter), ("up_proj", inter, inter)],
         ("mlp", "down_proj"): [("down_proj", 0, hidden)],
     }
-    for i, layer in enumerate(model.model.layers):  # type: ignore[attr-defined, union-attr, arg-type]
+    for i, layer in enumerate(model.model.layers):
         for (parent_name, attr), slices in layout.items():
             parent = getattr(layer, parent_name)
             lin = LoRALinear(getattr(parent, attr), slices, state, num_slots, max_rank)
@@ -127,9 +128,9 @@ def wrap_model(
     return state, wrapped
 
 
-def projection_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+def projection_shapes(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
     """``module → (in_features, out_features)`` of each adaptable projection (HF names)."""
-    cfg = model.config  # type: ignore[attr-defined]
+    cfg = model.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
     return {

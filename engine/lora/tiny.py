@@ -75,12 +75,15 @@ def make_tiny_lora(
     return out
 
 
-def make_tiny_loras(model_dir: str | Path, count: int, *, seed: int = 0) -> list[Path]:
-    """``count`` adapters under ``model_dir/loras/lora-<i>``, cycling through VARIANTS."""
+def make_tiny_loras(
+    model_dir: str | Path, count: int, *, seed: int = 0, out_root: str | Path | None = None
+) -> list[Path]:
+    """``count`` adapters under ``OUT_ROOT/loras/lora-<i>`` (default OUT_ROOT: the model
+    directory), cycling through VARIANTS."""
     paths = []
     for i in range(count):
         targets, rank = VARIANTS[i % len(VARIANTS)]
-        out = Path(model_dir) / "loras" / f"lora-{i}"
+        out = Path(out_root or model_dir) / "loras" / f"lora-{i}"
         paths.append(
             make_tiny_lora(model_dir, out, seed=seed + 1000 + i, rank=rank, target_modules=targets)
         )
