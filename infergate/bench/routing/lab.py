@@ -97,6 +97,8 @@ def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
         access_log=False,
         engine_args=engine_args,
         per_engine_args=per_engine,
+        lora=workload.lora,
+        max_loras=workload.max_loras,
     )
 
 
