@@ -105,3 +105,21 @@ def test_manager_reregistration_changes_the_cache_key_and_errors_are_clear() -> 
     assert again.int_id != first.int_id
     with pytest.raises(ValueError, match="max-cpu-loras"):
         LoRAManager(max_loras=2, max_lora_rank=8, max_cpu_loras=1)
+
+
+def test_lora_module_flags_parse_both_vllm_forms() -> None:
+    from infergate.engine.lora.options import LoRAModule, parse_lora_modules
+
+    got = parse_lora_modules(
+        ["sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}']
+    )
+    assert got == [LoRAModule("sql", "/a/sql"), LoRAModule("chat", "/a/chat", "base")]
+    for bad, message in [
+        (["sql"], "name=path"),
+        (["{not json"], "invalid JSON"),
+        (['{"name": "x"}'], "'path'"),
+        (['{"name": "x", "path": "/p", "rank": 8}'], "unknown keys"),
+        (["a=/x", "a=/y"], "duplicate"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules(bad)
