@@ -268,6 +268,11 @@ class SimulatorCollector(Collector):
             value=getattr(r, "simulated_seconds", 0.0),
         )
         yield CounterMetricFamily(
+            "infergate_sim_lora_loads",
+            "LoRA adapters brought into a slot (each costs --sim-lora-load-ms).",
+            value=getattr(r, "lora_loads", 0),
+        )
+        yield CounterMetricFamily(
             "infergate_sim_late_seconds",
             "Wall time by which simulated steps overran their modelled end, summed.",
             value=getattr(r, "late_seconds", 0.0),

@@ -37,4 +37,8 @@ def test_running_and_waiting_adapters_reach_the_epp_collector(tmp_path: Path) ->
     assert seen.max_active_models == 2
     # Two adapters came into the slots in that step, at the modelled load cost each.
     assert runner.lora_loads == 2
+    from infergate.engine.metrics import SimulatorCollector
+
+    metrics.registry.register(SimulatorCollector(runner))
+    assert b"infergate_sim_lora_loads_total 2.0" in metrics.render()
     assert runner.simulated_seconds > 2 * 0.05
