@@ -128,3 +128,42 @@ def test_model_rewrite_splits_a_public_name_over_adapters(lora_stack: LocalStack
     models = Counter(complete(lora_stack, "support-bot").json()["model"] for _ in range(40))
     assert set(models) == {"lora-0", "lora-1"}, models
     assert models["lora-0"] > models["lora-1"]
+
+
+@pytest.fixture(scope="module")
+def real_lora_stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
+) -> Iterator[LocalStack]:
+    """One real (CPU, tiny model) engine serving 2 random PEFT adapters."""
+    workdir = tmp_path_factory.mktemp("real-lora-stack")
+    objectives = workdir / "objectives.yaml"
+    objectives.write_text(REWRITE_YAML.replace("weight: 80", "weight: 0").replace(
+        "weight: 20", "weight: 1"))  # fmt: skip
+    spec = StackSpec.on_free_ports(
+        engines=1, model=tiny_model, served_model_name="tiny", simulate=False, lora=2,
+        objectives_file=objectives, workdir=workdir, start_timeout=180.0,
+        engine_args=["--device", "cpu", "--dtype", "float32"],
+    )  # fmt: skip
+    with LocalStack(spec) as running:
+        _STACKS.append(running)
+        try:
+            yield running
+        finally:
+            _STACKS.remove(running)
+
+
+def test_rewrite_reaches_a_real_engine_running_the_adapter_weights(
+    real_lora_stack: LocalStack,
+) -> None:
+    def text(url: str, model: str) -> str:
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})  # fmt: skip
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    (engine,) = real_lora_stack.engine_urls
+    direct = {m: text(engine, m) for m in ("tiny", "lora-0", "lora-1")}
+    assert len(set(direct.values())) == 3, "each adapter's weights change the output"
+    # support-bot → lora-1 (weight 1; lora-0 weight 0) through Envoy and the EPP.
+    assert text(real_lora_stack.base_url, "support-bot") == direct["lora-1"]
+    assert (real_lora_stack.workdir / "loras" / "lora-1" / "adapter_config.json").is_file()
