@@ -135,6 +135,10 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.lora is not None and (
+            self.lora is None or self.lora.get(request.lora.name) != request.lora
+        ):  # unloaded (or replaced) between the HTTP layer's lookup and now
+            raise LoRAError(f"The lora adapter '{request.lora.name}' is no longer loaded.")
         if request.max_model_len is None:
             request.max_model_len = self.config.max_model_len
         decoder = None

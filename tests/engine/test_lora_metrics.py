@@ -42,3 +42,27 @@ def test_running_and_waiting_adapters_reach_the_epp_collector(tmp_path: Path) ->
     metrics.registry.register(SimulatorCollector(runner))
     assert b"infergate_sim_lora_loads_total 2.0" in metrics.render()
     assert runner.simulated_seconds > 2 * 0.05
+
+
+def test_a_request_for_an_adapter_unloaded_meanwhile_is_refused(tmp_path: Path) -> None:
+    import pytest
+    from infergate.engine.lora.errors import LoRAError
+
+    runner = SimulatedRunner(block_size=16, num_blocks=64, filler_token_ids=[5], sleep=False)
+    manager = LoRAManager(max_loras=1, max_lora_rank=8)
+    runner.lora = manager
+    core = EngineCore(runner, SchedulerConfig(max_loras=1), lora=manager)
+    adapter = core.add_lora("sql", str(tmp_path))
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2), lora=adapter)
+    core.remove_lora("sql")
+    with pytest.raises(LoRAError, match="no longer loaded"):
+        core.add_request(request)
+    core.add_lora("sql", str(tmp_path))  # same name, new registration: the old one is stale
+    with pytest.raises(LoRAError, match="no longer loaded"):
+        core.add_request(request)
+    busy = Request("b", [1, 2, 3], SamplingParams(max_tokens=2), lora=manager.get("sql"))
+    core.add_request(busy)
+    with pytest.raises(LoRAError, match="in use by 1 request"):
+        core.remove_lora("sql")
+    with pytest.raises(KeyError):
+        core.remove_lora("nope")
