@@ -166,4 +166,5 @@ def test_rewrite_reaches_a_real_engine_running_the_adapter_weights(
     assert len(set(direct.values())) == 3, "each adapter's weights change the output"
     # support-bot → lora-1 (weight 1; lora-0 weight 0) through Envoy and the EPP.
     assert text(real_lora_stack.base_url, "support-bot") == direct["lora-1"]
+    assert real_lora_stack.workdir is not None
     assert (real_lora_stack.workdir / "loras" / "lora-1" / "adapter_config.json").is_file()
