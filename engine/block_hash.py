@@ -9,7 +9,11 @@ Recipe (version 1), for a token sequence cut into *full* blocks of ``block_size`
 
 * ``extra`` for block 0 is ``cache_salt.encode("utf-8")`` when the request has a
   ``cache_salt`` (else ``b""``); for every later block it is ``b""``. The salt therefore
-  changes every hash of the chain, because each hash covers its parent.
+  changes every hash of the chain, because each hash covers its parent. A request run
+  with a LoRA adapter prefixes it with ``0xFF || adapter name (UTF-8) || 0xFF`` (the
+  adapter changes every layer's keys and values; 0xFF never occurs in UTF-8, so no salt
+  can collide with an adapter). The adapter name is the model name of the request, so a
+  router hashes it from the request alone.
 * ``parent`` of block 0 is :data:`ROOT_HASH`; of block ``i`` it is the hash of block ``i-1``.
 * ``hash = xxh64(seed=0)`` over the bytes
   ``parent (8 bytes little-endian, unsigned)
@@ -17,8 +21,8 @@ Recipe (version 1), for a token sequence cut into *full* blocks of ``block_size`
   || len(extra) (4 bytes little-endian) || extra``
   and the result is the unsigned 64-bit ``intdigest()``.
 
-The model name is not part of the engine's hash: one engine serves one model and the
-EPP keys its index per endpoint.
+The base model's name is not part of the engine's hash: one engine serves one model and
+the EPP keys its index per endpoint.
 """
 
 from __future__ import annotations
@@ -43,9 +47,13 @@ def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"")
     return h.intdigest()
 
 
-def first_block_extra(cache_salt: str | None) -> bytes:
-    """The extra key of block 0 (the salt isolates one tenant's cache from another's)."""
-    return cache_salt.encode("utf-8") if cache_salt else b""
+def first_block_extra(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """The extra key of block 0 (the salt isolates one tenant's cache from another's, the
+    adapter one adapter's KV from another's and the base model's)."""
+    salt = cache_salt.encode("utf-8") if cache_salt else b""
+    if not lora_name:
+        return salt
+    return b"\xff" + lora_name.encode("utf-8") + b"\xff" + salt
 
 
 def block_hashes(
@@ -53,6 +61,7 @@ def block_hashes(
     block_size: int,
     *,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
     parent: int | None = None,
     start_block: int = 0,
 ) -> list[int]:
@@ -63,7 +72,7 @@ def block_hashes(
     """
     out: list[int] = []
     for i in range(start_block, len(token_ids) // block_size):
-        extra = first_block_extra(cache_salt) if i == 0 else b""
+        extra = first_block_extra(cache_salt, lora_name) if i == 0 else b""
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out

@@ -96,8 +96,12 @@ class BlockPool:
         hashes: list[int],
         parent_hash: int | None,
         token_ids: list[int],
+        lora: tuple[int, str] | None = None,
     ) -> None:
         """Register full blocks under their hashes so later requests can reuse them.
+
+        ``lora`` is the (id, name) of the adapter the blocks were computed with, which
+        the ``BlockStored`` event carries as vLLM's does.
 
         A hash already held by another block (two requests computed the same prefix at
         once) is left unregistered on this copy; the copy is simply freed later.
@@ -117,9 +121,9 @@ class BlockPool:
                     parent_block_hash=parent_hash,
                     token_ids=token_ids,
                     block_size=self.block_size,
-                    lora_id=None,
+                    lora_id=lora[0] if lora else None,
                     medium=MEDIUM_GPU,
-                    lora_name=None,
+                    lora_name=lora[1] if lora else None,
                 )
             )
 

@@ -102,6 +102,21 @@ def serve(
         "--enable-dev-endpoints",
         help="Development routes (/reset_prefix_cache), as vLLM's VLLM_SERVER_DEV_MODE=1.",
     ),
+    enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve LoRA adapters."),
+    lora_modules: list[str] | None = typer.Option(
+        None,
+        "--lora-modules",
+        help='Adapters to serve: name=path, or JSON {"name": …, "path": …, '
+        '"base_model_name": …}; repeatable.',
+    ),
+    max_loras: int = typer.Option(1, "--max-loras", help="Adapters resident in one batch."),
+    max_lora_rank: int = typer.Option(16, "--max-lora-rank", help="Highest adapter rank."),
+    max_cpu_loras: int | None = typer.Option(
+        None, "--max-cpu-loras", help="Adapters kept loaded in CPU memory (default: max-loras)."
+    ),
+    sim_lora_load_ms: float = typer.Option(
+        25.0, "--sim-lora-load-ms", help="Simulated time to load an adapter into a slot (ms)."
+    ),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve`."""
@@ -142,6 +157,12 @@ def serve(
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
         dev_mode=enable_dev_endpoints,
+        enable_lora=enable_lora,
+        lora_modules=lora_modules or [],
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
+        max_cpu_loras=max_cpu_loras,
+        sim_lora_load_ms=sim_lora_load_ms,
         log_level=log_level,
     )
     del trust_remote_code, disable_log_requests  # pure no-ops, accepted as vLLM does
@@ -160,6 +181,12 @@ def make_tiny_model(
     num_shards: int = typer.Option(
         1, "--num-shards", min=1, help="Split the weights over this many safetensors files."
     ),
+    lora_adapters: int = typer.Option(
+        0,
+        "--lora-adapters",
+        min=0,
+        help="Also write this many random PEFT LoRA adapters (OUT_DIR/loras/lora-<i>).",
+    ),
 ) -> None:
     """Write a small random-weight model in Hugging Face format, for tests and demos."""
     from infergate.engine.tiny_model import ARCHS
@@ -169,3 +196,8 @@ def make_tiny_model(
         raise typer.BadParameter(f"choose one of {', '.join(ARCHS)}", param_hint="--arch")
     path = build(out_dir, arch=arch, seed=seed, num_shards=num_shards)
     typer.echo(f"wrote tiny {arch} model to {path}")
+    if lora_adapters:
+        from infergate.engine.lora.tiny import make_tiny_loras
+
+        for adapter in make_tiny_loras(path, lora_adapters, seed=seed):
+            typer.echo(f"wrote LoRA adapter {adapter}")

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from infergate.engine.interfaces import ModelRunner, TokenLogprob
 from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.kv_events import ZmqEventPublisher
+from infergate.engine.lora.errors import LoRAError
+from infergate.engine.lora.manager import LoRAManager, LoRARequest
 from infergate.engine.metrics import EngineMetrics
 from infergate.engine.request import Request, RequestStatus
 from infergate.engine.scheduler import Scheduler, SchedulerConfig
@@ -95,8 +98,10 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         metrics: EngineMetrics | None = None,
         kv_events: ZmqEventPublisher | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.runner = runner
+        self.lora = lora  # the runner's adapter registry (None: LoRA disabled)
         self.config = config
         self.tokenizer = tokenizer
         self.kv = KVCacheManager(
@@ -121,9 +126,19 @@ class EngineCore:
                 lambda: self.scheduler.num_waiting,
                 self.kv.usage,
             )
+            if lora is not None:
+                metrics.bind_lora(
+                    lambda: _retry(self.scheduler.running_loras),
+                    lambda: _retry(self.scheduler.waiting_loras),
+                    lora.max_loras,
+                )
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.lora is not None and (
+            self.lora is None or self.lora.get(request.lora.name) != request.lora
+        ):  # unloaded (or replaced) between the HTTP layer's lookup and now
+            raise LoRAError(f"The lora adapter '{request.lora.name}' is no longer loaded.")
         if request.max_model_len is None:
             request.max_model_len = self.config.max_model_len
         decoder = None
@@ -133,6 +148,26 @@ class EngineCore:
             decoder, request.sampling.stop, request.sampling.include_stop_str_in_output
         )
         self.scheduler.add(request)
+
+    # -- LoRA adapters (run on the engine thread, between steps) ------------------------
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Register and load an adapter; LoRAError (a client error) when it cannot be."""
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled; start the engine with --enable-lora")
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; KeyError if unknown, LoRAError while requests use it."""
+        if self.lora is None or self.lora.get(name) is None:
+            raise KeyError(name)
+        users = sum(
+            1
+            for r in self.scheduler.requests.values()
+            if r.lora is not None and r.lora.name == name
+        )
+        if users:
+            raise LoRAError(f"The lora adapter '{name}' is in use by {users} request(s)")
+        self.lora.remove(name)
 
     def abort(self, request_id: str) -> None:
         request = self.scheduler.abort(request_id)
@@ -278,6 +313,17 @@ class EngineCore:
             events = self.kv.pool.drain_events()
             if events:
                 self.kv_events.publish(events)
+
+
+def _retry(read: Callable[[], set[str]]) -> set[str]:
+    """Read scheduler state from another thread (a scrape); a deque mutated mid-read
+    raises, so try again (the engine thread changes it only briefly)."""
+    for _ in range(10):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return set()
 
 
 def _ended_by_token(request: Request) -> bool:

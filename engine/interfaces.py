@@ -85,6 +85,8 @@ class ScheduledSeq:
     blocked_token_ids: tuple[int, ...] = ()
     # Structured output: the request's GrammarState (its bitmask restricts sampling).
     grammar: Any = None
+    # The LoRA adapter this sequence runs with (None: the base model).
+    lora_name: str | None = None
 
 
 @dataclass

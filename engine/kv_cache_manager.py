@@ -120,6 +120,7 @@ class KVCacheManager:
             request.block_hashes[done:full],
             request.block_hashes[done - 1] if done else None,
             request.all_token_ids[done * bs : full * bs],
+            (request.lora.int_id, request.lora.name) if request.lora is not None else None,
         )
         self._num_committed[rid] = full
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -161,12 +161,8 @@ class EngineMetrics:
             ["block_size", "num_gpu_blocks"],
             registry=r,
         ).labels(str(block_size), str(num_gpu_blocks)).set(1)
-        self._lora = Gauge(
-            "vllm:lora_requests_info",
-            "LoRA adapters of running/waiting requests (value: time of the last update).",
-            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-            registry=r,
-        )
+        self._lora = LoRAInfoCollector()
+        r.register(self._lora)
         self._model = m
         self._success_by_reason = {
             reason: self._success.labels(m, reason) for reason in ("stop", "length", "abort")
@@ -183,8 +179,12 @@ class EngineMetrics:
         self._waiting.labels(self._model).set_function(num_waiting)
         self._kv_usage.labels(self._model).set_function(kv_usage)
         self._kv_usage_legacy.labels(self._model).set_function(kv_usage)
-        # No LoRA support: the adapter lists stay empty, refreshed at every scrape.
-        self._lora.labels("", "", "0").set_function(time.time)
+
+    def bind_lora(
+        self, running: Callable[[], set[str]], waiting: Callable[[], set[str]], max_lora: int
+    ) -> None:
+        """Adapters of running and waiting requests, read at scrape time."""
+        self._lora.running, self._lora.waiting, self._lora.max_lora = running, waiting, max_lora
 
     def request_finished(self, reason: str) -> None:
         counter = self._success_by_reason.get(reason)
@@ -219,6 +219,33 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+class LoRAInfoCollector(Collector):
+    """``vllm:lora_requests_info``, as vLLM emits it: a gauge whose value is the time of the
+    update (Unix seconds) and whose labels carry the state — ``max_lora`` (the slot count,
+    0 without LoRA), ``waiting_lora_adapters`` and ``running_lora_adapters`` (adapter
+    names with waiting/running requests, comma-separated, sorted here for stable series).
+
+    vLLM sets a new label set at every logging interval and old sets linger with older
+    timestamps, which is why readers (GIE, our EPP) take the series with the newest value;
+    we expose only the current one, computed at scrape time.
+    """
+
+    def __init__(self) -> None:
+        self.running: Callable[[], set[str]] = set
+        self.waiting: Callable[[], set[str]] = set
+        self.max_lora = 0
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        running, waiting = ",".join(sorted(self.running())), ",".join(sorted(self.waiting()))
+        family.add_metric([str(self.max_lora), waiting, running], time.time())
+        yield family
+
+
 class SimulatorCollector(Collector):
     """Simulated mode only: how closely the steps keep to the timing model.
 
@@ -239,6 +266,11 @@ class SimulatorCollector(Collector):
             "infergate_sim_modelled_seconds",
             "Modelled duration of all simulated steps.",
             value=getattr(r, "simulated_seconds", 0.0),
+        )
+        yield CounterMetricFamily(
+            "infergate_sim_lora_loads",
+            "LoRA adapters brought into a slot (each costs --sim-lora-load-ms).",
+            value=getattr(r, "lora_loads", 0),
         )
         yield CounterMetricFamily(
             "infergate_sim_late_seconds",

@@ -18,6 +18,7 @@ from .attention import (
     kv_cache_shape,
 )
 from .interfaces import ScheduledBatch, ScheduledSeq, TokenLogprob
+from .lora.runner import TorchLoRA
 from .models import LlamaForCausalLM, ModelConfig
 from .sampler import Sampler
 from .structured_output.matcher import apply_grammar_bitmask
@@ -65,6 +66,7 @@ class TorchModelRunner:
         self.sampler = Sampler(device)
         self._logprobs: dict[str, TokenLogprob] = {}
         self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
+        self.lora: TorchLoRA | None = None  # set by lora.runner.attach_torch_lora
 
     @classmethod
     def from_model_dir(
@@ -204,6 +206,10 @@ class TorchModelRunner:
             device=self.device,
         )
         self.backend.prepare(meta)
+        if self.lora is not None:
+            self.lora.prepare(seqs)
+        elif any(s.lora_name for s in seqs):
+            raise ValueError("a sequence asks for a LoRA adapter but LoRA is not enabled")
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64)
         hidden = self.model(
             ids.to(self.device, non_blocking=True),

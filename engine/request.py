@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from infergate.engine.block_hash import block_hashes
 from infergate.engine.interfaces import SamplingParams, TokenLogprob
+from infergate.engine.lora.manager import LoRARequest
 
 if TYPE_CHECKING:
     from infergate.engine.structured_output.matcher import GrammarState
@@ -47,6 +48,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
+    lora: LoRARequest | None = None  # the adapter to run with (None: the base model)
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
     skip_special_tokens: bool = True  # in the output text
@@ -94,6 +96,7 @@ class Request:
                 self.all_token_ids,
                 block_size,
                 cache_salt=self.cache_salt,
+                lora_name=self.lora.cache_key if self.lora is not None else None,
                 parent=parent,
                 start_block=done,
             )

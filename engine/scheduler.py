@@ -29,10 +29,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    # Distinct LoRA adapters the running batch may hold (vLLM's --max-loras; 0: no LoRA).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if self.max_loras < 0:
+            raise ValueError("max_loras must not be negative")
 
 
 @dataclass
@@ -114,8 +118,13 @@ class Scheduler:
             break  # the request preempted itself: nothing later can fit either
 
         if not preempted:
+            loras = self.running_loras()
+            skipped: list[Request] = []  # waiting on an adapter slot; keep their places
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if not self._lora_fits(request, loras):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = cached.num_tokens(self.kv.block_size)
                 n = min(request.num_tokens - num_cached, budget)
@@ -130,11 +139,28 @@ class Scheduler:
                     request.scheduled_time = time.monotonic()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
+                if request.lora is not None:
+                    loras.add(request.lora.name)
                 chosen.append((request, n))
                 budget -= n
+            self.waiting.extendleft(reversed(skipped))
 
         seqs = [self._seq(request, n) for request, n in chosen]
         return SchedulerOutput(ScheduledBatch(seqs), [r for r, _ in chosen], preempted)
+
+    def running_loras(self) -> set[str]:
+        """Names of the adapters the running requests use."""
+        return {r.lora.name for r in self.running if r.lora is not None}
+
+    def waiting_loras(self) -> set[str]:
+        return {r.lora.name for r in self.waiting if r.lora is not None}
+
+    def _lora_fits(self, request: Request, loras: set[str]) -> bool:
+        """A request whose adapter is not running is admitted only while the batch holds
+        fewer than ``max_loras`` distinct adapters (vLLM skips it, keeping its place)."""
+        if request.lora is None or request.lora.name in loras:
+            return True
+        return len(loras) < self.config.max_loras
 
     def _seq(self, request: Request, n: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -151,6 +177,7 @@ class Scheduler:
             num_generated=request.num_output_tokens,
             next_prompt_ids=next_prompt,
             num_prompt_tokens=request.num_prompt_tokens,
+            lora_name=request.lora.name if request.lora is not None else None,
             **_sampling_state(request),
         )
 

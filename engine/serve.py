@@ -48,6 +48,12 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     dev_mode: bool = False  # --enable-dev-endpoints (or VLLM_SERVER_DEV_MODE=1)
+    enable_lora: bool = False
+    lora_modules: list[str] = field(default_factory=list)  # name=path or vLLM's JSON
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    sim_lora_load_ms: float = 25.0
     log_level: str = "info"
 
 
@@ -144,6 +150,7 @@ def build(opts: ServeOptions) -> Any:
     from infergate.engine.tokenizer import Tokenizer, TokenizerError
 
     check_vllm_flags(opts)
+    lora_modules = _lora_modules(opts)
     model_dir = opts.model_dir
     if not model_dir.is_dir():
         raise ServeError(
@@ -208,6 +215,7 @@ def build(opts: ServeOptions) -> Any:
         max_model_len = int(runner.max_model_len)
         tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(runner.eos_token_ids)
 
+    lora = _attach_lora(opts, runner, lora_modules)
     capacity = runner.num_blocks * runner.block_size
     if max_model_len > capacity:
         if opts.max_model_len is not None:
@@ -253,11 +261,13 @@ def build(opts: ServeOptions) -> Any:
             max_num_seqs=opts.max_num_seqs,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             max_model_len=max_model_len,
+            max_loras=opts.max_loras if lora is not None else 0,
         ),
         tokenizer=tokenizer,
         enable_prefix_caching=opts.enable_prefix_caching,
         metrics=metrics,
         kv_events=events,
+        lora=lora,
     )
     server_config = ServerConfig(
         served_model_names=names,
@@ -280,6 +290,59 @@ def build(opts: ServeOptions) -> Any:
         opts.max_num_seqs, opts.max_num_batched_tokens,
     )  # fmt: skip
     return build_app(AsyncEngine(core), tokenizer, server_config, metrics)
+
+
+def _lora_modules(opts: ServeOptions) -> list[Any]:
+    """Check the LoRA flags (vLLM's rules) and parse ``--lora-modules``."""
+    from infergate.engine.lora.options import parse_lora_modules
+
+    if not opts.enable_lora:
+        if opts.lora_modules:
+            raise ServeError("--lora-modules needs --enable-lora")
+        return []
+    if opts.max_loras < 1 or opts.max_lora_rank < 1:
+        raise ServeError("--max-loras and --max-lora-rank must be at least 1")
+    if opts.max_cpu_loras is not None and opts.max_cpu_loras < opts.max_loras:
+        raise ServeError(
+            f"--max-cpu-loras ({opts.max_cpu_loras}) must be at least --max-loras "
+            f"({opts.max_loras})"
+        )
+    try:
+        return parse_lora_modules(opts.lora_modules)
+    except ValueError as error:
+        raise ServeError(str(error)) from None
+
+
+def _attach_lora(opts: ServeOptions, runner: Any, modules: list[Any]) -> Any:
+    """The runner's LoRAManager with ``--lora-modules`` registered (None without LoRA).
+
+    Simulated mode serves adapters by name: paths are recorded, never read, and bringing
+    an adapter into a slot costs ``--sim-lora-load-ms`` of step time.
+    """
+    if not opts.enable_lora:
+        return None
+    from infergate.engine.lora.errors import LoRAError
+    from infergate.engine.lora.manager import LoRAManager
+
+    if opts.simulate:
+        manager = LoRAManager(max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank,
+                              max_cpu_loras=opts.max_cpu_loras)  # fmt: skip
+        runner.lora, runner.lora_load_seconds = manager, opts.sim_lora_load_ms / 1000
+    else:
+        from infergate.engine.lora.runner import attach_torch_lora
+
+        manager = attach_torch_lora(runner, max_loras=opts.max_loras,
+                                    max_lora_rank=opts.max_lora_rank,
+                                    max_cpu_loras=opts.max_cpu_loras).manager  # fmt: skip
+    for module in modules:
+        try:
+            manager.add(module.name, module.path)
+        except LoRAError as error:
+            raise ServeError(f"--lora-modules {module.name}: {error}") from None
+    manager.parents = {m.name: m.base_model_name for m in modules if m.base_model_name}
+    log.info("LoRA: %d adapter(s) registered, %d slot(s), max rank %d", len(modules),
+             opts.max_loras, opts.max_lora_rank)  # fmt: skip
+    return manager
 
 
 def serve(opts: ServeOptions) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infergate.engine.interfaces import ScheduledBatch
+from infergate.engine.lora.manager import LoRAManager
 
 # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 dims x (K and V) x 2 bytes per token.
 KV_BYTES_PER_TOKEN_8B = 32 * 8 * 128 * 2 * 2
@@ -86,6 +87,11 @@ class SimulatedRunner:
         self.steps = 0
         self.simulated_seconds = 0.0  # modelled time of all steps
         self.late_seconds = 0.0  # wall time beyond the modelled end of steps, summed
+        # Multi-LoRA by name (no weights): bringing an adapter into one of the resident
+        # slots costs `lora_load_seconds` of step time (host-to-device copy of its weights).
+        self.lora: LoRAManager | None = None
+        self.lora_load_seconds = 0.0
+        self.lora_loads = 0
 
     def begin_step(self) -> None:
         """Mark the start of a step (called by the core before scheduling).
@@ -102,7 +108,7 @@ class SimulatedRunner:
         self._step_start = self._deadline if back_to_back else now
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        duration = self.timing.step_seconds(batch)
+        duration = self.timing.step_seconds(batch) + self._lora_seconds(batch)
         self.steps += 1
         self.simulated_seconds += duration
         out: list[int | None] = []
@@ -123,6 +129,17 @@ class SimulatedRunner:
             self._deadline = deadline
         self._step_start = None
         return out
+
+    def _lora_seconds(self, batch: ScheduledBatch) -> float:
+        """Modelled time to load the batch's adapters that are not resident (LRU slots)."""
+        names = [s.lora_name for s in batch.seqs if s.lora_name]
+        if not names:
+            return 0.0
+        if self.lora is None:
+            raise ValueError("a sequence asks for a LoRA adapter but LoRA is not enabled")
+        _, loaded = self.lora.activate(names)
+        self.lora_loads += len(loaded)
+        return len(loaded) * self.lora_load_seconds
 
     def release(self, request_id: str) -> None:
         """No per-request state to drop."""

@@ -177,6 +177,27 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+#: infergate's default plus LoRA affinity (``infergate up --lora N``): a request for an
+#: adapter prefers endpoints whose ``vllm:lora_requests_info`` lists it running, then
+#: those with a free adapter slot, so adapters stay on few engines and load less often.
+LORA_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: prefix-cache-scorer
+- type: predicted-latency-scorer
+- type: lora-affinity-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: predicted-latency-scorer
+    weight: 1
+  - pluginRef: lora-affinity-scorer
+    weight: 2
+  - pluginRef: max-score-picker
+"""
+
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
@@ -184,6 +205,7 @@ BUILTIN_CONFIGS = {
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
     "flow-control": FLOW_CONTROL_CONFIG_YAML,
     "gie-precise-prefix": GIE_PRECISE_PREFIX_CONFIG_YAML,
+    "lora": LORA_CONFIG_YAML,
 }
 BUILTIN_PREFIX = "builtin:"
 

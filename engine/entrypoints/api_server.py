@@ -29,6 +29,7 @@ from .errors import APIError, ClientGone
 from .guard import Guard
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
+from .serving_lora import add_lora_routes, runtime_updates_allowed
 from .serving_models import OpenAIServingModels
 from .serving_tokenization import OpenAIServingTokenization
 
@@ -136,14 +137,18 @@ def build_app(
     app = FastAPI(title="infergate engine", version=__version__, lifespan=lifespan)
     app.add_middleware(Guard, config=config)
     _add_error_handlers(app)
-    models = OpenAIServingModels(config)
+    lora = engine.core.lora
+    models = OpenAIServingModels(config, lora)
     shared = (engine, tokenizer, config, metrics, models, grammars)
     _add_ops_routes(app, engine, config, metrics)
+    tokenization = OpenAIServingTokenization(*shared)
     _add_api_routes(
         app,
         models,
-        OpenAIServingTokenization(*shared),
+        tokenization,
         OpenAIServingCompletion(*shared),
         OpenAIServingChat(*shared),
     )
+    if lora is not None and runtime_updates_allowed():
+        add_lora_routes(app, engine, tokenization)
     return app

@@ -215,6 +215,7 @@ class OpenAIServing:
             prompt_token_ids=prompt,
             sampling=params,
             cache_salt=req.cache_salt,
+            lora=self.models.lora_request(req.model),
             skip_special_tokens=req.skip_special_tokens,
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.config.max_model_len,

@@ -40,6 +40,9 @@ class KVBlockIndex:
         self.speculative: dict[Any, dict[str, float]] = {}
         self.ttl = ttl
         self.clock = clock
+        # LoRA adapter names seen in BlockStored events: a request for one of these is
+        # hashed with the adapter in its block keys, as the engine hashes it.
+        self.adapters: set[str] = set()
 
     def stored(self, endpoint: str, hashes: Sequence[Any]) -> None:
         mine = self.by_endpoint.setdefault(endpoint, set())
@@ -130,6 +133,9 @@ def apply_batch(index: KVBlockIndex, endpoint: str, payload: bytes) -> dict[str,
         tag = event[0]
         if tag == "BlockStored" and len(event) > 1 and isinstance(event[1], list):
             index.stored(endpoint, event[1])
+            # [tag, hashes, parent, tokens, block_size, lora_id, medium, lora_name]
+            if len(event) > 7 and isinstance(event[7], str) and event[7]:
+                index.adapters.add(event[7])
         elif tag == "BlockRemoved" and len(event) > 1 and isinstance(event[1], list):
             index.removed(endpoint, event[1])
         elif tag == "AllBlocksCleared":

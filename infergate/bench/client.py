@@ -26,7 +26,7 @@ def build_payload(
 ) -> dict[str, Any]:
     """The JSON body: a streaming request that asks for usage in the last chunk."""
     payload: dict[str, Any] = {
-        "model": model,
+        "model": sample.model or model,
         "max_tokens": sample.output_len,
         "temperature": temperature,
         "stream": True,

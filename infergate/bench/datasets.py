@@ -102,6 +102,8 @@ class SampleRequest:
     """Chat only: a system message (the shared prefix of the shared-prefix dataset)."""
     messages: list[dict[str, Any]] | None = field(default=None)
     group: int | None = None
+    model: str | None = None
+    """The model to ask for (e.g. a LoRA adapter); None: the benchmark's model."""
 
 
 class Tokens:

@@ -97,6 +97,16 @@ def up(
         help="ext-proc over TLS (GIE's default): the EPP serves a self-signed certificate and "
         "the generated Envoy config dials it with TLS, so the two always match.",
     ),
+    lora: int = typer.Option(
+        0,
+        "--lora",
+        min=0,
+        help="Serve N LoRA adapters (lora-0 … lora-N-1) on every engine, "
+        "with LoRA affinity in the EPP; random PEFT adapters for real engines.",
+    ),
+    max_loras: int = typer.Option(
+        2, "--max-loras", min=1, help="With --lora: adapter slots per engine (vLLM's --max-loras)."
+    ),
     epp_arg: list[str] = typer.Option(
         [],
         "--epp-arg",
@@ -139,6 +149,8 @@ def up(
         engine_args=list(engine_arg),
         epp_args=list(epp_arg),
         secure_serving=secure_serving,
+        lora=lora,
+        max_loras=max_loras,
     )
     stack = LocalStack(spec)
     # Installed explicitly: a shell starting us in the background leaves SIGINT ignored.

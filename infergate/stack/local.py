@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from infergate.epp.config import LORA_CONFIG_YAML as LORA_CONFIG
 from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
 from infergate.procs import (
     ManagedProcess,
@@ -148,6 +149,11 @@ class StackSpec:
     workdir: Path | None = None
     cache_dir: Path | None = None
     start_timeout: float = 120.0
+    lora: int = 0
+    """Serve this many LoRA adapters (``lora-0``…) on every engine: random PEFT adapters for
+    the model (real engines), names only (simulated); the EPP adds LoRA affinity."""
+    max_loras: int = 2
+    """With ``lora``: adapter slots per engine (``--max-loras``); the rest load on demand."""
 
     @classmethod
     def on_free_ports(cls, engines: int, **fields: Any) -> StackSpec:
@@ -382,10 +388,10 @@ class LocalStack:
         ]
         if self.spec.epp_config_file:
             argv += ["--config-file", str(self.spec.epp_config_file)]
-        elif self.spec.precise_prefix:
+        elif self.spec.precise_prefix or self.spec.lora:
             assert self.workdir is not None
             generated = self.workdir / "epp-config.yaml"
-            generated.write_text(PRECISE_PREFIX_CONFIG)
+            generated.write_text(PRECISE_PREFIX_CONFIG if self.spec.precise_prefix else LORA_CONFIG)
             argv += ["--config-file", str(generated)]
         if self.spec.objectives_file:
             argv += ["--objectives-file", str(self.spec.objectives_file)]
@@ -429,11 +435,32 @@ class LocalStack:
             argv.append("--simulate")
         if self.spec.precise_prefix:
             argv += ["--kv-events-port", str(self.spec.resolved_kv_events_ports()[index])]
+        argv += self._lora_args()
         argv += list(self.spec.engine_args)
         if index < len(self.spec.per_engine_args):
             argv += list(self.spec.per_engine_args[index])
         name = f"engine-{index}"
         return self._start(name, lambda log: self.group.start(name, argv, log_path=log))
+
+    def _lora_args(self) -> list[str]:
+        """``--enable-lora`` and one ``--lora-modules lora-i=PATH`` per adapter; real engines
+        get random PEFT adapters for the model, written once into the workdir."""
+        count = self.spec.lora
+        if count <= 0:
+            return []
+        assert self.workdir is not None and self.model_dir is not None
+        root = self.workdir / "loras"
+        paths = [root / f"lora-{i}" for i in range(count)]
+        if not self.spec.simulate and not all((p / "adapter_config.json").is_file() for p in paths):
+            from infergate.engine.lora.tiny import make_tiny_loras
+
+            made = make_tiny_loras(self.model_dir, count, out_root=self.workdir)
+            assert made == paths
+        args = ["--enable-lora", "--max-loras", str(self.spec.max_loras),
+                "--max-cpu-loras", str(max(count, self.spec.max_loras))]  # fmt: skip
+        for i, path in enumerate(paths):
+            args += ["--lora-modules", f"lora-{i}={path}"]
+        return args
 
     def _start(self, name: str, starter: Callable[[Path], ManagedProcess]) -> ManagedProcess:
         assert self.workdir is not None

@@ -75,6 +75,7 @@ def test_presets_cover_the_questions_users_ask() -> None:
         "long-short",
         "bursty",
         "heterogeneous",
+        "many-adapters",
     }
     assert set(ROUTERS) >= {
         "round-robin",
@@ -82,7 +83,13 @@ def test_presets_cover_the_questions_users_ask() -> None:
         "sglang-cache-aware",
         "epp-gie",
         "epp-infergate",
+        "epp-lora",
     }
+    adapters = WORKLOADS["many-adapters"]
+    picks = [s.model for s in adapters.build(Tokens(None), 400, 0)]
+    assert set(picks) <= {f"lora-{k}" for k in range(16)} and len(set(picks)) > 10
+    assert picks.count("lora-0") > 3 * picks.count("lora-15")  # a few popular adapters
+    assert (adapters.lora, adapters.max_loras) == (16, 4)
     assert resolve("epp:builtin:gie-default").name == "epp:builtin:gie-default"
     samples = WORKLOADS["multi-turn"].build(Tokens(None), 16, 0)
     # Two sessions of 8 turns; turn k carries the system prompt and every earlier turn.

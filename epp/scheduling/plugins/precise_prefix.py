@@ -105,8 +105,7 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
                 log.warning("apiKeyEnv %s is empty: /tokenize will be refused", self.p.apiKeyEnv)
             headers["Authorization"] = f"Bearer {key}"
         self._session = aiohttp.ClientSession(
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
+            headers=headers, timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
         )
         # Listeners registered after construction (plugin order) are picked up here.
         for listener in self.context.extras.get(CACHE_CLEARED_LISTENERS, ()):
@@ -163,7 +162,8 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
             (e.metrics.block_size for e in endpoints if e.metrics.block_size > 0), 16
         )
         tokens = tokens[: block * self.p.maxPrefixBlocksToMatch]
-        hashes = block_hashes(tokens, block, cache_salt=request.cache_salt or None)
+        hashes = block_hashes(tokens, block, cache_salt=request.cache_salt or None,
+                              lora_name=self._adapter(request, endpoints))  # fmt: skip
         matches = self.index.leading_matches(hashes) if hashes else {}
         cycle["precise.hashes"] = hashes
         cycle["precise.matches"] = matches
@@ -171,6 +171,18 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
         # approximate index's estimates).
         cycle["precise.tokens"] = len(tokens)
         cycle["precise.cached_tokens"] = {e: n * block for e, n in matches.items()}
+
+    def _adapter(self, request: InferenceRequest, endpoints: Sequence[EndpointState]) -> str | None:
+        """The request's model when it is a LoRA adapter (engines key adapter KV by it):
+        one seen in an engine's KV events or in its ``vllm:lora_requests_info``."""
+        model = request.target_model
+        if not model:
+            return None
+        if model in self.index.adapters or any(
+            model in e.metrics.active_models or model in e.metrics.waiting_models for e in endpoints
+        ):
+            return model
+        return None
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]

@@ -36,6 +36,7 @@ ENGINE_COUNTERS = (
     "vllm:request_success_total",
     "infergate_sim_late_seconds_total",
     "infergate_sim_modelled_seconds_total",
+    "infergate_sim_lora_loads_total",
 )
 LAG_WARNING = 0.10
 
@@ -67,6 +68,7 @@ class RunResult:
     imbalance: float = 0.0
     sim_lag: float = 0.0
     skipped: str = ""
+    lora_loads: float = 0.0  # adapters brought into a slot, all engines (LoRA workloads)
     per_engine_requests: list[float] = field(default_factory=list)
 
     @property
@@ -97,6 +99,8 @@ def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
         access_log=False,
         engine_args=engine_args,
         per_engine_args=per_engine,
+        lora=workload.lora,
+        max_loras=workload.max_loras,
     )
 
 
@@ -178,6 +182,7 @@ def _fill(
     result.per_engine_requests = served
     total = sum(served)
     result.imbalance = max(served) / (total / len(served)) if total else 0.0
+    result.lora_loads = sum(delta("infergate_sim_lora_loads_total"))
     modelled = sum(delta("infergate_sim_modelled_seconds_total"))
     result.sim_lag = sum(delta("infergate_sim_late_seconds_total")) / modelled if modelled else 0.0
 

@@ -115,6 +115,11 @@ ROUTERS: dict[str, Router] = {
             _epp("builtin:precise-prefix"),
             kv_events=True,
         ),
+        Router(
+            "epp-lora",
+            "infergate EPP, default profile plus LoRA affinity (up --lora)",
+            _epp("builtin:lora"),
+        ),
     )
 }
 

@@ -13,6 +13,10 @@ Each preset names a question a user asks before choosing a router:
   rules out 8k) among many short ones.
 * ``bursty`` — ``tight-prefix`` with gamma-distributed arrivals of shape 0.25.
 * ``heterogeneous`` — ``ample-prefix`` on a fleet whose first engine is 2× slower.
+* ``many-adapters`` — requests for 16 LoRA adapters (Zipf-like popularity) on engines with
+  4 adapter slots each; bringing an adapter into a slot costs ``--sim-lora-load-ms``
+  (25 ms) of step time, and a batch holds at most 4 adapters, so routing decides how
+  often engines swap adapters and how long requests wait for a slot.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Workload:
     slow_engines: int = 0
     endpoint: str = "/v1/completions"
     extra: dict[str, str] = field(default_factory=dict)
+    lora: int = 0  # adapters served by every engine (lora-0 …); requests name them
+    max_loras: int = 2  # adapter slots per engine
 
 
 def _shared_prefix(groups: int, prefix: int, suffix: int, output: int) -> Builder:
@@ -91,6 +97,23 @@ def _multi_turn(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
     return samples
 
 
+def _many_adapters(adapters: int) -> Builder:
+    """Independent 200-400-token prompts, each for adapter ``lora-k`` with probability
+    proportional to ``1 / (k + 1)`` (a few popular adapters, a long tail)."""
+
+    def build(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
+        rng = random.Random(seed)
+        weights = [1.0 / (k + 1) for k in range(adapters)]
+        samples = []
+        for index in range(n):
+            (k,) = rng.choices(range(adapters), weights)
+            prompt = f"{index}: " + tokens.text(rng.randint(200, 400), rng)
+            samples.append(SampleRequest(prompt, 32, tokens.count(prompt), model=f"lora-{k}"))
+        return samples
+
+    return build
+
+
 TIGHT_RATES = (10.0, 20.0, 30.0)
 
 WORKLOADS: dict[str, Workload] = {
@@ -142,6 +165,14 @@ WORKLOADS: dict[str, Workload] = {
             _shared_prefix(12, 2500, 32, 32),
             TIGHT_RATES,
             slow_engines=1,
+        ),
+        Workload(
+            "many-adapters",
+            "16 LoRA adapters (Zipf-like popularity), 4 adapter slots per engine",
+            _many_adapters(16),
+            (10.0, 20.0, 30.0),
+            lora=16,
+            max_loras=4,
         ),
     )
 }
