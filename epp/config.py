@@ -177,6 +177,43 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+#: Prefill/decode disaggregation (docs/epp.md, "Prefill/decode disaggregation"): the
+#: decode profile picks among ``decode``/``both`` engines with GIE's default scorers; when
+#: more than 256 prompt tokens are not cached on that pick, the prefill profile picks a
+#: ``prefill`` engine, named to the decode engine in ``x-prefiller-host-port``.
+PD_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: pd-profile-handler
+  parameters: {threshold: 256, prefillProfile: prefill, decodeProfile: decode}
+- type: decode-filter
+- type: prefill-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
@@ -184,6 +221,7 @@ BUILTIN_CONFIGS = {
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
     "flow-control": FLOW_CONTROL_CONFIG_YAML,
     "gie-precise-prefix": GIE_PRECISE_PREFIX_CONFIG_YAML,
+    "pd": PD_CONFIG_YAML,
 }
 BUILTIN_PREFIX = "builtin:"
 

@@ -54,9 +54,7 @@ class _EndpointGauges(Collector):
         yield ready
         yield from self._gie_pool_gauges()
 
-    def _per_endpoint(
-        self, now: float
-    ) -> list[tuple[str, str, Callable[[EndpointState], float]]]:
+    def _per_endpoint(self, now: float) -> list[tuple[str, str, Callable[[EndpointState], float]]]:
         """(name, help, value) of every per-endpoint gauge."""
         stale = self.saturation.is_stale
         return [

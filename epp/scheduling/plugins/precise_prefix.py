@@ -105,8 +105,7 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
                 log.warning("apiKeyEnv %s is empty: /tokenize will be refused", self.p.apiKeyEnv)
             headers["Authorization"] = f"Bearer {key}"
         self._session = aiohttp.ClientSession(
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
+            headers=headers, timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
         )
         # Listeners registered after construction (plugin order) are picked up here.
         for listener in self.context.extras.get(CACHE_CLEARED_LISTENERS, ()):
