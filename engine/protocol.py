@@ -49,6 +49,8 @@ class _Sampling(_Open):
     spaces_between_special_tokens: bool = True
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM extension: token ids in the response
+    # vLLM's P/D field (engine/kv_transfer): do_remote_decode / do_remote_prefill + handles.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
