@@ -214,6 +214,15 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+
+def pd_config(threshold: int = 256) -> str:
+    """``builtin:pd`` with another threshold (uncached prompt tokens above which a request
+    is disaggregated); used by ``infergate up --roles`` and by the operator."""
+    if threshold < 0:
+        raise ConfigError(f"the P/D threshold must be >= 0, not {threshold}")
+    return PD_CONFIG_YAML.replace("threshold: 256,", f"threshold: {int(threshold)},")
+
+
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,

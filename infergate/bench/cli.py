@@ -211,8 +211,7 @@ def routing(
     sim_arg: list[str] = typer.Option(
         [],
         "--sim-arg",
-        help="Extra engine flag for every engine, e.g. --sim-arg=--sim-us-per-token=40 "
-        "(repeat).",
+        help="Extra engine flag for every engine, e.g. --sim-arg=--sim-us-per-token=40 (repeat).",
     ),
 ) -> None:
     """The routing lab: each router on a fresh simulated fleet, same seeded workload.
@@ -272,7 +271,12 @@ def routing(
             console.print(f"bench routing: {error}", style="red", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
     print_summary(results, console)
-    meta = {"engines": engines, "seed": seed, "workloads": names, "routers": [r.name for r in routers]}
+    meta = {
+        "engines": engines,
+        "seed": seed,
+        "workloads": names,
+        "routers": [r.name for r in routers],
+    }
     write_json(results, output_dir / "results.json", meta)
     plots = plot(results, output_dir)
     console.print(f"results: {output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")
