@@ -54,7 +54,9 @@ class KVTransferConfig(BaseModel):
     kv_parallel_size: int = Field(1, ge=1, le=1)
     kv_buffer_device: Literal["cpu", "cuda"] | None = None
     kv_buffer_size: float | None = None
-    kv_connector_extra_config: ExtraConfig = Field(default_factory=lambda: ExtraConfig())
+    kv_connector_extra_config: ExtraConfig = Field(
+        default_factory=lambda: ExtraConfig.model_validate({})
+    )
 
     @property
     def is_producer(self) -> bool:

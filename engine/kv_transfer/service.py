@@ -118,6 +118,35 @@ class KVTransferService:
         return out
 
 
+async def apply_kv_transfer(
+    service: KVTransferService | None,
+    path: str,
+    body: dict[str, Any],
+    headers: Any,
+    requests: list[Any],
+) -> None:
+    """Give the engine requests of one API call what P/D asks of them (see module doc).
+
+    Only a call with one engine request (one prompt, ``n`` 1) is disaggregated; the
+    header is ignored for others (they prefill locally), and ``kv_transfer_params`` on
+    them is a :class:`BadKVParams`.
+    """
+    if service is None:
+        check_without_transfer(body)
+        return
+    if len(requests) != 1:
+        params = body.get("kv_transfer_params")
+        if isinstance(params, dict) and (
+            params.get("do_remote_decode") or params.get("do_remote_prefill")
+        ):
+            raise BadKVParams("kv_transfer_params needs a single prompt and n = 1")
+        return
+    request = requests[0]
+    prepared = await service.prepare(path, body, headers, request.request_id)
+    request.kv_transfer_params = prepared.params
+    request.kv_payload = prepared.payload
+
+
 class KVTransferCollector(Collector):
     """P/D counters, read at scrape time (nothing to update per request)."""
 

@@ -46,7 +46,7 @@ class ZmqConnector(KVConnector):
     def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
         self.extra = config.kv_connector_extra_config
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._actx: zmq.asyncio.Context | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from infergate.epp.config import parse_config
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
@@ -13,9 +15,18 @@ from infergate.epp.scheduling.scheduler import Scheduler
 
 from infergate.operator import constants as c
 from infergate.operator.builders import desired_objects
-from infergate.operator.pool import InvalidPool
+from infergate.operator.pool import InvalidPool, PoolSpec, parse_pool
 from infergate.operator.reconcile import resolve_epp_config
-from tests.operator.test_builders import SETTINGS, spec
+from infergate.operator.settings import OperatorSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = OperatorSettings()
+
+
+def spec(**annotations: str) -> PoolSpec:
+    pool = yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
+    pool["metadata"].update(uid="u-1", generation=3, annotations=annotations)
+    return parse_pool(pool, SETTINGS)
 
 
 def test_pd_pool_gets_the_pd_config_with_its_threshold() -> None:
