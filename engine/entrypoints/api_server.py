@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from infergate.engine.async_engine import AsyncEngine, EngineDeadError
+from infergate.engine.kv_transfer.service import KVTransferService
 from infergate.engine.metrics import EngineMetrics
 from infergate.engine.tokenizer import Tokenizer
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -117,8 +118,11 @@ def build_app(
     tokenizer: Tokenizer,
     config: ServerConfig,
     metrics: EngineMetrics | None = None,
+    *,
+    kv_transfer: KVTransferService | None = None,
 ) -> FastAPI:
-    """The engine's HTTP app; its lifespan starts and stops the engine's step loop."""
+    """The engine's HTTP app; its lifespan starts and stops the engine's step loop (and
+    the P/D connector, when the engine has one)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,13 +130,15 @@ def build_app(
         try:
             yield
         finally:
+            if kv_transfer is not None:
+                await kv_transfer.stop()
             engine.shutdown()
 
     app = FastAPI(title="infergate engine", version=__version__, lifespan=lifespan)
     app.add_middleware(Guard, config=config)
     _add_error_handlers(app)
     models = OpenAIServingModels(config)
-    shared = (engine, tokenizer, config, metrics, models)
+    shared = (engine, tokenizer, config, metrics, models, kv_transfer)
     _add_ops_routes(app, engine, config, metrics)
     _add_api_routes(
         app,

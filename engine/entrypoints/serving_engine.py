@@ -12,6 +12,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from infergate.engine.async_engine import AsyncEngine
 from infergate.engine.interfaces import SamplingParams
+from infergate.engine.kv_transfer.service import (
+    BadKVParams,
+    KVTransferService,
+    apply_kv_transfer,
+)
 from infergate.engine.metrics import EngineMetrics
 from infergate.engine.protocol import ChatMessage, _Sampling
 from infergate.engine.request import Request as EngineRequest
@@ -39,9 +44,11 @@ class OpenAIServing:
         config: ServerConfig,
         metrics: EngineMetrics | None = None,
         models: OpenAIServingModels | None = None,
+        kv_transfer: KVTransferService | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
         self.models = models or OpenAIServingModels(config)
+        self.kv_transfer = kv_transfer
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def _token_text(self, token_id: int) -> str:
@@ -153,6 +160,18 @@ class OpenAIServing:
     def sampling_params(self, req: _Sampling, prompt_len: int, max_tokens: int | None,
                         default_max: int | None) -> SamplingParams:  # fmt: skip
         return to_sampling_params(req, self.config, prompt_len, max_tokens, default_max)
+
+    async def prepare_kv_transfer(
+        self, request: Request, req: _Sampling, path: str, engine_requests: list[EngineRequest]
+    ) -> None:
+        """P/D (engine/kv_transfer): act on ``kv_transfer_params`` and on the EPP's
+        ``x-prefiller-host-port`` — hold the KV for a decode engine, or prefill remotely and
+        pull the KV before these requests reach the engine. Bad params are a 400."""
+        body = req.model_dump(mode="json", exclude_unset=True)
+        try:
+            await apply_kv_transfer(self.kv_transfer, path, body, request.headers, engine_requests)
+        except BadKVParams as error:
+            raise APIError(400, str(error), error.param) from None
 
     def new_request(
         self, rid: str, prompt: list[int], params: SamplingParams, req: _Sampling
