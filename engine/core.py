@@ -177,6 +177,8 @@ class EngineCore:
         if self._begin_step is not None:
             self._begin_step()
         sched = self.scheduler.schedule()
+        if self.kv_transfer is not None and self.kv_transfer.pins:
+            self.kv_transfer.after_schedule(sched.requests, self.scheduler)
         outputs: list[RequestOutput] = []
         if sched.batch.seqs:
             if self.metrics is not None:

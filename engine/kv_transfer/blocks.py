@@ -18,7 +18,9 @@ that the decode engine would be able to reuse, ``n = ⌊(prompt_tokens − 1) / 
 cached, writes the others into fresh blocks and *commits* them under their hashes — so the
 scheduler's ordinary prefix lookup finds the whole transferred prefix, and the engine's
 next request with that prompt is a prefix-cache hit. The blocks stay pinned (one extra
-reference) until the request ends, so nothing evicts them before it is admitted.
+reference) until the request is admitted (it then holds its own references), so nothing
+evicts them while it waits — unless pins alone keep the queue from moving
+(:meth:`KVTransfer.after_schedule`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,7 @@ from infergate.engine.request import Request
 
 if TYPE_CHECKING:
     from infergate.engine.core import EngineCore
+    from infergate.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +199,23 @@ class KVTransfer:
         self.stats.injected += 1
         self.stats.injected_tokens += (n - k) * bs
         return n * bs
+
+    def after_schedule(self, scheduled: Sequence[Request], scheduler: Scheduler) -> None:
+        """Drop pins that are no longer needed, so pinned blocks can never wedge the pool.
+
+        An admitted request holds its own references to the committed blocks (its prefix
+        hit), so its pin goes. And when nothing could be scheduled although requests wait
+        and none runs, the waiting requests' pins are what block the queue's head: they
+        are dropped — the blocks stay in the prefix cache, evictable like any other; a
+        request whose blocks get evicted before admission recomputes them.
+        """
+        for request in scheduled:
+            self.unpin(request.request_id)
+        if not scheduled and scheduler.waiting and not scheduler.running:
+            log.warning("KV cache full of pulled blocks waiting for admission; unpinning %d "
+                        "requests' blocks", len(self.pins))  # fmt: skip
+            for request_id in list(self.pins):
+                self.unpin(request_id)
 
     def unpin(self, request_id: str) -> None:
         blocks = self.pins.pop(request_id, None)

@@ -222,3 +222,42 @@ def test_pull_from_nobody_times_out() -> None:
             asyncio.run(consumer.pull(remote))
     finally:
         consumer.close()
+
+
+def test_pinned_blocks_never_wedge_a_full_pool(tiny_model_dir: Path) -> None:
+    """A waiting request's pulled (pinned) blocks leave no room for the queue's head and
+    nothing runs: the pins are dropped, both requests complete with the right tokens."""
+    single = make_core(tiny_model_dir, "single")
+    other = [t + 100 for t in PROMPT]
+    want_x = run(single, Request("sx", list(PROMPT), GREEDY)).new_token_ids
+    want_y = run(single, Request("sy", list(other), GREEDY)).new_token_ids
+    prefill = make_core(tiny_model_dir, "prefill")
+    assert prefill.kv_transfer is not None
+    first = Request("p", list(PROMPT), SamplingParams(temperature=0.0, max_tokens=1))
+    first.kv_transfer_params = {"do_remote_decode": True}
+    params = run(prefill, first).kv_transfer_params
+    assert params is not None
+    payload = prefill.kv_transfer.read(params["remote_request_id"])
+
+    runner = TorchModelRunner.from_model_dir(
+        tiny_model_dir, block_size=BLOCK, num_blocks=14, device="cpu"
+    )
+    decode = EngineCore(
+        runner, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=56)
+    )
+    decode.kv_transfer = KVTransfer(decode.kv, runner, engine_id="d", abort_timeout_s=60)
+    y = Request("y", list(other), GREEDY)  # needs all 14 blocks; first in the queue
+    x = Request("x", list(PROMPT), GREEDY)
+    x.kv_payload = payload  # pins 10 of the 14 blocks while x waits behind y
+    decode.add_request(y)
+    decode.add_request(x)
+    assert decode.kv_transfer.pins
+    tokens: dict[str, list[int]] = {"x": [], "y": []}
+    for _ in range(500):
+        if not decode.has_work():
+            break
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert not decode.has_work(), "the engine wedged"
+    assert tokens == {"x": want_x, "y": want_y}
+    assert decode.kv.pool.num_free_blocks == 14

@@ -161,4 +161,8 @@ def test_no_leaked_blocks_after_many_disaggregated_requests_with_aborts(
     prefill.wait_idle()
     decode.wait_idle()  # kv_cache_usage_perc 0: every block of both pools is free again
     held = counter(prefill, "infergate:kv_transfer_prefills_held_total", "held")
+    expired = counter(prefill, "infergate:kv_transfer_prefills_held_total", "expired")
+    fallback = counter(decode, "infergate:kv_transfer_remote_prefills_total", "fallback")
     assert held >= pulled
+    print(f"aborted={outcomes.count('aborted')} held={held:.0f} pulled={pulled:.0f} "
+          f"expired={expired:.0f} fallback={fallback:.0f}")  # fmt: skip
