@@ -118,6 +118,13 @@ class EppMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._init_prefix_prediction(r)
+        self.pd_decisions = Counter(
+            "infergate_epp_pd_decisions",
+            "pd-profile-handler decisions: disaggregated (a prefill endpoint named in "
+            "x-prefiller-host-port) or local (the decode endpoint prefills).",
+            ["decision"],
+            registry=r,
+        )
         self._init_gie(r)
         self.requests = Counter(
             "infergate_epp_requests",

@@ -48,9 +48,15 @@ def counters(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            outcome = sample.labels.get("outcome")
+            outcome = sample.labels.get("outcome") or sample.labels.get("decision")
             out[sample.name + (f":{outcome}" if outcome else "")] = sample.value
     return out
+
+
+def epp_decisions(stack: LocalStack, decision: str) -> float:
+    return counters(stack.epp_metrics_url.removesuffix("/metrics")).get(
+        f"infergate_epp_pd_decisions_total:{decision}", 0.0
+    )
 
 
 def complete(base_url: str, prompt: str, max_tokens: int = 12) -> openai.types.Completion:
@@ -63,8 +69,10 @@ def complete(base_url: str, prompt: str, max_tokens: int = 12) -> openai.types.C
 def test_long_prompt_is_disaggregated_and_matches_one_engine(stack: LocalStack) -> None:
     prefill_url, decode_url = stack.engine_urls
     p0, d0 = counters(prefill_url), counters(decode_url)
+    split = epp_decisions(stack, "disaggregated")
     through_gateway = complete(stack.base_url, LONG)
     p1, d1 = counters(prefill_url), counters(decode_url)
+    assert epp_decisions(stack, "disaggregated") == split + 1
     assert p1["infergate:kv_transfer_prefills_held_total:pulled"] == (
         p0["infergate:kv_transfer_prefills_held_total:pulled"] + 1
     )
@@ -90,7 +98,9 @@ def test_long_prompt_is_disaggregated_and_matches_one_engine(stack: LocalStack) 
 def test_short_prompt_is_not_disaggregated(stack: LocalStack) -> None:
     prefill_url = stack.engine_urls[0]
     before = counters(prefill_url)["infergate:kv_transfer_prefills_held_total:held"]
+    local = epp_decisions(stack, "local")
     out = complete(stack.base_url, SHORT)
+    assert epp_decisions(stack, "local") == local + 1
     assert out.choices[0].text
     after = counters(prefill_url)["infergate:kv_transfer_prefills_held_total:held"]
     assert after == before

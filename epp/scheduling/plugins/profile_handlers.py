@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from infergate.epp.config import ConfigError
 from infergate.epp.scheduling.plugins.base import (
@@ -90,6 +91,7 @@ class PdProfileHandler(ProfileHandler):
         p: PdParams = params  # type: ignore[assignment]
         self.p = p
         self.decisions = {"disaggregated": 0, "local": 0}
+        self.metrics: Any = context.extras.get("metrics")
 
     def validate(self, profiles: Sequence[str]) -> None:
         missing = [n for n in (self.p.decodeProfile, self.p.prefillProfile) if n not in profiles]
@@ -141,7 +143,10 @@ class PdProfileHandler(ProfileHandler):
             decode.request_headers[PREFILL_HEADER] = target.key
             decode.remote_prefill = True
             request.notes[NOTE_PREFILL] = target.key
-            self.decisions["disaggregated"] += 1
+            decision = "disaggregated"
         else:
-            self.decisions["local"] += 1
+            decision = "local"
+        self.decisions[decision] += 1
+        if self.metrics is not None:
+            self.metrics.pd_decisions.labels(decision).inc()
         return decode
