@@ -18,6 +18,21 @@ import pytest
         (["--tool-call-parser", "hermes"], "tool calling is not implemented"),
         (["--generation-config", "/nonexistent-dir"], "generation_config.json"),
         (["--chat-template", "no-such-file.jinja"], "--chat-template"),
+        (["--kv-transfer-config", "{nope"], "--kv-transfer-config is not valid JSON"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "not available"),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "ZmqConnector", "kv_role": "both"}'],
+            "kv_role",
+        ),
+        (["--kv-transfer-bandwidth-gbps", "10"], "needs --kv-transfer-config"),
+        (
+            [
+                "--no-enable-prefix-caching",
+                "--kv-transfer-config",
+                '{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer"}',
+            ],
+            "needs prefix caching",
+        ),
     ],
 )
 def test_startup_errors_are_one_clear_line(
