@@ -7,8 +7,8 @@ Wire format (multipart messages):
 * pull reply: ``[json header, data]`` — the header is :meth:`KVPayload.header` plus
   ``"ok": true``, or ``{"ok": false, "error": "..."}`` with an empty data frame.
 
-The producer frees the held blocks right after sending them (ZeroMQ has queued the bytes;
-the blocks are no longer needed). With ``link_bandwidth_gbps`` set, a pull lasts at least
+The producer frees the held blocks as soon as it has read them (the payload is a copy),
+before sending. With ``link_bandwidth_gbps`` set, a pull lasts at least
 ``nbytes × 8 / (gbps × 10⁹)`` seconds — the modelled link (simulated mode).
 """
 
@@ -114,10 +114,11 @@ class ZmqConnector(KVConnector):
             header = json.dumps({"ok": False, "error": reason}).encode()
             sock.send_multipart([identity, header, b""])
             return
+        # The payload is a copy: the blocks can go back to the pool before it is sent.
+        hooks.release(tid)
         header = json.dumps({"ok": True, **payload.header()}).encode()
         sock.send_multipart([identity, header, payload.data], copy=False)
         self.pulls_served += 1
-        hooks.release(tid)
 
     # -- consumer ----------------------------------------------------------------------
     def _async_ctx(self) -> zmq.asyncio.Context:
