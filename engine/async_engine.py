@@ -94,9 +94,13 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run ``fn(core)`` on the engine thread (between steps) and return its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        """Queue ``fn(core)`` for the engine thread from any thread; its future."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._commands.put(("call", (fn, future)))
-        return await asyncio.wrap_future(future)
+        return future
 
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:

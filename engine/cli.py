@@ -37,6 +37,19 @@ def serve(
         '"endpoint": "tcp://epp:5557", "topic": "kv@pod@model"}\' '
         "(a concrete host connects, a * binds).",
     ),
+    kv_transfer_config: str | None = typer.Option(
+        None,
+        "--kv-transfer-config",
+        help="vLLM's KV transfer JSON for prefill/decode disaggregation, e.g. "
+        '\'{"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": 14579}\'.',
+    ),
+    kv_transfer_bandwidth_gbps: float | None = typer.Option(
+        None,
+        "--kv-transfer-bandwidth-gbps",
+        min=0,
+        help="Model a KV transfer link of this bandwidth (a pull lasts at least "
+        "bytes x 8 / bandwidth); how simulated mode prices a transfer.",
+    ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="INFERGATE_API_KEY", help="Require this bearer token on /v1."
     ),
@@ -140,6 +153,8 @@ def serve(
         simulate=simulate,
         kv_events_port=kv_events_port,
         kv_events_config=kv_events_config,
+        kv_transfer_config=kv_transfer_config,
+        kv_transfer_bandwidth_gbps=kv_transfer_bandwidth_gbps,
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from infergate.engine.interfaces import ModelRunner, TokenLogprob
 from infergate.engine.kv_cache_manager import KVCacheManager
@@ -21,6 +22,9 @@ from infergate.engine.metrics import EngineMetrics
 from infergate.engine.request import Request, RequestStatus
 from infergate.engine.scheduler import Scheduler, SchedulerConfig
 from infergate.engine.tokenizer import IncrementalDecoder, Tokenizer
+
+if TYPE_CHECKING:
+    from infergate.engine.kv_transfer.blocks import KVTransfer
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when asked for
     # Of prompt tokens 1.. (in the request's first output only), when asked for.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # P/D: a prefill held for a decode engine (vLLM's response field of that name).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class _TextState:
@@ -120,6 +126,8 @@ class EngineCore:
         self._stats_seen = (0, 0, 0)  # prefix queries, hits, preemptions already exported
         self.num_prompt_tokens = 0  # totals, for the periodic log line
         self.num_generation_tokens = 0
+        #: P/D state (engine/kv_transfer), set when the engine has --kv-transfer-config.
+        self.kv_transfer: KVTransfer | None = None
         if metrics is not None:
             metrics.bind(
                 lambda: self.scheduler.num_running,
@@ -148,6 +156,14 @@ class EngineCore:
             decoder, request.sampling.stop, request.sampling.include_stop_str_in_output
         )
         self.scheduler.add(request)
+        payload, request.kv_payload = request.kv_payload, None
+        if payload is not None and self.kv_transfer is not None:
+            try:  # before any step: the scheduler's prefix lookup then finds the blocks
+                self.kv_transfer.inject(request, payload)
+            except Exception as error:  # the pulled KV is unusable: prefill locally
+                self.kv_transfer.stats.rejected += 1
+                log.warning("request %s: pulled KV not used (%s); prefilling locally",
+                            request.request_id, error)  # fmt: skip
 
     # -- LoRA adapters (run on the engine thread, between steps) ------------------------
     def add_lora(self, name: str, path: str) -> LoRARequest:
@@ -196,6 +212,8 @@ class EngineCore:
         if self._begin_step is not None:
             self._begin_step()
         sched = self.scheduler.schedule()
+        if self.kv_transfer is not None and self.kv_transfer.pins:
+            self.kv_transfer.after_schedule(sched.requests, self.scheduler)
         outputs: list[RequestOutput] = []
         if sched.batch.seqs:
             if self.metrics is not None:
@@ -266,6 +284,9 @@ class EngineCore:
         if first_output and request.sampling.prompt_logprobs is not None:
             out.prompt_logprobs = list(request.prompt_logprobs)
         if finished:
+            params = request.kv_transfer_params
+            if params and params.get("do_remote_decode") and self.kv_transfer is not None:
+                out.kv_transfer_params = self.kv_transfer.hold(request)
             self.scheduler.finish(request, request.status)
             self._finished(request)
             if m is not None:
@@ -287,6 +308,8 @@ class EngineCore:
 
     def _finished(self, request: Request) -> None:
         self._text.pop(request.request_id, None)
+        if self.kv_transfer is not None:
+            self.kv_transfer.unpin(request.request_id)
         try:
             self.runner.release(request.request_id)
         except Exception:  # a broken runner must not stop us from finishing requests

@@ -124,6 +124,14 @@ class KVCacheManager:
         )
         self._num_committed[rid] = full
 
+    def detach(self, request: Request) -> list[Block]:
+        """Take the request's blocks away without freeing them (P/D: a finished prefill's
+        KV held for a decode engine); the caller frees them later through the pool."""
+        table = self._tables.pop(request.request_id, None) or []
+        self._ids.pop(request.request_id, None)
+        self._num_committed.pop(request.request_id, None)
+        return table
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; tail blocks go first in the eviction order."""
         table = self._tables.pop(request.request_id, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infergate.engine.block_hash import block_hashes
 from infergate.engine.interfaces import SamplingParams, TokenLogprob
@@ -69,6 +69,12 @@ class Request:
     num_preemptions: int = 0
     # Logprobs of prompt tokens 1.. (token 0 has no context), when asked for.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # P/D (engine/kv_transfer): the request's kv_transfer_params (do_remote_decode: hold
+    # the KV for a decode engine), a pulled KV payload to commit before admission, and
+    # how many prompt tokens that payload provided (not counted as local cache hits).
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_payload: Any = None
+    num_external_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -133,9 +133,11 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
-                self.kv.record_lookup(request.num_tokens, num_cached)
+                # Tokens a P/D transfer provided are not local prefix-cache hits.
+                local_hit = max(0, num_cached - request.num_external_tokens)
+                self.kv.record_lookup(request.num_tokens, local_hit)
                 if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_cached
+                    request.num_cached_tokens = local_hit
                     request.scheduled_time = time.monotonic()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ class ServeOptions:
     simulate: bool = False
     kv_events_port: int | None = None
     kv_events_config: str | None = None  # vLLM's JSON form (endpoint, topic, …)
+    kv_transfer_config: str | None = None  # vLLM's JSON form (engine/kv_transfer/config.py)
+    kv_transfer_bandwidth_gbps: float | None = None
     api_key: str | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -269,6 +272,8 @@ def build(opts: ServeOptions) -> Any:
         kv_events=events,
         lora=lora,
     )
+    engine = AsyncEngine(core)
+    kv_transfer = _kv_transfer(opts, core, runner, metrics, names[0], engine)
     server_config = ServerConfig(
         served_model_names=names,
         model_dir=str(model_dir),
@@ -289,7 +294,56 @@ def build(opts: ServeOptions) -> Any:
         names[0], max_model_len, runner.num_blocks, runner.block_size,
         opts.max_num_seqs, opts.max_num_batched_tokens,
     )  # fmt: skip
-    return build_app(AsyncEngine(core), tokenizer, server_config, metrics)
+    return build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
+
+
+def _kv_transfer(
+    opts: ServeOptions, core: Any, runner: Any, metrics: Any, model_name: str, engine: Any
+) -> Any:
+    """``--kv-transfer-config``: P/D state in the core, the connector, its metrics."""
+    if opts.kv_transfer_config is None:
+        if opts.kv_transfer_bandwidth_gbps is not None:
+            raise ServeError("--kv-transfer-bandwidth-gbps needs --kv-transfer-config")
+        return None
+    from infergate.engine.kv_transfer.blocks import KVTransfer
+    from infergate.engine.kv_transfer.config import KVTransferConfig
+    from infergate.engine.kv_transfer.service import KVTransferCollector, KVTransferService
+    from infergate.engine.kv_transfer.zmq_connector import ZmqConnector
+    from infergate.engine.sim_runner import SIMULATED_MODEL_CONFIG, kv_bytes_per_token
+
+    try:
+        config = KVTransferConfig.parse(opts.kv_transfer_config)
+    except ValueError as error:
+        raise ServeError(str(error)) from None
+    extra = config.kv_connector_extra_config
+    if opts.kv_transfer_bandwidth_gbps is not None:
+        extra.link_bandwidth_gbps = opts.kv_transfer_bandwidth_gbps
+    if config.is_consumer and not opts.enable_prefix_caching:
+        raise ServeError(
+            "--kv-transfer-config: a kv_consumer/kv_both engine needs prefix caching (pulled "
+            "KV is committed as prefix-cache blocks); drop --no-enable-prefix-caching"
+        )
+    # Simulated mode has no tensors: a transfer stands for the modelled model's KV bytes.
+    modelled = kv_bytes_per_token(SIMULATED_MODEL_CONFIG) * runner.block_size
+    core.kv_transfer = KVTransfer(
+        core.kv,
+        runner,
+        engine_id=config.engine_id or uuid.uuid4().hex,
+        abort_timeout_s=extra.abort_timeout_s,
+        modelled_block_bytes=modelled if opts.simulate else 0,
+    )
+    service = KVTransferService(
+        config, core.kv_transfer, ZmqConnector(config), api_key=opts.api_key
+    )
+    try:
+        service.start(engine)
+    except Exception as error:  # zmq.ZMQError: the port is taken, a bad address
+        raise ServeError(
+            f"--kv-transfer-config: cannot listen on {config.kv_ip}:{config.kv_port}: {error}"
+        ) from None
+    metrics.registry.register(KVTransferCollector(service, model_name))
+    log.info("KV transfer: %s as %s", config.kv_connector, config.kv_role)
+    return service
 
 
 def _lora_modules(opts: ServeOptions) -> list[Any]:

@@ -10,14 +10,39 @@ cache hit shortens TTFT exactly as it does in the real engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from infergate.engine.interfaces import ScheduledBatch
 from infergate.engine.lora.manager import LoRAManager
 
+#: The model the timing model describes (Llama-3-8B, bf16), as a Hugging Face config.
+SIMULATED_MODEL_CONFIG: dict[str, Any] = {
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def kv_bytes_per_token(cfg: Mapping[str, Any]) -> int:
+    """KV bytes one token takes: layers x 2 (K and V) x KV heads x head dim x dtype bytes.
+
+    A block of ``block_size`` tokens is ``block_size`` times this; it is what a P/D
+    transfer moves per block (simulated mode prices the transfer from it).
+    """
+    heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    head_dim = int(
+        cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    )
+    dtype_bytes = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or "bfloat16"), 2)
+    return int(cfg["num_hidden_layers"]) * 2 * heads * head_dim * dtype_bytes
+
+
 # Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 dims x (K and V) x 2 bytes per token.
-KV_BYTES_PER_TOKEN_8B = 32 * 8 * 128 * 2 * 2
+KV_BYTES_PER_TOKEN_8B = kv_bytes_per_token(SIMULATED_MODEL_CONFIG)
 H100_BYTES = 80 * 2**30
 WEIGHTS_8B_BYTES = 16 * 2**30
 ACTIVATION_RESERVE_BYTES = 2 * 2**30

@@ -91,11 +91,18 @@ class Epp:
         context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
         self.scheduler = Scheduler.from_config(config, context, self.metrics.plugin_timer)
         self.flow = build_flow_controller(
-            config.flowControl, self.datastore, self.saturation, self.metrics,
+            config.flowControl,
+            self.datastore,
+            self.saturation,
+            self.metrics,
             options.pool_name or "local",
         )
         self.director = Director(
-            self.datastore, self.scheduler, self.saturation, self.objectives, self.metrics,
+            self.datastore,
+            self.scheduler,
+            self.saturation,
+            self.objectives,
+            self.metrics,
             self.flow,
         )
         self.ext_proc = ExtProcServer(

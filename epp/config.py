@@ -198,6 +198,52 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+#: Prefill/decode disaggregation (docs/epp.md, "Prefill/decode disaggregation"): the
+#: decode profile picks among ``decode``/``both`` engines with GIE's default scorers; when
+#: more than 256 prompt tokens are not cached on that pick, the prefill profile picks a
+#: ``prefill`` engine, named to the decode engine in ``x-prefiller-host-port``.
+PD_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: pd-profile-handler
+  parameters: {threshold: 256, prefillProfile: prefill, decodeProfile: decode}
+- type: decode-filter
+- type: prefill-filter
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: prefix-cache-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: prefix-cache-scorer
+    weight: 3
+  - pluginRef: max-score-picker
+"""
+
+
+def pd_config(threshold: int = 256) -> str:
+    """``builtin:pd`` with another threshold (uncached prompt tokens above which a request
+    is disaggregated); used by ``infergate up --roles`` and by the operator."""
+    if threshold < 0:
+        raise ConfigError(f"the P/D threshold must be >= 0, not {threshold}")
+    return PD_CONFIG_YAML.replace("threshold: 256,", f"threshold: {int(threshold)},")
+
+
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
@@ -206,6 +252,7 @@ BUILTIN_CONFIGS = {
     "flow-control": FLOW_CONTROL_CONFIG_YAML,
     "gie-precise-prefix": GIE_PRECISE_PREFIX_CONFIG_YAML,
     "lora": LORA_CONFIG_YAML,
+    "pd": PD_CONFIG_YAML,
 }
 BUILTIN_PREFIX = "builtin:"
 

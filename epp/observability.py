@@ -54,9 +54,7 @@ class _EndpointGauges(Collector):
         yield ready
         yield from self._gie_pool_gauges()
 
-    def _per_endpoint(
-        self, now: float
-    ) -> list[tuple[str, str, Callable[[EndpointState], float]]]:
+    def _per_endpoint(self, now: float) -> list[tuple[str, str, Callable[[EndpointState], float]]]:
         """(name, help, value) of every per-endpoint gauge."""
         stale = self.saturation.is_stale
         return [
@@ -120,6 +118,13 @@ class EppMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._init_prefix_prediction(r)
+        self.pd_decisions = Counter(
+            "infergate_epp_pd_decisions",
+            "pd-profile-handler decisions: disaggregated (a prefill endpoint named in "
+            "x-prefiller-host-port) or local (the decode endpoint prefills).",
+            ["decision"],
+            registry=r,
+        )
         self._init_gie(r)
         self.requests = Counter(
             "infergate_epp_requests",

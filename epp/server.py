@@ -39,6 +39,7 @@ from google.protobuf import json_format, struct_pb2
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
 from infergate.epp.scheduling.plugins.base import ResponseInfo
+from infergate.epp.scheduling.plugins.profile_handlers import PREFILL_HEADER
 from infergate.epp.types import InferenceRequest
 
 log = logging.getLogger("infergate.epp.server")
@@ -48,6 +49,9 @@ DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
+#: Request headers only the EPP may set: removed from what the client sent unless the
+#: scheduling result sets them (P/D's prefill pick tells the decode engine whom to call).
+OWNED_REQUEST_HEADERS = (PREFILL_HEADER,)
 SCORES_HEADER = "x-infergate-epp-scores"
 REQUEST_ID_HEADER = "x-infergate-request-id"
 """Set by the EPP on the routed request; the observer stream names its request with it."""
@@ -331,7 +335,11 @@ class StreamState:
         destination = decision.destination
         self.key = uuid.uuid4().hex
         self.server.routed[self.key] = self
-        headers = {DESTINATION_HEADER: destination, REQUEST_ID_HEADER: self.key}
+        headers = {
+            **decision.result.request_headers,
+            DESTINATION_HEADER: destination,
+            REQUEST_ID_HEADER: self.key,
+        }
         if decision.body_rewritten and decision.body is not None:
             headers["content-length"] = str(len(decision.body))
         if self.server.scores_header:
@@ -341,7 +349,11 @@ class StreamState:
         header_response = pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(set_headers=_set_headers(headers)),
+                    header_mutation=pb.HeaderMutation(
+                        set_headers=_set_headers(headers),
+                        # A client must not pick the prefill engine for the decode engine.
+                        remove_headers=[h for h in OWNED_REQUEST_HEADERS if h not in headers],
+                    ),
                     clear_route_cache=True,
                 )
             ),

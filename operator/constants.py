@@ -28,6 +28,12 @@ ANNOTATION_EPP_CONFIG_KEY = "infergate.io/epp-config-key"  # key in it (default 
 ANNOTATION_STANDALONE_ENVOY = "infergate.io/standalone-envoy"  # "true": Envoy sidecar
 ANNOTATION_EPP_REPLICAS = "infergate.io/epp-replicas"  # EPP Deployment replicas
 ANNOTATION_EPP_IMAGE = "infergate.io/epp-image"  # per-pool EPP image override
+# Prefill/decode disaggregation: "prefill-decode" generates the P/D EndpointPickerConfig
+# (engines' roles come from their pods' llm-d.ai/role labels); the threshold is the
+# uncached prompt tokens above which a request is split (default 256).
+ANNOTATION_DISAGGREGATION = "infergate.io/disaggregation"
+ANNOTATION_PD_THRESHOLD = "infergate.io/pd-threshold"
+DISAGGREGATION_PD = "prefill-decode"
 
 # Annotations and labels the operator puts on what it owns.
 ANNOTATION_SPEC_HASH = "infergate.io/spec-hash"  # hash of the desired object, for no-op resyncs

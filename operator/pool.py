@@ -49,6 +49,8 @@ class PoolSpec:
     epp_image: str = ""
     epp_config_ref: str | None = None
     epp_config_key: str = c.EPP_CONFIG_KEY
+    #: Prefill/decode disaggregation's threshold (None: the pool is not disaggregated).
+    pd_threshold: int | None = None
     annotations: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -139,6 +141,7 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
             )
 
     config_ref = annotations.get(c.ANNOTATION_EPP_CONFIG) or None
+    pd_threshold = _pd_threshold(annotations, config_ref)
     return PoolSpec(
         name=str(meta.get("name", "")),
         namespace=str(meta.get("namespace") or "default"),
@@ -156,5 +159,42 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
         epp_image=annotations.get(c.ANNOTATION_EPP_IMAGE) or settings.epp_image,
         epp_config_ref=config_ref,
         epp_config_key=annotations.get(c.ANNOTATION_EPP_CONFIG_KEY) or c.EPP_CONFIG_KEY,
+        pd_threshold=pd_threshold,
         annotations=annotations,
     )
+
+
+def _pd_threshold(annotations: dict[str, str], config_ref: str | None) -> int | None:
+    """The pool's P/D threshold when it declares ``prefill-decode`` disaggregation."""
+    mode = annotations.get(c.ANNOTATION_DISAGGREGATION, "").strip().lower()
+    raw = annotations.get(c.ANNOTATION_PD_THRESHOLD)
+    if mode in ("", "none"):
+        if raw is not None:
+            raise InvalidPool(
+                "InvalidAnnotation",
+                f"annotation {c.ANNOTATION_PD_THRESHOLD} needs "
+                f"{c.ANNOTATION_DISAGGREGATION}={c.DISAGGREGATION_PD}",
+            )
+        return None
+    if mode != c.DISAGGREGATION_PD:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_DISAGGREGATION}={mode!r} must be "
+            f"{c.DISAGGREGATION_PD} or none",
+        )
+    if config_ref is not None:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotations {c.ANNOTATION_DISAGGREGATION} and {c.ANNOTATION_EPP_CONFIG} both set "
+            "the EPP's config; use one (a custom config can use pd-profile-handler itself)",
+        )
+    try:
+        threshold = int(raw) if raw is not None else 256
+    except ValueError:
+        threshold = -1
+    if threshold < 0:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_PD_THRESHOLD}={raw!r} must be a whole number >= 0",
+        )
+    return threshold

@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from infergate.epp.config import pd_config
+
 from infergate.operator import constants as c
 from infergate.operator import status as st
 from infergate.operator.builders import desired_objects
@@ -90,6 +92,8 @@ def count_ready_endpoints(kube: Kube, pool: PoolSpec) -> tuple[int, int]:
 
 
 def resolve_epp_config(kube: Kube, pool: PoolSpec) -> str:
+    if pool.pd_threshold is not None:
+        return pd_config(pool.pd_threshold)
     if pool.epp_config_ref is None:
         return DEFAULT_EPP_CONFIG
     source = f"ConfigMap {pool.namespace}/{pool.epp_config_ref}"

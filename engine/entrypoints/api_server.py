@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from infergate.engine.async_engine import AsyncEngine, EngineDeadError
+from infergate.engine.kv_transfer.service import KVTransferService
 from infergate.engine.metrics import EngineMetrics
 from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.tokenizer import Tokenizer
@@ -119,8 +120,11 @@ def build_app(
     tokenizer: Tokenizer,
     config: ServerConfig,
     metrics: EngineMetrics | None = None,
+    *,
+    kv_transfer: KVTransferService | None = None,
 ) -> FastAPI:
-    """The engine's HTTP app; its lifespan starts and stops the engine's step loop."""
+    """The engine's HTTP app; its lifespan starts and stops the engine's step loop (and
+    the P/D connector, when the engine has one)."""
 
     grammars = GrammarCompiler(tokenizer, config.vocab_size) if config.structured_output else None
 
@@ -130,6 +134,8 @@ def build_app(
         try:
             yield
         finally:
+            if kv_transfer is not None:
+                await kv_transfer.stop()
             engine.shutdown()
             if grammars is not None:
                 grammars.shutdown()
@@ -139,7 +145,7 @@ def build_app(
     _add_error_handlers(app)
     lora = engine.core.lora
     models = OpenAIServingModels(config, lora)
-    shared = (engine, tokenizer, config, metrics, models, grammars)
+    shared = (engine, tokenizer, config, metrics, models, grammars, kv_transfer)
     _add_ops_routes(app, engine, config, metrics)
     tokenization = OpenAIServingTokenization(*shared)
     _add_api_routes(

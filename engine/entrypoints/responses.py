@@ -134,6 +134,10 @@ async def whole_response(request: Request, plan: ResponsePlan) -> Response:
         choice.index = index
         body.append(choice.whole())
     extra = plan.extra() if plan.extra else {}
+    # P/D (vLLM's field): a prefill held for a decode engine names its KV blocks here.
+    held = [c.last.kv_transfer_params for c in plan.choices if c.last is not None]
+    if any(held):
+        extra["kv_transfer_params"] = next(p for p in held if p)
     return JSONResponse({**plan.base, "choices": body, "usage": usage(plan.choices), **extra})
 
 

@@ -156,10 +156,11 @@ class OpenAIServingChat(OpenAIServing):
             params if params.seed is None else replace(params, seed=params.seed + j)
             for j in range(n)
         ]
-        streams = [
-            self.engine.generate(self.new_request(f"{rid}-{j}", ids, p, req, grammar))
-            for j, p in enumerate(children)
+        requests = [
+            self.new_request(f"{rid}-{j}", ids, p, req, grammar) for j, p in enumerate(children)
         ]
+        await self.prepare_kv_transfer(request, req, "/v1/chat/completions", requests)
+        streams = [self.engine.generate(r) for r in requests]
         parser = self.tool_parser()
         chat = [
             ChatChoice(j, ids, req, self.token_text, ToolCallState(tool_plan, parser))

@@ -164,6 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_logprobs_supported("best_of")  # ranking needs the sampled logprobs
         if want_lp or prompt_lp is not None:
             self.check_logprobs_supported("logprobs" if want_lp else "prompt_logprobs")
+        await self.prepare_kv_transfer(request, req, "/v1/completions", [r for _, r in jobs])
         if self.metrics is not None:
             self.metrics.request_accepted(n, 0 if echo_only else jobs[0][1].sampling.max_tokens)
         choices: list[Choice] = [

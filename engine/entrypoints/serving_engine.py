@@ -14,6 +14,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from infergate.engine.async_engine import AsyncEngine
 from infergate.engine.interfaces import SamplingParams
+from infergate.engine.kv_transfer.service import (
+    BadKVParams,
+    KVTransferService,
+    apply_kv_transfer,
+)
 from infergate.engine.metrics import EngineMetrics
 from infergate.engine.protocol import ChatMessage, _Sampling
 from infergate.engine.request import Request as EngineRequest
@@ -46,10 +51,12 @@ class OpenAIServing:
         metrics: EngineMetrics | None = None,
         models: OpenAIServingModels | None = None,
         grammars: GrammarCompiler | None = None,
+        kv_transfer: KVTransferService | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
         self.models = models or OpenAIServingModels(config)
         self.grammars = grammars  # None: structured output is refused
+        self.kv_transfer = kv_transfer
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
 
     def _token_text(self, token_id: int) -> str:
@@ -200,6 +207,18 @@ class OpenAIServing:
             return spec_from_request(req)
         except GrammarSpecError as error:
             raise APIError(400, error.message, error.param) from None
+
+    async def prepare_kv_transfer(
+        self, request: Request, req: _Sampling, path: str, engine_requests: list[EngineRequest]
+    ) -> None:
+        """P/D (engine/kv_transfer): act on ``kv_transfer_params`` and on the EPP's
+        ``x-prefiller-host-port`` — hold the KV for a decode engine, or prefill remotely and
+        pull the KV before these requests reach the engine. Bad params are a 400."""
+        body = req.model_dump(mode="json", exclude_unset=True)
+        try:
+            await apply_kv_transfer(self.kv_transfer, path, body, request.headers, engine_requests)
+        except BadKVParams as error:
+            raise APIError(400, str(error), error.param) from None
 
     def new_request(
         self,

@@ -1,4 +1,11 @@
-"""Scheduling: profile → filters → weighted scorers → picker, with per-plugin timing.
+"""Scheduling: profile handler → profiles (filters → weighted scorers → picker) → pre-request.
+
+A profile handler (GIE's ``ProfileHandler``; ``single-profile-handler`` unless the config
+names another among its plugins) decides which profiles run, given the results so far,
+and combines them (``pd-profile-handler``: decode, then prefill for long uncached
+prompts). Each profile runs on its own copy of the cycle state the data preparers filled,
+so one profile's scorers cannot see another's scratch values; the pre-request hooks then
+run once per profile result, the primary's last. Per-plugin timing throughout.
 
 Built from a validated EndpointPickerConfig. Plugins that are referenced by no profile
 but implement request-lifecycle hooks (prepare data, pre-request, response) still run,
@@ -19,6 +26,7 @@ from infergate.epp.scheduling.plugins.base import (
     Picker,
     PrepareData,
     PreRequest,
+    ProfileHandler,
     ResponseComplete,
     ResponseHeaders,
     SchedulingResult,
@@ -46,11 +54,23 @@ class Scheduler:
         plugins: dict[str, Plugin],
         profiles: list[Profile],
         timer: PluginTimer | None = None,
+        handler: ProfileHandler | None = None,
     ) -> None:
         self.plugins = plugins
         self.profiles = profiles
+        self.by_name = {p.name: p for p in profiles}
+        self.profile_names = [p.name for p in profiles]
         self.timer = timer
         ordered = list(plugins.values())
+        handlers = [p for p in ordered if isinstance(p, ProfileHandler)]
+        if len(handlers) > 1:
+            raise ConfigError(f"plugins: one profile handler at most, got {handlers}")
+        if handler is None and handlers:
+            handler = handlers[0]
+        if handler is None:
+            raise ConfigError("no profile handler")
+        handler.validate(self.profile_names)
+        self.handler = handler
         self.preparers = [p for p in ordered if isinstance(p, PrepareData)]
         self.pre_request_hooks = [p for p in ordered if isinstance(p, PreRequest)]
         self.response_header_hooks = [p for p in ordered if isinstance(p, ResponseHeaders)]
@@ -99,7 +119,8 @@ class Scheduler:
                     profile.picker = plugin
                     used = True
                 if not used and not isinstance(
-                    plugin, PrepareData | PreRequest | ResponseHeaders | ResponseComplete
+                    plugin,
+                    PrepareData | PreRequest | ResponseHeaders | ResponseComplete | ProfileHandler,
                 ):
                     raise ConfigError(f"{where}: {plugin} is not a filter, scorer or picker")
             if profile.picker is None:
@@ -109,7 +130,14 @@ class Scheduler:
                     "max-score-picker", PickerParams(maxNumOfEndpoints=1), context
                 )
             profiles.append(profile)
-        return cls(plugins, profiles, timer)
+        handler = next((p for p in plugins.values() if isinstance(p, ProfileHandler)), None)
+        if handler is None:
+            from infergate.epp.scheduling.plugins.profile_handlers import SingleProfileHandler
+
+            handler = SingleProfileHandler(
+                "single-profile-handler", SingleProfileHandler.Params(), context
+            )
+        return cls(plugins, profiles, timer, handler)
 
     def _time(self, plugin: Plugin, point: str, started: float) -> None:
         if self.timer is not None:
@@ -118,14 +146,52 @@ class Scheduler:
     async def schedule(
         self, request: InferenceRequest, candidates: Sequence[EndpointState]
     ) -> SchedulingResult:
-        """Run the (primary) profile; an empty ``targets`` means nothing can serve."""
+        """Run the profiles the handler picks; an empty primary ``targets`` means nothing
+        can serve."""
         cycle = CycleState()
         perf = time.perf_counter
         for preparer in self.preparers:
             t = perf()
             await preparer.prepare(cycle, request, candidates)
             self._time(preparer, "prepare", t)
-        profile = self.profiles[0]
+        results: dict[str, SchedulingResult] = {}
+        cycles: dict[str, CycleState] = {}
+        for _ in range(len(self.profiles)):  # each profile runs at most once
+            t = perf()
+            names = self.handler.pick(cycle, request, self.profile_names, results)
+            self._time(self.handler, "pick_profiles", t)
+            names = [n for n in names if n not in results]
+            if not names:
+                break
+            for name in names:
+                cycles[name] = CycleState(cycle)
+                results[name] = self._run_profile(
+                    self.by_name[name], cycles[name], request, candidates
+                )
+        t = perf()
+        result = self.handler.process_results(cycle, request, results)
+        self._time(self.handler, "process_results", t)
+        if not result.targets:
+            return result
+        # Secondary profiles' hooks first, so request notes end up describing the primary.
+        order = [n for n in results if results[n] is not result]
+        order += [n for n in results if results[n] is result]
+        for name in order:
+            if results[name].targets:
+                self._pre_request(cycles[name], request, results[name])
+        primary_cycle = cycles.get(result.profile, cycle)
+        result.prefix_hit_ratio = primary_cycle.get("prefix.hit_ratio")
+        result.prefix_hit_bytes = primary_cycle.get("prefix.hit_bytes")
+        return result
+
+    def _run_profile(
+        self,
+        profile: Profile,
+        cycle: CycleState,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+    ) -> SchedulingResult:
+        perf = time.perf_counter
         endpoints = list(candidates)
         for f in profile.filters:
             t = perf()
@@ -147,12 +213,17 @@ class Scheduler:
         t = perf()
         targets = profile.picker.pick(cycle, request, endpoints, totals)
         self._time(profile.picker, "pick", t)
-        result = SchedulingResult(
+        return SchedulingResult(
             profile.name,
             targets,
             per_scorer,
             {e.key: s for e, s in zip(endpoints, totals, strict=True)},
         )
+
+    def _pre_request(
+        self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
+    ) -> None:
+        perf = time.perf_counter
         for hook in self.pre_request_hooks:
             t = perf()
             try:
@@ -160,9 +231,6 @@ class Scheduler:
             except Exception:
                 log.exception("pre-request hook %s failed", hook)
             self._time(hook, "pre_request", t)
-        result.prefix_hit_ratio = cycle.get("prefix.hit_ratio")
-        result.prefix_hit_bytes = cycle.get("prefix.hit_bytes")
-        return result
 
     async def start(self) -> None:
         for plugin in self.plugins.values():

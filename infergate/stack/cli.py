@@ -85,6 +85,21 @@ def up(
     kv_events_port: int = typer.Option(
         5557, "--kv-events-port", help="With --precise-prefix: first engine's KV-events port."
     ),
+    roles: str | None = typer.Option(
+        None,
+        "--roles",
+        help="Prefill/decode disaggregation: one role per engine, comma-separated "
+        "(prefill, decode, both), e.g. --engines 3 --roles prefill,decode,decode.",
+    ),
+    pd_threshold: int = typer.Option(
+        256,
+        "--pd-threshold",
+        min=0,
+        help="With --roles: uncached prompt tokens above which a request is disaggregated.",
+    ),
+    kv_transfer_port: int = typer.Option(
+        14579, "--kv-transfer-port", help="With --roles: first engine's KV-transfer port."
+    ),
     engine_arg: list[str] = typer.Option(
         [],
         "--engine-arg",
@@ -146,6 +161,9 @@ def up(
         access_log=access_log,
         precise_prefix=precise_prefix,
         kv_events_port=kv_events_port,
+        roles=[r.strip() for r in roles.split(",")] if roles else (),
+        pd_threshold=pd_threshold,
+        kv_transfer_port=kv_transfer_port,
         engine_args=list(engine_arg),
         epp_args=list(epp_arg),
         secure_serving=secure_serving,

@@ -8,6 +8,7 @@ reverse order; a failed start names the component and shows its log tail.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -23,6 +24,7 @@ import yaml
 
 from infergate.epp.config import LORA_CONFIG_YAML as LORA_CONFIG
 from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
+from infergate.epp.config import pd_config
 from infergate.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -113,6 +115,11 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
     return False
 
 
+#: Engine role (the ``llm-d.ai/role`` label) → the engine's ``kv_role``.
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+ROLE_LABEL = "llm-d.ai/role"
+
+
 @dataclass
 class StackSpec:
     """What to start and on which loopback ports (DESIGN.md's defaults)."""
@@ -138,6 +145,18 @@ class StackSpec:
     """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
     kv_events_ports: Sequence[int] | None = None
     objectives_file: Path | None = None
+    roles: Sequence[str] = ()
+    """Prefill/decode disaggregation: engine i's role (``prefill``, ``decode`` or ``both``).
+    Each engine then gets ``--kv-transfer-config`` for its role, its endpoint the label
+    ``llm-d.ai/role``, and the EPP the P/D config (``builtin:pd`` with ``pd_threshold``)
+    unless ``epp_config_file`` is given. Empty: no P/D."""
+    kv_transfer_port: int = 14579
+    """First engine's KV-transfer port (engine i: ``kv_transfer_port + i``) with roles."""
+    kv_transfer_ports: Sequence[int] | None = None
+    kv_transfer_extra_config: dict[str, Any] = field(default_factory=dict)
+    """``kv_connector_extra_config`` for every engine (e.g. ``abort_timeout_s``)."""
+    pd_threshold: int = 256
+    """The P/D handler's threshold: uncached prompt tokens above which a request is split."""
     engine_args: Sequence[str] = ()
     per_engine_args: Sequence[Sequence[str]] = ()
     """Extra arguments for engine i (after ``engine_args``), e.g. a slower timing model."""
@@ -167,7 +186,44 @@ class StackSpec:
             "epp_health_port": free_port(),
             "epp_metrics_port": free_port(),
         }
+        if fields.get("roles"):
+            ports["kv_transfer_ports"] = [free_port() for _ in range(engines)]
         return cls(engines=engines, **{**ports, **fields})
+
+    def resolved_roles(self) -> list[str]:
+        if not self.roles:
+            return []
+        roles = [r.strip().lower() for r in self.roles]
+        if len(roles) != self.engines:
+            raise StackError(f"{len(roles)} roles given for {self.engines} engines")
+        bad = [r for r in roles if r not in KV_ROLES]
+        if bad:
+            raise StackError(f"unknown engine role {bad[0]!r} (use {', '.join(KV_ROLES)})")
+        return roles
+
+    def resolved_kv_transfer_ports(self) -> list[int]:
+        if not self.resolved_roles():
+            return []
+        if self.kv_transfer_ports is not None:
+            if len(self.kv_transfer_ports) != self.engines:
+                raise StackError(
+                    f"{len(self.kv_transfer_ports)} KV-transfer ports given for "
+                    f"{self.engines} engines"
+                )
+            return list(self.kv_transfer_ports)
+        return [self.kv_transfer_port + i for i in range(self.engines)]
+
+    def kv_transfer_config(self, index: int) -> str:
+        """Engine ``index``'s ``--kv-transfer-config`` JSON (its role, its port)."""
+        return json.dumps(
+            {
+                "kv_connector": "ZmqConnector",
+                "kv_role": KV_ROLES[self.resolved_roles()[index]],
+                "kv_ip": LOOPBACK,
+                "kv_port": self.resolved_kv_transfer_ports()[index],
+                "kv_connector_extra_config": dict(self.kv_transfer_extra_config),
+            }
+        )
 
     def resolved_kv_events_ports(self) -> list[int]:
         if not self.precise_prefix:
@@ -268,6 +324,10 @@ class LocalStack:
                 (f"engine-{i} KV events", port, "--kv-events-port")
                 for i, port in enumerate(self.spec.resolved_kv_events_ports())
             ]
+            + [
+                (f"engine-{i} KV transfer", port, "--kv-transfer-port")
+                for i, port in enumerate(self.spec.resolved_kv_transfer_ports())
+            ]
         )
         seen: dict[int, str] = {}
         for who, port, flag in wanted:
@@ -359,12 +419,15 @@ class LocalStack:
         kv_ports = dict(
             zip(self.engine_addresses, self.spec.resolved_kv_events_ports(), strict=False)
         )
+        roles = dict(zip(self.engine_addresses, self.spec.resolved_roles(), strict=False))
         endpoints = []
         for address in addresses:
             host, _, port = address.rpartition(":")
             labels = {"app": "infergate"}
             if address in kv_ports:
                 labels[KV_EVENTS_PORT_LABEL] = str(kv_ports[address])
+            if address in roles:
+                labels[ROLE_LABEL] = roles[address]
             endpoints.append({"address": host, "port": int(port), "labels": labels})
         scratch = self.endpoints_file.with_suffix(".tmp")
         scratch.write_text(yaml.safe_dump({"endpoints": endpoints}, sort_keys=False))
@@ -392,6 +455,11 @@ class LocalStack:
             assert self.workdir is not None
             generated = self.workdir / "epp-config.yaml"
             generated.write_text(PRECISE_PREFIX_CONFIG if self.spec.precise_prefix else LORA_CONFIG)
+            argv += ["--config-file", str(generated)]
+        elif self.spec.resolved_roles():
+            assert self.workdir is not None
+            generated = self.workdir / "epp-config.yaml"
+            generated.write_text(pd_config(self.spec.pd_threshold))
             argv += ["--config-file", str(generated)]
         if self.spec.objectives_file:
             argv += ["--objectives-file", str(self.spec.objectives_file)]
@@ -436,6 +504,8 @@ class LocalStack:
         if self.spec.precise_prefix:
             argv += ["--kv-events-port", str(self.spec.resolved_kv_events_ports()[index])]
         argv += self._lora_args()
+        if self.spec.resolved_roles():
+            argv += ["--kv-transfer-config", self.spec.kv_transfer_config(index)]
         argv += list(self.spec.engine_args)
         if index < len(self.spec.per_engine_args):
             argv += list(self.spec.per_engine_args[index])

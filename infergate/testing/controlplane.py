@@ -62,6 +62,7 @@ def random_pod_cidr() -> str:
     """A ``127.X.Y.0/24`` no other control plane on this machine is likely to use."""
     return f"127.{secrets.randbelow(99) + 1}.{secrets.randbelow(250) + 1}.0/24"
 
+
 # KWOK stages, written for this harness: the node is Ready; a scheduled pod is Running and
 # Ready with an IP from the node's pod CIDR; a pod being deleted goes away.
 _KWOK_STAGES = """\

@@ -21,6 +21,21 @@ import pytest
         (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
         (["--enable-lora", "--lora-modules", "a"], "expected name=path"),
         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
+        (["--kv-transfer-config", "{nope"], "--kv-transfer-config is not valid JSON"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector"}'], "not available"),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "ZmqConnector", "kv_role": "both"}'],
+            "kv_role",
+        ),
+        (["--kv-transfer-bandwidth-gbps", "10"], "needs --kv-transfer-config"),
+        (
+            [
+                "--no-enable-prefix-caching",
+                "--kv-transfer-config",
+                '{"kv_connector": "ZmqConnector", "kv_role": "kv_consumer"}',
+            ],
+            "needs prefix caching",
+        ),
     ],
 )
 def test_startup_errors_are_one_clear_line(

@@ -33,6 +33,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         }
     },
     "sample-gpu": {"sample": {"enabled": True, "mode": "gpu", "failureMode": "FailOpen"}},
+    "sample-pd": {"sample": {"enabled": True, "pd": {"enabled": True, "threshold": 512}}},
     "scoped-standalone-ha": {
         "operator": {"replicas": 2, "peering": "", "watchNamespaces": ["team-a", "team-b"]},
         "epp": {"replicas": 2, "extraArgs": ["--refresh-metrics-interval", "0.1"]},
@@ -221,3 +222,36 @@ def test_sample_pool_selects_the_sample_engine_pods() -> None:
     container = gpu["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert "--device=cuda" in container["args"] and container["image"].endswith("-cuda")
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_sample_pd_pool_declares_roles_and_gets_the_pd_config() -> None:
+    """sample.pd: decode and prefill Deployments (llm-d.ai/role), both selected by the pool,
+    each engine with its kv_role; the pool's annotations make the operator generate the
+    P/D EndpointPickerConfig."""
+    import json
+
+    from infergate.epp.config import parse_config
+
+    from infergate.operator.reconcile import resolve_epp_config
+
+    rendered = objects(VALUE_SETS["sample-pd"])
+    pool = next(o for o in rendered if o["kind"] == "InferencePool")
+    engines = {
+        o["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"]: o
+        for o in rendered
+        if o["kind"] == "Deployment"
+        and "llm-d.ai/role" in o["spec"]["template"]["metadata"]["labels"]
+    }
+    assert set(engines) == {"prefill", "decode"}
+    for role, deployment in engines.items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        (flag,) = [a for a in args if a.startswith("--kv-transfer-config=")]
+        config = json.loads(flag.split("=", 1)[1])
+        assert config["kv_role"] == ("kv_producer" if role == "prefill" else "kv_consumer")
+    assert engines["prefill"]["spec"]["replicas"] == 1
+    spec = parse_pool(pool, OperatorSettings())
+    assert spec.pd_threshold == 512
+    text = resolve_epp_config(None, spec)  # type: ignore[arg-type]
+    assert any(p.type == "pd-profile-handler" for p in parse_config(text).plugins)

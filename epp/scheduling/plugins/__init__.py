@@ -9,6 +9,8 @@ from infergate.epp.scheduling.plugins import (  # noqa: F401  (imported for regi
     pickers,
     precise_prefix,
     prefix,
+    profile_handlers,
+    roles,
     scorers,
     testing,
 )

@@ -67,6 +67,13 @@ class SchedulingResult:
     totals: dict[str, float] = field(default_factory=dict)
     prefix_hit_ratio: float | None = None
     prefix_hit_bytes: int | None = None
+    #: Every profile's result by profile name (this one included) when a profile
+    #: handler ran several (P/D); empty for a single profile.
+    profile_results: dict[str, SchedulingResult] = field(default_factory=dict)
+    #: Headers the EPP adds to the request it sends upstream (e.g. P/D's prefill pick).
+    request_headers: dict[str, str] = field(default_factory=dict)
+    #: True when another endpoint prefills this request (its primary only decodes).
+    remote_prefill: bool = False
 
     @property
     def primary(self) -> EndpointState | None:
@@ -110,6 +117,32 @@ class Picker(Plugin):
         endpoints: Sequence[EndpointState],
         scores: Sequence[float],
     ) -> list[EndpointState]:
+        raise NotImplementedError
+
+
+class ProfileHandler(Plugin):
+    """Decides which scheduling profiles run for a request and combines their results.
+
+    GIE's ProfileHandler: the scheduler calls :meth:`pick` with the results so far until it
+    returns no profile that has not run yet, then :meth:`process_results` once.
+    """
+
+    def validate(self, profiles: Sequence[str]) -> None:
+        """Raise ``ConfigError`` when the configured profiles cannot work with this handler."""
+
+    def pick(
+        self,
+        cycle: CycleState,
+        request: InferenceRequest,
+        profiles: Sequence[str],
+        results: dict[str, SchedulingResult],
+    ) -> list[str]:
+        raise NotImplementedError
+
+    def process_results(
+        self, cycle: CycleState, request: InferenceRequest, results: dict[str, SchedulingResult]
+    ) -> SchedulingResult:
+        """The primary result (where the request goes), carrying the others."""
         raise NotImplementedError
 
 

@@ -162,8 +162,8 @@ class PredictedLatencyScorer(Scorer, PreRequest):
     ) -> None:
         """Add the request's prefill work to the chosen endpoint's virtual clock."""
         primary = result.primary
-        if primary is None:
-            return
+        if primary is None or result.remote_prefill:
+            return  # another endpoint prefills (P/D): no prefill work lands here
         uncached = (cycle.get("latency.uncached") or {}).get(primary.key)
         if uncached is None:
             return
