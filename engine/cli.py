@@ -37,6 +37,12 @@ def serve(
         '"endpoint": "tcp://epp:5557", "topic": "kv@pod@model"}\' '
         "(a concrete host connects, a * binds).",
     ),
+    completion_events_port: int | None = typer.Option(
+        None,
+        "--completion-events-port",
+        help="Publish one completion record per EPP-routed request (ZMQ PUB on this port; "
+        "the Endpoint Picker's response accounting without response bodies).",
+    ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="INFERGATE_API_KEY", help="Require this bearer token on /v1."
     ),
@@ -121,6 +127,7 @@ def serve(
         simulate=simulate,
         kv_events_port=kv_events_port,
         kv_events_config=kv_events_config,
+        completion_events_port=completion_events_port,
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from infergate.epp.config import EndpointPickerConfig, load_config
 from infergate.epp.datalayer.collector import Collectors
+from infergate.epp.datalayer.completions import CompletionSubscriptions
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.discovery.file import (
     EndpointsFileError,
@@ -66,6 +67,9 @@ class EppOptions:
     body_timeout_s: float | None = 20.0
     scores_header: bool = False
     secure_serving: bool = False
+    completion_events_port: int | None = None
+    """Subscribe every endpoint's completion records on this port (else only endpoints
+    labelled ``infergate.io/completion-events-port``)."""
     cert_path: Path | None = None
 
 
@@ -98,6 +102,12 @@ class Epp:
             self.datastore, self.scheduler, self.saturation, self.objectives, self.metrics,
             self.flow,
         )
+        self.completions = CompletionSubscriptions(
+            self.datastore,
+            lambda endpoint, record: self.ext_proc.on_record(endpoint, record),
+            options.completion_events_port,
+            on_removed=self._endpoint_removed,
+        )
         self.ext_proc = ExtProcServer(
             self.director,
             Limits(
@@ -107,6 +117,7 @@ class Epp:
                 body_timeout_s=options.body_timeout_s,
             ),
             options.scores_header,
+            reports_completions=self.completions.reports,
         )
         if options.endpoints_file is not None:
             self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
@@ -140,6 +151,16 @@ class Epp:
         for service in HEALTH_SERVICES:
             await self._health.set(service, status)
         await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+
+    def _endpoint_removed(self, key: str) -> None:
+        if self.datastore.get(key) is None:  # gone, not relabelled: its records will not come
+            self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
+
+    async def _expire_records(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(1.0)
+            self.ext_proc.expire_records(loop.time())
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
@@ -180,6 +201,8 @@ class Epp:
             self.metrics_port = self._metrics_http[0].server_port
         await self.scheduler.start()
         await self.collectors.start()
+        self.completions.start()
+        self._tasks.append(asyncio.create_task(self._expire_records()))
         if o.endpoints_file is not None:
             self._tasks.append(asyncio.create_task(self._watch_endpoints(o.endpoints_file)))
         if o.objectives_file is not None:
@@ -232,6 +255,7 @@ class Epp:
         if self._kube is not None:
             await self._kube.stop()
         await self.collectors.stop()
+        await self.completions.stop()
         await self.scheduler.stop()
         if self.flow is not None:
             await self.flow.close()

@@ -87,6 +87,13 @@ def epp(
         "--body-timeout",
         help="A request body must arrive within this (after its headers), else 408; 0 = none.",
     ),
+    completion_events_port: int | None = typer.Option(
+        None,
+        "--completion-events-port",
+        help="Subscribe to every endpoint's completion records on this port (engines run "
+        "with --completion-events-port); endpoints labelled "
+        "infergate.io/completion-events-port are subscribed regardless.",
+    ),
     scores_header: bool = typer.Option(
         False,
         "--scores-header",
@@ -167,6 +174,7 @@ def epp(
                 else parse_duration(body_timeout, "--body-timeout")
             ),
             scores_header=scores_header,
+            completion_events_port=completion_events_port,
             secure_serving=secure_serving,
             cert_path=cert_path,
         )

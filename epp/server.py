@@ -25,7 +25,7 @@ import enum
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format, struct_pb2
+from infergate.engine.completion_events import CompletionRecord
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
 from infergate.epp.scheduling.plugins.base import ResponseInfo
@@ -221,6 +222,9 @@ class StreamState:
         self.observer_attached = False
         self.observer_ended = False
         self.stream_ended = False
+        # Completion record from the engine (``infergate.epp.datalayer.completions``).
+        self.record_received = False
+        self.record_deadline = 0.0
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request") or ""
@@ -428,6 +432,41 @@ class StreamState:
             self.response.cached_tokens = details["cached_tokens"]
         self.response.complete = True
 
+    @property
+    def endpoint_key(self) -> str:
+        if self.response.served_endpoint:
+            return self.response.served_endpoint
+        targets = self.decision.result.targets if self.decision is not None else []
+        return targets[0].key if targets else ""
+
+    def _awaits_record(self) -> bool:
+        """A routed 2xx response from an engine that reports completions ends with its record."""
+        reports = self.server.reports_completions
+        return (
+            reports is not None
+            and not self.record_received
+            and not self.response.complete
+            and self.decision is not None
+            and 200 <= self.response.status < 300
+            and reports(self.endpoint_key)
+        )
+
+    def take_record(self, record: CompletionRecord | None) -> None:
+        """The engine's completion record arrived (None: it will not, give up waiting)."""
+        if self.record_received or self.closed:
+            return
+        self.record_received = True
+        if record is not None:
+            response = self.response
+            response.prompt_tokens = record.prompt_tokens
+            response.completion_tokens = record.completion_tokens
+            response.cached_tokens = record.cached_tokens
+            if response.status == 0:
+                response.status = record.status
+            response.complete = record.status < 400
+        if self.stream_ended:
+            self.close()
+
     def observed_end(self, complete: bool) -> None:
         """The observer saw the response end (``complete``) or its stream went away."""
         if complete:
@@ -447,7 +486,11 @@ class StreamState:
         self.stream_ended = True
         if self.observer_attached and not self.observer_ended:
             return
+        if self._awaits_record():
+            self.server.await_record(self)
+            return
         self.closed = True
+        self.server.awaiting.pop(self.key, None)
         if self.key:
             self.server.routed.pop(self.key, None)
         self._release_body()
@@ -512,7 +555,12 @@ class ObserverState:
 
 class ExtProcServer(pb_grpc.ExternalProcessorServicer):
     def __init__(
-        self, director: Director, limits: Limits | int = Limits(), scores_header: bool = False
+        self,
+        director: Director,
+        limits: Limits | int = Limits(),
+        scores_header: bool = False,
+        reports_completions: Callable[[str], bool] | None = None,
+        record_timeout_s: float = 330.0,
     ) -> None:
         self.director = director
         # An int is the old signature's max_body_bytes.
@@ -522,6 +570,34 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.buffered_bytes = 0
         self.metrics = director.metrics
         self.routed: dict[str, StreamState] = {}  # REQUEST_ID_HEADER -> its routing stream
+        #: Whether an endpoint reports completion records (None: none does). Its 2xx
+        #: responses then finish when the record arrives, or after ``record_timeout_s``
+        #: (a record lost: PUB/SUB drops while disconnected) as incomplete.
+        self.reports_completions = reports_completions
+        self.record_timeout_s = record_timeout_s
+        self.awaiting: dict[str, StreamState] = {}  # streams ended, record not yet in
+
+    def await_record(self, state: StreamState) -> None:
+        if state.key not in self.awaiting:
+            state.record_deadline = asyncio.get_running_loop().time() + self.record_timeout_s
+            self.awaiting[state.key] = state
+
+    def on_record(self, endpoint: str, record: CompletionRecord) -> None:
+        """A completion record from ``endpoint``; records of other replicas are ignored."""
+        state = self.routed.get(record.key)
+        if state is not None:
+            state.take_record(record)
+
+    def expire_records(self, now: float, gone: str | None = None) -> int:
+        """Give up on records past their deadline (or all of endpoint ``gone``'s)."""
+        expired = [
+            s for s in self.awaiting.values()
+            if s.record_deadline <= now or (gone is not None and s.endpoint_key == gone)
+        ]  # fmt: skip
+        for state in expired:
+            self.count("record_lost")
+            state.take_record(None)
+        return len(expired)
 
     @property
     def max_body_bytes(self) -> int:

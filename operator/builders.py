@@ -329,6 +329,8 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
         admin_port=c.ENVOY_ADMIN_PORT,
         listen_address="0.0.0.0",
         epp_tls=True,  # the EPP container runs with --secure-serving
+        # The pool's engines may be vLLM, which publishes no completion records.
+        response_accounting="observer",
     )
 
 

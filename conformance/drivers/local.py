@@ -295,6 +295,7 @@ class LocalDriver(Driver):
             stat_prefix=pool.name.replace("-", "_"),
             # The operator's EPP serves ext-proc over TLS (GIE's default); dial it so.
             epp_tls="--secure-serving" in epp_container["args"],
+            response_accounting="observer",  # as the operator's sidecar
         )
         start_envoy(
             self.group, config, folder / "envoy.yaml", name=f"envoy-{pool.name}", timeout=90.0

@@ -58,6 +58,8 @@ REQUEST_ID_HEADER = "x-infergate-request-id"
 """The EPP's id for a routed request; the observer filter's stream names it (client copies
 are stripped)."""
 LB_METADATA_NAMESPACE = "envoy.lb"
+RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
+"""How the EPP learns a response's end and usage (see :func:`build_envoy_config`)."""
 EPP_CLUSTER = "infergate_epp"
 EPP_HEALTH_SERVICE = "liveness"
 """gRPC health service the EPP reports SERVING while it runs, on its ext-proc port too."""
@@ -168,10 +170,9 @@ def _ext_proc_filter(
     message_timeout_s: float,
     grpc_authority: str,
     response_bodies: bool,
-    observe: bool = False,
 ) -> dict[str, Any]:
-    """The routing filter. With ``observe`` it sees no response body (the observer does)."""
-    response_bodies = response_bodies and not observe
+    """The routing filter; without ``response_bodies`` Envoy ends its stream after the
+    response headers (the EPP learns the rest from the engine or the observer)."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -391,11 +392,12 @@ def build_envoy_config(
     max_requests: int = 40000,
     stat_prefix: str = "infergate",
     epp_health_check_interval_s: float | None = 1.0,
-    stream_response_bodies: bool = True,
+    stream_response_bodies: bool | None = None,
     fallback_retries: int = 3,
     eds_initial_fetch_timeout_s: float = 5.0,
     epp_tls: bool = False,
-    observe_responses: bool = True,
+    observe_responses: bool | None = None,
+    response_accounting: str = "engine",
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -407,18 +409,37 @@ def build_envoy_config(
     :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every proxied response.
     ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
     (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
-    FailOpen starts to apply to requests with a body. ``stream_response_bodies=False``
-    stops sending response bodies to the EPP (one gRPC message pair per SSE chunk saved;
-    the EPP then reads no ``usage`` and finishes a request when its stream closes).
-    ``observe_responses`` (the default) takes response bodies off the routing filter and
-    gives them to a second ext_proc filter in observability mode (see
-    :func:`_observer_filter`); False restores GIE's single FULL_DUPLEX_STREAMED filter
-    that passes every response chunk through the EPP (``stream_response_bodies``).
+    FailOpen starts to apply to requests with a body.
+
+    ``response_accounting`` is how the EPP learns the end of a response and its usage:
+
+    * ``engine`` (default): the routing filter sees response headers only, no body, and
+      Envoy closes its stream then; the engines publish a completion record per request
+      (``--completion-events-port``, :mod:`infergate.engine.completion_events`). The
+      EPP's cost is independent of the response's length and its death cuts no stream.
+    * ``observer``: for engines that cannot report (vLLM): a second ext_proc filter in
+      observability mode receives every response chunk, unanswered
+      (:func:`_observer_filter`); the EPP reads ``usage`` from the body.
+    * ``body``: GIE's single FULL_DUPLEX_STREAMED filter; every chunk through the EPP.
+    * ``none``: no response body anywhere; no usage.
+
+    The older flags still apply: ``stream_response_bodies=False`` means ``none``,
+    ``observe_responses=False`` means ``body``.
+
     ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
     unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
     """
     if route_timeout_s <= 0:
         raise ValueError("route_timeout_s must be > 0")
+    if stream_response_bodies is False:
+        response_accounting = "none"
+    elif observe_responses is False:
+        response_accounting = "body"
+    if response_accounting not in RESPONSE_ACCOUNTING:
+        raise ValueError(
+            f"response_accounting must be one of {', '.join(RESPONSE_ACCOUNTING)}, "
+            f"not {response_accounting!r}"
+        )
     hcm: dict[str, Any] = {
         "@type": _HCM,
         "stat_prefix": stat_prefix,
@@ -452,12 +473,11 @@ def build_envoy_config(
                 failure_mode_allow=failure_mode_allow,
                 message_timeout_s=message_timeout_s,
                 grpc_authority=f"{epp_address}:{epp_port}",
-                response_bodies=stream_response_bodies,
-                observe=observe_responses and stream_response_bodies,
+                response_bodies=response_accounting == "body",
             ),
             *(
                 [_observer_filter(grpc_authority=f"{epp_address}:{epp_port}")]
-                if observe_responses and stream_response_bodies
+                if response_accounting == "observer"
                 else []
             ),
             _served_to_metadata_filter(),
