@@ -23,8 +23,10 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import yaml
 
 from infergate.bench.metrics import arrival_times
+from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.procs import ProcessGroup, free_port, http_ready
 from infergate.stack.envoy_config import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
 from infergate.stack.envoy_process import start_envoy
@@ -146,8 +148,18 @@ def start_rig(
     envoy_concurrency: int = 1,
     response_bodies: bool = True,
     observe_responses: bool = True,
+    response_accounting: str | None = None,
+    epp_args: Sequence[str] = (),
 ) -> Rig:
+    """``response_accounting`` (``build_envoy_config``'s) wins over the two older flags;
+    with ``engine`` and ``upstream="engine"`` the engines publish completion records."""
+    if response_accounting is None:
+        response_accounting = (
+            "none" if not response_bodies else "observer" if observe_responses else "body"
+        )
     ports = [free_port() for _ in range(endpoints)]
+    done_ports = [free_port() for _ in range(endpoints)]
+    reporting = upstream == "engine" and response_accounting == "engine"
     if upstream == "static":
         start_envoy(
             group,
@@ -172,6 +184,7 @@ def start_rig(
                     str(port),
                     "--served-model-name",
                     MODEL,
+                    *(["--completion-events-port", str(done_ports[i])] if reporting else []),
                 ],
                 ready=http_ready(f"http://{LOOPBACK}:{port}/health"),
                 timeout=120,
@@ -181,8 +194,22 @@ def start_rig(
 
     grpc, health, metrics = free_port(), free_port(), free_port()
     argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
-    for port in ports:
-        argv += ["--endpoint", f"{LOOPBACK}:{port}"]
+    endpoints_file = workdir / "endpoints.yaml"
+    endpoints_file.write_text(
+        yaml.safe_dump(
+            {
+                "endpoints": [
+                    {
+                        "address": LOOPBACK,
+                        "port": port,
+                        "labels": {COMPLETION_EVENTS_PORT_LABEL: str(done)} if reporting else {},
+                    }
+                    for port, done in zip(ports, done_ports, strict=True)
+                ]
+            }
+        )
+    )
+    argv += ["--endpoints", str(endpoints_file), *epp_args]
     argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health)]
     argv += ["--metrics-port", str(metrics)]
     epp = group.start("epp", argv, ready=grpc_serving(LOOPBACK, health), timeout=120)
@@ -194,8 +221,7 @@ def start_rig(
         "epp_port": grpc,
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
-        "stream_response_bodies": response_bodies,
-        "observe_responses": observe_responses,
+        "response_accounting": response_accounting,
     }
     start_envoy(
         group,
