@@ -132,10 +132,11 @@ def build(opts: ServeOptions) -> Any:
     import prometheus_client
     from infergate.engine.async_engine import AsyncEngine
     from infergate.engine.core import EngineCore
+    from infergate.engine.entrypoints.api_server import build_app
+    from infergate.engine.entrypoints.config import ServerConfig
     from infergate.engine.kv_events import KVEventsConfig, ZmqEventPublisher, is_bind_endpoint
     from infergate.engine.metrics import EngineMetrics, SimulatorCollector
     from infergate.engine.scheduler import SchedulerConfig
-    from infergate.engine.server import ServerConfig, build_app
     from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
     from infergate.engine.tokenizer import Tokenizer, TokenizerError
 

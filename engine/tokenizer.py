@@ -115,9 +115,14 @@ class Tokenizer:
         return IncrementalDecoder(self._tok, skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render the chat template (tokenize the result with add_special_tokens=False)."""
+        """Render the chat template (tokenize the result with add_special_tokens=False);
+        `tools` are the request's tool definitions, as HF templates expect them."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions")
         if self._template_fn is None:
@@ -128,7 +133,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                tools=None,
+                tools=tools,
             )
         )
 

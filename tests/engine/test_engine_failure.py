@@ -8,9 +8,10 @@ import httpx
 import pytest
 from infergate.engine.async_engine import AsyncEngine
 from infergate.engine.core import EngineCore
+from infergate.engine.entrypoints.api_server import build_app
+from infergate.engine.entrypoints.config import ServerConfig
 from infergate.engine.interfaces import ScheduledBatch
 from infergate.engine.scheduler import SchedulerConfig
-from infergate.engine.server import ServerConfig, build_app
 from infergate.engine.tokenizer import Tokenizer
 
 

@@ -1,0 +1,26 @@
+"""What the HTTP layer knows about the engine behind it (built by ``engine.serve``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+LONG_TEXT_CHARS = 16_384  # tokenize longer texts off the event loop
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    # Cap on the default max_tokens (simulated engines never emit EOS on their own).
+    default_max_tokens_cap: int | None = None
+    supports_logprobs: bool = True  # False for the simulator, which has no logits
+    # Defaults for omitted sampling fields (--generation-config), as vLLM applies them.
+    generation_defaults: dict[str, float] = field(default_factory=dict)
+    dev_mode: bool = False  # development routes (/reset_prefix_cache)
+    warned_fields: set[str] = field(default_factory=set)
