@@ -248,7 +248,7 @@ def start_rig(
     )
 
 
-BODY = {"model": MODEL, "prompt": "Say ok.", "max_tokens": 1, "stream": False}
+BODY: dict[str, Any] = {"model": MODEL, "prompt": "Say ok.", "max_tokens": 1, "stream": False}
 _JSON = {"content-type": "application/json"}
 
 
