@@ -1,6 +1,6 @@
 """EPP overhead: latency through Envoy + EPP minus Envoy straight to the same upstream.
 
-Both paths are real Envoys with the same generated listener (infergate.stack.envoy_config);
+Both paths are real Envoys with the same generated listener (infergate.envoy.bootstrap);
 the gateway one adds ext_proc (FULL_DUPLEX_STREAMED request and response bodies) to a real
 ``infergate epp`` over a 4-endpoint pool. Short non-streaming completions arrive open-loop
 (Poisson) at each rate; the two paths run one after the other, in alternating order,

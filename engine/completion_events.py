@@ -35,10 +35,12 @@ from typing import Any
 
 import msgspec
 
+from infergate.envoy.names import REQUEST_ID_HEADER
+
 log = logging.getLogger(__name__)
 
 TOPIC = b"completions"
-KEY_HEADER = b"x-infergate-request-id"
+KEY_HEADER = REQUEST_ID_HEADER.encode()
 CLIENT_GONE = 499
 
 

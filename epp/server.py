@@ -42,16 +42,20 @@ from infergate.epp.requestcontrol.requests import openai_error
 from infergate.epp.scheduling.plugins.base import ResponseInfo
 from infergate.epp.types import InferenceRequest
 
+from infergate.envoy.names import (
+    DESTINATION_HEADER,
+    LB_METADATA_NAMESPACE,
+    REQUEST_ID_HEADER,
+    SERVED_HEADER,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
+
 log = logging.getLogger("infergate.epp.server")
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-DESTINATION_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
+DESTINATION_NAMESPACE = LB_METADATA_NAMESPACE
+SERVED_KEY = SERVED_HEADER
 SCORES_HEADER = "x-infergate-epp-scores"
-REQUEST_ID_HEADER = "x-infergate-request-id"
-"""Set by the EPP on the routed request; the observer stream names its request with it."""
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 USAGE_BUFFER_LIMIT = 4 << 20
 BODY_NONE = processing_mode_pb2.ProcessingMode.NONE

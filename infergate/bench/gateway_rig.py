@@ -26,10 +26,10 @@ import numpy as np
 import yaml
 
 from infergate.bench.metrics import arrival_times
+from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
+from infergate.envoy.process import start_envoy
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.procs import ProcessGroup, free_port, http_ready
-from infergate.stack.envoy_config import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
-from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import (
     LOOPBACK,
     ensure_tiny_model,

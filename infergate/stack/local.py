@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from infergate.envoy.bootstrap import build_envoy_config
+from infergate.envoy.process import start_envoy
 from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
 from infergate.procs import (
     ManagedProcess,
@@ -29,8 +31,6 @@ from infergate.procs import (
     ReadyCheck,
     http_ready,
 )
-from infergate.stack.envoy_config import build_envoy_config
-from infergate.stack.envoy_process import start_envoy
 
 LOOPBACK = "127.0.0.1"
 TINY_MODEL_NAME = "infergate-tiny"

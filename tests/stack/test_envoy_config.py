@@ -14,15 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.procs import ProcessGroup, free_port, tcp_ready
-from infergate.stack.envoy_config import (
+from infergate.envoy.bootstrap import (
     DESTINATION_HEADER,
     EPP_CLUSTER,
     UPSTREAM_HOST_HEADER,
     build_envoy_config,
     render_envoy_yaml,
 )
-from infergate.stack.envoy_process import start_envoy, validate_config
+from infergate.envoy.process import start_envoy, validate_config
+from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 
 def _ext_proc(config: dict) -> dict:
