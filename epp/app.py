@@ -67,6 +67,8 @@ class EppOptions:
     body_timeout_s: float | None = 20.0
     scores_header: bool = False
     secure_serving: bool = False
+    reuse_port: bool = False
+    """Bind the gRPC ports with SO_REUSEPORT (``--workers``: several EPPs, one port)."""
     completion_events_port: int | None = None
     """Subscribe every endpoint's completion records on this port (else only endpoints
     labelled ``infergate.io/completion-events-port``)."""
@@ -95,11 +97,18 @@ class Epp:
         context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
         self.scheduler = Scheduler.from_config(config, context, self.metrics.plugin_timer)
         self.flow = build_flow_controller(
-            config.flowControl, self.datastore, self.saturation, self.metrics,
+            config.flowControl,
+            self.datastore,
+            self.saturation,
+            self.metrics,
             options.pool_name or "local",
         )
         self.director = Director(
-            self.datastore, self.scheduler, self.saturation, self.objectives, self.metrics,
+            self.datastore,
+            self.scheduler,
+            self.saturation,
+            self.objectives,
+            self.metrics,
             self.flow,
         )
         self.completions = CompletionSubscriptions(
@@ -173,6 +182,8 @@ class Epp:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # Off unless asked: a second EPP on a busy port must fail, not share it.
+                ("grpc.so_reuseport", int(o.reuse_port)),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
@@ -180,16 +191,26 @@ class Epp:
         # Health on the ext-proc port too, over its transport: Envoy's check then fails
         # when ext-proc would (TLS mismatch, not gRPC), not only when the port is closed.
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        if o.secure_serving:
-            from infergate.epp.tls import server_credentials
+        try:  # grpc raises RuntimeError (older versions return 0) on a busy port
+            if o.secure_serving:
+                from infergate.epp.tls import server_credentials
 
-            credentials, self.certificate = server_credentials(o.cert_path)
-            self.grpc_port = self._grpc.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)
-        else:
-            self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
-        self._health_server = grpc.aio.server()
+                credentials, self.certificate = server_credentials(o.cert_path)
+                self.grpc_port = self._grpc.add_secure_port(
+                    f"{o.host}:{o.grpc_port}", credentials
+                )
+            else:
+                self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
+        except RuntimeError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-        self.health_port = self._health_server.add_insecure_port(f"{o.host}:{o.grpc_health_port}")
+        try:
+            self.health_port = self._health_server.add_insecure_port(
+                f"{o.host}:{o.grpc_health_port}"
+            )
+        except RuntimeError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_health_port}: {error}") from None
         if self.grpc_port == 0 or self.health_port == 0:
             raise OSError(f"cannot bind gRPC ports {o.grpc_port}/{o.grpc_health_port}")
         await self._update_health()

@@ -111,6 +111,16 @@ def epp(
     log_level: str = typer.Option(
         "info", "--log-level", help="debug logs one line per decision with per-scorer scores."
     ),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        min=1,
+        help="EPP processes behind the one ext-proc port (SO_REUSEPORT); state (prefix index, "
+        "flow control) is per process. Worker i serves metrics on --metrics-port + i.",
+    ),
+    reuse_port: bool = typer.Option(
+        False, "--reuse-port", hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
+    ),
 ) -> None:
     """Run the Envoy ext-proc Endpoint Picker for a pool of engine endpoints."""
     import asyncio
@@ -177,11 +187,22 @@ def epp(
             completion_events_port=completion_events_port,
             secure_serving=secure_serving,
             cert_path=cert_path,
+            reuse_port=reuse_port,
         )
         Epp(options)  # validate everything (plugins, parameters, files) before binding
     except (ConfigError, EndpointsFileError, ObjectivesError) as error:
         typer.echo(f"infergate epp: invalid configuration: {error}", err=True)
         raise typer.Exit(2) from None
+    if workers > 1:
+        import sys
+
+        from infergate.epp.workers import run_workers
+
+        if grpc_port == 0 or grpc_health_port == 0:
+            typer.echo("infergate epp: --workers needs fixed --grpc-port and --grpc-health-port",
+                       err=True)  # fmt: skip
+            raise typer.Exit(2)
+        raise typer.Exit(run_workers(sys.argv[1:], workers, metrics_port))
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(run(options))

@@ -143,6 +143,7 @@ def _static_cluster(
     connect_timeout_s: float,
     max_requests: int,
     http2: bool,
+    streams_per_connection: int = 100000,
 ) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": name,
@@ -170,7 +171,7 @@ def _static_cluster(
                 "explicit_http_config": {
                     "http2_protocol_options": {
                         # One gRPC stream per HTTP request: allow plenty per connection.
-                        "max_concurrent_streams": 100000,
+                        "max_concurrent_streams": streams_per_connection,
                         "connection_keepalive": {"interval": "30s", "timeout": "5s"},
                     }
                 },
@@ -413,6 +414,7 @@ def build_envoy_config(
     epp_tls: bool = False,
     observe_responses: bool | None = None,
     response_accounting: str = "engine",
+    epp_streams_per_connection: int = 100000,
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -440,6 +442,11 @@ def build_envoy_config(
 
     The older flags still apply: ``stream_response_bodies=False`` means ``none``,
     ``observe_responses=False`` means ``body``.
+
+    ``epp_streams_per_connection`` caps the ext-proc streams Envoy multiplexes on one
+    HTTP/2 connection to the EPP; past it Envoy opens another. A low value (e.g. 8) makes
+    Envoy spread load over several connections, which the kernel hands to different
+    processes of an EPP run with ``--workers N`` (SO_REUSEPORT balances connections).
 
     ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
     unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
@@ -521,6 +528,7 @@ def build_envoy_config(
         connect_timeout_s=connect_timeout_s,
         max_requests=max_requests,
         http2=True,
+        streams_per_connection=epp_streams_per_connection,
     )
     if epp_health_check_interval_s is not None:
         # With FULL_DUPLEX_STREAMED, Envoy can fail open only until the first body chunk
