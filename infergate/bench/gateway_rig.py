@@ -150,6 +150,7 @@ def start_rig(
     observe_responses: bool = True,
     response_accounting: str | None = None,
     epp_args: Sequence[str] = (),
+    bootstrap: dict[str, Any] | None = None,
 ) -> Rig:
     """``response_accounting`` (``build_envoy_config``'s) wins over the two older flags;
     with ``engine`` and ``upstream="engine"`` the engines publish completion records."""
@@ -222,10 +223,11 @@ def start_rig(
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
         "response_accounting": response_accounting,
+        **(bootstrap or {}),
     }
     start_envoy(
         group,
-        build_envoy_config(listen_port=gateway_port, admin_port=free_port(), **common),  # type: ignore[arg-type]
+        build_envoy_config(listen_port=gateway_port, admin_port=free_port(), **common),
         workdir / "gateway.yaml",
         name="envoy-gateway",
         concurrency=envoy_concurrency,
@@ -233,7 +235,7 @@ def start_rig(
     start_envoy(
         group,
         direct_twin(
-            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)  # type: ignore[arg-type]
+            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)
         ),
         workdir / "direct.yaml",
         name="envoy-direct",
@@ -314,8 +316,11 @@ async def open_loop(
     }
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, float]:
+async def closed_loop(
+    url: str, concurrency: int, seconds: float, body: dict[str, Any] | None = None
+) -> dict[str, float]:
     """``concurrency`` clients back to back for ``seconds``: the sustained request rate."""
+    payload = json.dumps(body or BODY).encode()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
     latencies: list[float] = []
     failures = 0
@@ -323,13 +328,13 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, f
         connector=connector, timeout=aiohttp.ClientTimeout(total=30)
     ) as session:
         for _ in range(50):
-            await _one(session, url, BODY)
+            await _one(session, url, payload)
         deadline = time.perf_counter() + seconds
 
         async def client() -> None:
             nonlocal failures
             while time.perf_counter() < deadline:
-                latency = await _one(session, url, BODY)
+                latency = await _one(session, url, payload)
                 if latency is None:
                     failures += 1
                 else:
@@ -349,7 +354,12 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, f
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User+system CPU seconds used so far by ``pid`` (from /proc)."""
+    """User+system CPU seconds used so far by ``pid`` and its live children (``--workers``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    own = (int(fields[11]) + int(fields[12])) / ticks
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return own + sum(process_cpu_seconds(int(child)) for child in children)
