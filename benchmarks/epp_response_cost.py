@@ -67,10 +67,12 @@ def main() -> None:
     parser.add_argument("--designs", default="engine,observer,body")
     parser.add_argument("--idle-seconds", type=float, default=4.0)
     parser.add_argument("--refresh", default="1s", help="the EPP's --refresh-metrics-interval")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="cycle through the lengths this often; mean shown"
+    )
     args = parser.parse_args()
     lengths = [int(t) for t in args.tokens.split(",")]
-    table: dict[str, dict[int, float]] = {}  # net of background work
-    raw: dict[str, dict[int, float]] = {}
+    cells: dict[str, dict[int, list[float]]] = {}  # net of background work, per repeat
     for design in args.designs.split(","):
         with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
             rig = start_rig(
@@ -92,29 +94,29 @@ def main() -> None:
             idle_rate = (process_cpu_seconds(rig.epp_pid) - idle_before) / (
                 time.perf_counter() - idle_t0
             )
-            for tokens in lengths:
+            for tokens in [t for _ in range(args.repeat) for t in lengths]:
                 before, t0 = process_cpu_seconds(rig.epp_pid), time.perf_counter()
                 ok = asyncio.run(
                     _closed_loop(rig.gateway_url, tokens, args.requests, args.concurrency)
                 )
                 used = process_cpu_seconds(rig.epp_pid) - before
                 background = idle_rate * (time.perf_counter() - t0)
-                raw.setdefault(design, {})[tokens] = used * 1000 / max(ok, 1)
-                table.setdefault(design, {})[tokens] = (used - background) * 1000 / max(ok, 1)
+                net = (used - background) * 1000 / max(ok, 1)
+                cells.setdefault(design, {}).setdefault(tokens, []).append(net)
                 print(
-                    f"{design:>8} {tokens:>4} tokens: {ok} ok, EPP {raw[design][tokens]:.2f} "
-                    f"ms/req, {table[design][tokens]:.2f} net of {idle_rate * 1000:.0f} ms/s "
-                    f"background",
+                    f"{design:>8} {tokens:>4} tokens: {ok} ok, EPP {used * 1000 / max(ok, 1):.2f} "
+                    f"ms/req, {net:.2f} net of {idle_rate * 1000:.0f} ms/s background",
                     flush=True,
                 )
     print(
         f"\nEPP CPU ms per request, net of background ({args.requests} requests each, "
-        f"concurrency {args.concurrency})"
+        f"concurrency {args.concurrency}, mean of {args.repeat})"
     )
     print(f"{'design':>8} " + " ".join(f"{t:>9} tok" for t in lengths) + "   longest/shortest")
-    for design, row in table.items():
-        cells = " ".join(f"{row[t]:>13.2f}" for t in lengths)
-        print(f"{design:>8} {cells}   {row[lengths[-1]] / row[lengths[0]]:>8.2f}x")
+    for design, by_length in cells.items():
+        row = {t: sum(v) / len(v) for t, v in by_length.items()}
+        shown = " ".join(f"{row[t]:>13.2f}" for t in lengths)
+        print(f"{design:>8} {shown}   {row[lengths[-1]] / row[lengths[0]]:>8.2f}x")
 
 
 if __name__ == "__main__":
