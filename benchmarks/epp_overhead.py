@@ -1,6 +1,6 @@
 """EPP overhead: latency through Envoy + EPP minus Envoy straight to the same upstream.
 
-Both paths are real Envoys with the same generated listener (infergate.stack.envoy_config);
+Both paths are real Envoys with the same generated listener (infergate.envoy.bootstrap);
 the gateway one adds ext_proc (FULL_DUPLEX_STREAMED request and response bodies) to a real
 ``infergate epp`` over a 4-endpoint pool. Short non-streaming completions arrive open-loop
 (Poisson) at each rate; the two paths run one after the other, in alternating order,
@@ -24,7 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from infergate.bench.gateway_rig import open_loop, process_cpu_seconds, start_rig
+from infergate.bench.gateway_rig import body_of_size, open_loop, process_cpu_seconds, start_rig
 from infergate.procs import ProcessGroup
 from infergate.stack.probes import metric_sum
 
@@ -38,6 +38,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--upstream", default="static", choices=["static", "engine"])
     parser.add_argument("--endpoints", type=int, default=4)
+    parser.add_argument(
+        "--prompt-bytes", type=int, default=0, help="prompt size (2048, 225280); 0: 7 bytes"
+    )
+    parser.add_argument(
+        "--accounting",
+        default=None,
+        choices=["engine", "observer", "body", "none"],
+        help="build_envoy_config's response_accounting (overrides the two flags below)",
+    )
     parser.add_argument(
         "--no-response-body",
         action="store_true",
@@ -56,7 +65,8 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
         f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
         f"{args.endpoints} endpoints, response bodies to EPP: {not args.no_response_body}, "
-        f"design: {'single filter' if args.single_filter else 'routing + observer'}"
+        f"design: {args.accounting or ('single filter' if args.single_filter else 'observer')}, "
+        f"prompt {args.prompt_bytes} bytes"
     )
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
         rig = start_rig(
@@ -66,7 +76,9 @@ def main() -> None:
             endpoints=args.endpoints,
             response_bodies=not args.no_response_body,
             observe_responses=not args.single_filter,
+            response_accounting=args.accounting,
         )
+        body = body_of_size(args.prompt_bytes)
         header = (
             f"{'rate':>6} {'path':>8} {'ok/sent':>11} {'p50 ms':>8} {'p90 ms':>8} "
             f"{'p99 ms':>8} {'lag99':>7}"
@@ -81,7 +93,7 @@ def main() -> None:
                 order = ["direct", "gateway"] if round_index % 2 == 0 else ["gateway", "direct"]
                 for path in order:
                     url = rig.direct_url if path == "direct" else rig.gateway_url
-                    result = asyncio.run(open_loop(url, rate, args.seconds, seed=round_index))
+                    result = asyncio.run(open_loop(url, rate, args.seconds, seed=round_index, body=body))
                     runs[path].append(result)
                     if path == "gateway":
                         gateway_requests += int(result["ok"]) + 50

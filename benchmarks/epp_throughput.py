@@ -18,7 +18,7 @@ import platform
 import tempfile
 from pathlib import Path
 
-from infergate.bench.gateway_rig import closed_loop, process_cpu_seconds, start_rig
+from infergate.bench.gateway_rig import body_of_size, closed_loop, process_cpu_seconds, start_rig
 from infergate.procs import ProcessGroup
 
 
@@ -34,6 +34,18 @@ def main() -> None:
         help="Envoy sends the EPP no response bodies (response_body_mode NONE)",
     )
     parser.add_argument("--envoy-concurrency", type=int, default=1)
+    parser.add_argument("--prompt-bytes", type=int, default=0, help="2048, 225280; 0: 7 bytes")
+    parser.add_argument("--workers", type=int, default=1, help="infergate epp --workers")
+    parser.add_argument(
+        "--streams-per-connection",
+        type=int,
+        default=100000,
+        help="Envoy's ext-proc streams per HTTP/2 connection to the EPP (low: more connections, "
+        "spread over --workers)",
+    )
+    parser.add_argument(
+        "--accounting", default="engine", choices=["engine", "observer", "body", "none"]
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -41,7 +53,8 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
         f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
         f"{args.endpoints} endpoints, Envoy --concurrency {args.envoy_concurrency}, "
-        f"response bodies to EPP: {not args.no_response_body}"
+        f"response accounting {args.accounting}, prompt {args.prompt_bytes} B, "
+        f"EPP workers {args.workers}, {args.streams_per_connection} streams/connection"
     )
     best = 0.0
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
@@ -52,7 +65,11 @@ def main() -> None:
             endpoints=args.endpoints,
             envoy_concurrency=args.envoy_concurrency,
             response_bodies=not args.no_response_body,
+            response_accounting="none" if args.no_response_body else args.accounting,
+            epp_args=["--workers", str(args.workers)] if args.workers > 1 else [],
+            bootstrap={"epp_streams_per_connection": args.streams_per_connection},
         )
+        body = body_of_size(args.prompt_bytes)
         print(
             f"{'clients':>7} {'path':>8} {'req/s':>9} {'fail':>5} {'p50 ms':>8} "
             f"{'p99 ms':>8} {'EPP CPU ms/req':>15}"
@@ -60,7 +77,7 @@ def main() -> None:
         for clients in levels:
             for path, url in (("direct", rig.direct_url), ("gateway", rig.gateway_url)):
                 cpu_before = process_cpu_seconds(rig.epp_pid)
-                result = asyncio.run(closed_loop(url, clients, args.seconds))
+                result = asyncio.run(closed_loop(url, clients, args.seconds, body))
                 cpu = process_cpu_seconds(rig.epp_pid) - cpu_before
                 served = result["rps"] * args.seconds
                 per_request = f"{cpu * 1000 / served:.2f}" if path == "gateway" and served else "-"
@@ -70,7 +87,7 @@ def main() -> None:
                     f"{clients:>7} {path:>8} {result['rps']:>9.0f} {int(result['failures']):>5} "
                     f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {per_request:>15}"
                 )
-    print(f"\nmost requests/s through one EPP: {best:.0f}")
+    print(f"\nmost requests/s through the EPP ({args.workers} worker(s)): {best:.0f}")
 
 
 if __name__ == "__main__":

@@ -120,11 +120,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # (a Gateway API implementation + the operator); locally Envoy is configured directly.
     driver = session.config.getoption("--conformance-driver")
     if driver == "local":
-        mode, gateway = "local", "one Envoy per pool (infergate.stack.envoy_config), no Gateway API"
+        mode, gateway = "local", "one Envoy per pool (infergate.envoy.bootstrap), no Gateway API"
     elif driver == "controlplane":
         mode = "local"
         gateway = (
-            "one Envoy per pool (infergate.stack.envoy_config), no Gateway API; real "
+            "one Envoy per pool (infergate.envoy.bootstrap), no Gateway API; real "
             "kube-apiserver + controller-manager + scheduler + kwok, operator and EPPs on "
             "the chart's and their own ServiceAccount tokens"
         )

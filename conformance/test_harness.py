@@ -16,8 +16,8 @@ import pytest
 
 from conformance.drivers.local import ECHO_SERVER, weighted_front_config
 from conformance.report import FAILED, PASSED, SKIPPED, build_report
+from infergate.envoy.process import validate_config, write_config
 from infergate.procs import ProcessGroup, free_port, tcp_ready
-from infergate.stack.envoy_process import validate_config, write_config
 
 KIND_SH = Path(__file__).resolve().parent / "kind.sh"
 

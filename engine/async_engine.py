@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
+from infergate.engine.completion_events import CURRENT as CURRENT_USAGE
+from infergate.engine.completion_events import Usage
 from infergate.engine.core import EngineCore, RequestOutput
 from infergate.engine.request import Request
 
@@ -73,16 +75,27 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
-        return self._outputs(request.request_id, stream)
+        # The HTTP request's completion record (when one is reported) sums this request.
+        usage = CURRENT_USAGE.get()
+        return self._outputs(request.request_id, stream, usage, id(request.prompt_token_ids))
 
     async def _outputs(
-        self, request_id: str, stream: asyncio.Queue[RequestOutput]
+        self,
+        request_id: str,
+        stream: asyncio.Queue[RequestOutput],
+        usage: Usage | None = None,
+        prompt_id: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
                 out = await stream.get()
                 finished = out.finished
+                if finished and usage is not None:
+                    usage.add(
+                        prompt_id, out.num_prompt_tokens, out.num_output_tokens,
+                        out.num_cached_tokens,
+                    )  # fmt: skip
                 yield out
         finally:
             self._streams.pop(request_id, None)

@@ -50,6 +50,12 @@ def serve(
         help="Model a KV transfer link of this bandwidth (a pull lasts at least "
         "bytes x 8 / bandwidth); how simulated mode prices a transfer.",
     ),
+    completion_events_port: int | None = typer.Option(
+        None,
+        "--completion-events-port",
+        help="Publish one completion record per EPP-routed request (ZMQ PUB on this port; "
+        "the Endpoint Picker's response accounting without response bodies).",
+    ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="INFERGATE_API_KEY", help="Require this bearer token on /v1."
     ),
@@ -155,6 +161,7 @@ def serve(
         kv_events_config=kv_events_config,
         kv_transfer_config=kv_transfer_config,
         kv_transfer_bandwidth_gbps=kv_transfer_bandwidth_gbps,
+        completion_events_port=completion_events_port,
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,

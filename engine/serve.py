@@ -40,6 +40,7 @@ class ServeOptions:
     kv_events_config: str | None = None  # vLLM's JSON form (endpoint, topic, …)
     kv_transfer_config: str | None = None  # vLLM's JSON form (engine/kv_transfer/config.py)
     kv_transfer_bandwidth_gbps: float | None = None
+    completion_events_port: int | None = None  # ZMQ PUB of completion records (ours)
     api_key: str | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -294,7 +295,18 @@ def build(opts: ServeOptions) -> Any:
         names[0], max_model_len, runner.num_blocks, runner.block_size,
         opts.max_num_seqs, opts.max_num_batched_tokens,
     )  # fmt: skip
-    return build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
+    app = build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
+    if opts.completion_events_port is not None:
+        from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
+
+        endpoint = f"tcp://*:{opts.completion_events_port}"
+        try:
+            publisher = CompletionPublisher(endpoint)
+        except Exception as error:  # zmq.ZMQError: address in use
+            raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
+        app.add_middleware(CompletionReporter, publisher=publisher)
+        log.info("publishing completion records on %s", endpoint)
+    return app
 
 
 def _kv_transfer(

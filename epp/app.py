@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from infergate.epp.config import EndpointPickerConfig, load_config
 from infergate.epp.datalayer.collector import Collectors
+from infergate.epp.datalayer.completions import CompletionSubscriptions
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.discovery.file import (
     EndpointsFileError,
@@ -66,6 +67,11 @@ class EppOptions:
     body_timeout_s: float | None = 20.0
     scores_header: bool = False
     secure_serving: bool = False
+    reuse_port: bool = False
+    """Bind the gRPC ports with SO_REUSEPORT (``--workers``: several EPPs, one port)."""
+    completion_events_port: int | None = None
+    """Subscribe every endpoint's completion records on this port (else only endpoints
+    labelled ``infergate.io/completion-events-port``)."""
     cert_path: Path | None = None
 
 
@@ -105,6 +111,12 @@ class Epp:
             self.metrics,
             self.flow,
         )
+        self.completions = CompletionSubscriptions(
+            self.datastore,
+            lambda endpoint, record: self.ext_proc.on_record(endpoint, record),
+            options.completion_events_port,
+            on_removed=self._endpoint_removed,
+        )
         self.ext_proc = ExtProcServer(
             self.director,
             Limits(
@@ -114,6 +126,7 @@ class Epp:
                 body_timeout_s=options.body_timeout_s,
             ),
             options.scores_header,
+            reports_completions=self.completions.reports,
         )
         if options.endpoints_file is not None:
             self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
@@ -148,6 +161,16 @@ class Epp:
             await self._health.set(service, status)
         await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
 
+    def _endpoint_removed(self, key: str) -> None:
+        if self.datastore.get(key) is None:  # gone, not relabelled: its records will not come
+            self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
+
+    async def _expire_records(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(1.0)
+            self.ext_proc.expire_records(loop.time())
+
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
         self._tasks = [t for t in self._tasks if not t.done()]
@@ -159,6 +182,8 @@ class Epp:
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.keepalive_permit_without_calls", 1),
+                # Off unless asked: a second EPP on a busy port must fail, not share it.
+                ("grpc.so_reuseport", int(o.reuse_port)),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
@@ -166,16 +191,26 @@ class Epp:
         # Health on the ext-proc port too, over its transport: Envoy's check then fails
         # when ext-proc would (TLS mismatch, not gRPC), not only when the port is closed.
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        if o.secure_serving:
-            from infergate.epp.tls import server_credentials
+        try:  # grpc raises RuntimeError (older versions return 0) on a busy port
+            if o.secure_serving:
+                from infergate.epp.tls import server_credentials
 
-            credentials, self.certificate = server_credentials(o.cert_path)
-            self.grpc_port = self._grpc.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)
-        else:
-            self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
-        self._health_server = grpc.aio.server()
+                credentials, self.certificate = server_credentials(o.cert_path)
+                self.grpc_port = self._grpc.add_secure_port(
+                    f"{o.host}:{o.grpc_port}", credentials
+                )
+            else:
+                self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
+        except RuntimeError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-        self.health_port = self._health_server.add_insecure_port(f"{o.host}:{o.grpc_health_port}")
+        try:
+            self.health_port = self._health_server.add_insecure_port(
+                f"{o.host}:{o.grpc_health_port}"
+            )
+        except RuntimeError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_health_port}: {error}") from None
         if self.grpc_port == 0 or self.health_port == 0:
             raise OSError(f"cannot bind gRPC ports {o.grpc_port}/{o.grpc_health_port}")
         await self._update_health()
@@ -187,6 +222,8 @@ class Epp:
             self.metrics_port = self._metrics_http[0].server_port
         await self.scheduler.start()
         await self.collectors.start()
+        self.completions.start()
+        self._tasks.append(asyncio.create_task(self._expire_records()))
         if o.endpoints_file is not None:
             self._tasks.append(asyncio.create_task(self._watch_endpoints(o.endpoints_file)))
         if o.objectives_file is not None:
@@ -239,6 +276,7 @@ class Epp:
         if self._kube is not None:
             await self._kube.stop()
         await self.collectors.stop()
+        await self.completions.stop()
         await self.scheduler.stop()
         if self.flow is not None:
             await self.flow.close()

@@ -87,6 +87,13 @@ def epp(
         "--body-timeout",
         help="A request body must arrive within this (after its headers), else 408; 0 = none.",
     ),
+    completion_events_port: int | None = typer.Option(
+        None,
+        "--completion-events-port",
+        help="Subscribe to every endpoint's completion records on this port (engines run "
+        "with --completion-events-port); endpoints labelled "
+        "infergate.io/completion-events-port are subscribed regardless.",
+    ),
     scores_header: bool = typer.Option(
         False,
         "--scores-header",
@@ -103,6 +110,16 @@ def epp(
     ),
     log_level: str = typer.Option(
         "info", "--log-level", help="debug logs one line per decision with per-scorer scores."
+    ),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        min=1,
+        help="EPP processes behind the one ext-proc port (SO_REUSEPORT); state (prefix index, "
+        "flow control) is per process. Worker i serves metrics on --metrics-port + i.",
+    ),
+    reuse_port: bool = typer.Option(
+        False, "--reuse-port", hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
     ),
 ) -> None:
     """Run the Envoy ext-proc Endpoint Picker for a pool of engine endpoints."""
@@ -167,13 +184,25 @@ def epp(
                 else parse_duration(body_timeout, "--body-timeout")
             ),
             scores_header=scores_header,
+            completion_events_port=completion_events_port,
             secure_serving=secure_serving,
             cert_path=cert_path,
+            reuse_port=reuse_port,
         )
         Epp(options)  # validate everything (plugins, parameters, files) before binding
     except (ConfigError, EndpointsFileError, ObjectivesError) as error:
         typer.echo(f"infergate epp: invalid configuration: {error}", err=True)
         raise typer.Exit(2) from None
+    if workers > 1:
+        import sys
+
+        from infergate.epp.workers import run_workers
+
+        if grpc_port == 0 or grpc_health_port == 0:
+            typer.echo("infergate epp: --workers needs fixed --grpc-port and --grpc-health-port",
+                       err=True)  # fmt: skip
+            raise typer.Exit(2)
+        raise typer.Exit(run_workers(sys.argv[1:], workers, metrics_port))
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(run(options))

@@ -25,7 +25,7 @@ import enum
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,26 +35,31 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
+from infergate.engine.completion_events import CompletionRecord
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
 from infergate.epp.scheduling.plugins.base import ResponseInfo
 from infergate.epp.scheduling.plugins.profile_handlers import PREFILL_HEADER
 from infergate.epp.types import InferenceRequest
 
+from infergate.envoy.names import (
+    DESTINATION_HEADER,
+    LB_METADATA_NAMESPACE,
+    REQUEST_ID_HEADER,
+    SERVED_HEADER,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
+
 log = logging.getLogger("infergate.epp.server")
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-DESTINATION_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
+DESTINATION_NAMESPACE = LB_METADATA_NAMESPACE
+SERVED_KEY = SERVED_HEADER
 #: Request headers only the EPP may set: removed from what the client sent unless the
 #: scheduling result sets them (P/D's prefill pick tells the decode engine whom to call).
 OWNED_REQUEST_HEADERS = (PREFILL_HEADER,)
 SCORES_HEADER = "x-infergate-epp-scores"
-REQUEST_ID_HEADER = "x-infergate-request-id"
-"""Set by the EPP on the routed request; the observer stream names its request with it."""
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 USAGE_BUFFER_LIMIT = 4 << 20
 BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
@@ -91,11 +96,24 @@ def _header_map(headers: Any) -> dict[str, str]:
     return out
 
 
+def _value(value: struct_pb2.Value) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "struct_value":
+        return {key: _value(item) for key, item in value.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_value(item) for item in value.list_value.values]
+    if kind is None or kind == "null_value":
+        return None
+    return getattr(value, kind)
+
+
 def _metadata(request: pb.ProcessingRequest) -> dict[str, Any]:
+    """Envoy's metadata as plain dicts (what ``json_format.MessageToDict`` gives, at a
+    fraction of its cost: it runs on two messages of every request)."""
     if not request.HasField("metadata_context"):
         return {}
     return {
-        namespace: json_format.MessageToDict(struct)
+        namespace: {key: _value(item) for key, item in struct.fields.items()}
         for namespace, struct in request.metadata_context.filter_metadata.items()
     }
 
@@ -136,26 +154,35 @@ def immediate(status: int, message: str, param: str | None = None) -> pb.Process
     )
 
 
+def _body_message(piece: bytes, end_of_stream: bool, request_side: bool) -> pb.ProcessingResponse:
+    """One streamed body chunk, built in place (nested constructors copy each level)."""
+    message = pb.ProcessingResponse()
+    side = message.request_body if request_side else message.response_body
+    streamed = side.response.body_mutation.streamed_response
+    streamed.body = piece
+    streamed.end_of_stream = end_of_stream
+    return message
+
+
 def _body_chunks(
     body: bytes, end_of_stream: bool, request_side: bool
 ) -> list[pb.ProcessingResponse]:
     pieces = [body[i : i + CHUNK_LIMIT] for i in range(0, len(body), CHUNK_LIMIT)] or [b""]
-    out = []
-    for i, piece in enumerate(pieces):
-        common = pb.CommonResponse(
-            body_mutation=pb.BodyMutation(
-                streamed_response=pb.StreamedBodyResponse(
-                    body=piece, end_of_stream=end_of_stream and i == len(pieces) - 1
-                )
-            )
-        )
-        body_response = pb.BodyResponse(response=common)
-        out.append(
-            pb.ProcessingResponse(request_body=body_response)
-            if request_side
-            else pb.ProcessingResponse(response_body=body_response)
-        )
-    return out
+    last = len(pieces) - 1
+    return [
+        _body_message(piece, end_of_stream and i == last, request_side)
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def _echo_chunks(chunks: list[bytes], end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    """The request body's chunks as Envoy sent them (split only past ``CHUNK_LIMIT``)."""
+    if any(len(chunk) > CHUNK_LIMIT for chunk in chunks):
+        return _body_chunks(b"".join(chunks), end_of_stream, True)
+    if not chunks:
+        return [_body_message(b"", end_of_stream, True)]
+    last = len(chunks) - 1
+    return [_body_message(c, end_of_stream and i == last, True) for i, c in enumerate(chunks)]
 
 
 class UsageReader:
@@ -211,7 +238,10 @@ class StreamState:
         self.server = server
         self.phase = Phase.HEADERS
         self.request: InferenceRequest | None = None
-        self.body = bytearray()
+        # The body as Envoy sent it: chunks kept as they came (joined once for parsing,
+        # echoed back as they are when routing did not change the body).
+        self.chunks: list[bytes] = []
+        self.size = 0
         self.subset: list[str] | None = None
         self.decision: Decision | None = None
         self.response = ResponseInfo()
@@ -225,6 +255,9 @@ class StreamState:
         self.observer_attached = False
         self.observer_ended = False
         self.stream_ended = False
+        # Completion record from the engine (``infergate.epp.datalayer.completions``).
+        self.record_received = False
+        self.record_deadline = 0.0
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request") or ""
@@ -271,7 +304,7 @@ class StreamState:
             return []
         chunk = message.request_body.body
         limits = self.server.limits
-        if len(self.body) + len(chunk) > limits.max_body_bytes:
+        if self.size + len(chunk) > limits.max_body_bytes:
             return self._reject(
                 Rejected(413, f"request body exceeds {limits.max_body_bytes} bytes")
             )
@@ -280,14 +313,17 @@ class StreamState:
             return self._reject(
                 Rejected(503, "the endpoint picker is buffering too many request bodies; retry")
             )
-        self.body += chunk
+        if chunk:
+            self.chunks.append(chunk)
+            self.size += len(chunk)
         if message.request_body.end_of_stream:
             return await self._route(end_of_stream=True)
         return []
 
     def _release_body(self) -> None:
-        self.server.release(len(self.body))
-        self.body = bytearray()
+        self.server.release(self.size)
+        self.chunks = []
+        self.size = 0
 
     def timed_out(self) -> list[pb.ProcessingResponse]:
         """The body did not arrive within ``Limits.body_timeout_s``."""
@@ -320,9 +356,11 @@ class StreamState:
         self, end_of_stream: bool, with_body: bool = True
     ) -> list[pb.ProcessingResponse]:
         assert self.request is not None
-        raw = bytes(self.body) if with_body else None
-        held = len(self.body)
-        self.body = bytearray()
+        chunks = self.chunks
+        raw = (chunks[0] if len(chunks) == 1 else b"".join(chunks)) if with_body else None
+        held = self.size
+        self.chunks = []
+        self.size = 0
         try:  # the bytes stay reserved while they are parsed and routed
             decision = await self.server.director.route(self.request, raw or None, self.subset)
         except Rejected as rejection:
@@ -361,7 +399,10 @@ class StreamState:
         )
         if not with_body or raw is None:
             return [header_response]
-        return [header_response, *_body_chunks(decision.body or b"", end_of_stream, True)]
+        if decision.body_rewritten:
+            return [header_response, *_body_chunks(decision.body or b"", end_of_stream, True)]
+        # Unchanged: what Envoy sent goes back as it came, without joining or copying.
+        return [header_response, *_echo_chunks(chunks, end_of_stream)]
 
     def _stray_response(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("response_body"):
@@ -440,6 +481,41 @@ class StreamState:
             self.response.cached_tokens = details["cached_tokens"]
         self.response.complete = True
 
+    @property
+    def endpoint_key(self) -> str:
+        if self.response.served_endpoint:
+            return self.response.served_endpoint
+        targets = self.decision.result.targets if self.decision is not None else []
+        return targets[0].key if targets else ""
+
+    def _awaits_record(self) -> bool:
+        """A routed 2xx response from an engine that reports completions ends with its record."""
+        reports = self.server.reports_completions
+        return (
+            reports is not None
+            and not self.record_received
+            and not self.response.complete
+            and self.decision is not None
+            and 200 <= self.response.status < 300
+            and reports(self.endpoint_key)
+        )
+
+    def take_record(self, record: CompletionRecord | None) -> None:
+        """The engine's completion record arrived (None: it will not, give up waiting)."""
+        if self.record_received or self.closed:
+            return
+        self.record_received = True
+        if record is not None:
+            response = self.response
+            response.prompt_tokens = record.prompt_tokens
+            response.completion_tokens = record.completion_tokens
+            response.cached_tokens = record.cached_tokens
+            if response.status == 0:
+                response.status = record.status
+            response.complete = record.status < 400
+        if self.stream_ended:
+            self.close()
+
     def observed_end(self, complete: bool) -> None:
         """The observer saw the response end (``complete``) or its stream went away."""
         if complete:
@@ -459,7 +535,11 @@ class StreamState:
         self.stream_ended = True
         if self.observer_attached and not self.observer_ended:
             return
+        if self._awaits_record():
+            self.server.await_record(self)
+            return
         self.closed = True
+        self.server.awaiting.pop(self.key, None)
         if self.key:
             self.server.routed.pop(self.key, None)
         self._release_body()
@@ -524,7 +604,12 @@ class ObserverState:
 
 class ExtProcServer(pb_grpc.ExternalProcessorServicer):
     def __init__(
-        self, director: Director, limits: Limits | int = Limits(), scores_header: bool = False
+        self,
+        director: Director,
+        limits: Limits | int = Limits(),
+        scores_header: bool = False,
+        reports_completions: Callable[[str], bool] | None = None,
+        record_timeout_s: float = 330.0,
     ) -> None:
         self.director = director
         # An int is the old signature's max_body_bytes.
@@ -534,6 +619,34 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.buffered_bytes = 0
         self.metrics = director.metrics
         self.routed: dict[str, StreamState] = {}  # REQUEST_ID_HEADER -> its routing stream
+        #: Whether an endpoint reports completion records (None: none does). Its 2xx
+        #: responses then finish when the record arrives, or after ``record_timeout_s``
+        #: (a record lost: PUB/SUB drops while disconnected) as incomplete.
+        self.reports_completions = reports_completions
+        self.record_timeout_s = record_timeout_s
+        self.awaiting: dict[str, StreamState] = {}  # streams ended, record not yet in
+
+    def await_record(self, state: StreamState) -> None:
+        if state.key not in self.awaiting:
+            state.record_deadline = asyncio.get_running_loop().time() + self.record_timeout_s
+            self.awaiting[state.key] = state
+
+    def on_record(self, endpoint: str, record: CompletionRecord) -> None:
+        """A completion record from ``endpoint``; records of other replicas are ignored."""
+        state = self.routed.get(record.key)
+        if state is not None:
+            state.take_record(record)
+
+    def expire_records(self, now: float, gone: str | None = None) -> int:
+        """Give up on records past their deadline (or all of endpoint ``gone``'s)."""
+        expired = [
+            s for s in self.awaiting.values()
+            if s.record_deadline <= now or (gone is not None and s.endpoint_key == gone)
+        ]  # fmt: skip
+        for state in expired:
+            self.count("record_lost")
+            state.take_record(None)
+        return len(expired)
 
     @property
     def max_body_bytes(self) -> int:

@@ -319,7 +319,7 @@ def build_pdb(pool: PoolSpec) -> Obj | None:
 
 def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
     """Envoy's bootstrap for the sidecar: ext-proc and EDS from the EPP on loopback."""
-    from infergate.stack.envoy_config import build_envoy_config
+    from infergate.envoy.bootstrap import build_envoy_config
 
     return build_envoy_config(
         listen_port=c.ENVOY_LISTEN_PORT,
@@ -329,6 +329,8 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
         admin_port=c.ENVOY_ADMIN_PORT,
         listen_address="0.0.0.0",
         epp_tls=True,  # the EPP container runs with --secure-serving
+        # The pool's engines may be vLLM, which publishes no completion records.
+        response_accounting="observer",
     )
 
 

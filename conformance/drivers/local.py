@@ -7,7 +7,7 @@
   args of the operator's EPP Deployment (``--pool-name``/``--pool-namespace``: Kubernetes
   discovery against the API-server emulator; ports rebound to free loopback ports) and
   the EndpointPickerConfig from the operator's ConfigMap. In front of it, a real Envoy
-  whose bootstrap is :func:`infergate.stack.envoy_config.build_envoy_config` — the
+  whose bootstrap is :func:`infergate.envoy.bootstrap.build_envoy_config` — the
   pool's ``failureMode`` becomes ``failure_mode_allow`` (FailOpen falls back to the
   pool's endpoints). A route of :mod:`conformance.topology` with one pool is that Envoy.
 * **Weighted routes** (an HTTPRoute with two InferencePool backendRefs) have no
@@ -40,9 +40,9 @@ import httpx
 from conformance import topology as topo
 from conformance.drivers.base import STOP_PODS, Driver, Pod, Reply
 from conformance.kube import KubeApi, api_client_for, wait_for
+from infergate.envoy.bootstrap import build_envoy_config
+from infergate.envoy.process import start_envoy
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
-from infergate.stack.envoy_config import build_envoy_config
-from infergate.stack.envoy_process import start_envoy
 from infergate.testing.kube_emulator import write_kubeconfig
 
 ECHO_SERVER = topo.HERE / "echo" / "server.py"
@@ -295,6 +295,7 @@ class LocalDriver(Driver):
             stat_prefix=pool.name.replace("-", "_"),
             # The operator's EPP serves ext-proc over TLS (GIE's default); dial it so.
             epp_tls="--secure-serving" in epp_container["args"],
+            response_accounting="observer",  # as the operator's sidecar
         )
         start_envoy(
             self.group, config, folder / "envoy.yaml", name=f"envoy-{pool.name}", timeout=90.0

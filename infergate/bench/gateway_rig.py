@@ -23,11 +23,13 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import yaml
 
 from infergate.bench.metrics import arrival_times
+from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
+from infergate.envoy.process import start_envoy
+from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.procs import ProcessGroup, free_port, http_ready
-from infergate.stack.envoy_config import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
-from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import (
     LOOPBACK,
     ensure_tiny_model,
@@ -146,8 +148,19 @@ def start_rig(
     envoy_concurrency: int = 1,
     response_bodies: bool = True,
     observe_responses: bool = True,
+    response_accounting: str | None = None,
+    epp_args: Sequence[str] = (),
+    bootstrap: dict[str, Any] | None = None,
 ) -> Rig:
+    """``response_accounting`` (``build_envoy_config``'s) wins over the two older flags;
+    with ``engine`` and ``upstream="engine"`` the engines publish completion records."""
+    if response_accounting is None:
+        response_accounting = (
+            "none" if not response_bodies else "observer" if observe_responses else "body"
+        )
     ports = [free_port() for _ in range(endpoints)]
+    done_ports = [free_port() for _ in range(endpoints)]
+    reporting = upstream == "engine" and response_accounting == "engine"
     if upstream == "static":
         start_envoy(
             group,
@@ -172,6 +185,7 @@ def start_rig(
                     str(port),
                     "--served-model-name",
                     MODEL,
+                    *(["--completion-events-port", str(done_ports[i])] if reporting else []),
                 ],
                 ready=http_ready(f"http://{LOOPBACK}:{port}/health"),
                 timeout=120,
@@ -181,8 +195,22 @@ def start_rig(
 
     grpc, health, metrics = free_port(), free_port(), free_port()
     argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
-    for port in ports:
-        argv += ["--endpoint", f"{LOOPBACK}:{port}"]
+    endpoints_file = workdir / "endpoints.yaml"
+    endpoints_file.write_text(
+        yaml.safe_dump(
+            {
+                "endpoints": [
+                    {
+                        "address": LOOPBACK,
+                        "port": port,
+                        "labels": {COMPLETION_EVENTS_PORT_LABEL: str(done)} if reporting else {},
+                    }
+                    for port, done in zip(ports, done_ports, strict=True)
+                ]
+            }
+        )
+    )
+    argv += ["--endpoints", str(endpoints_file), *epp_args]
     argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health)]
     argv += ["--metrics-port", str(metrics)]
     epp = group.start("epp", argv, ready=grpc_serving(LOOPBACK, health), timeout=120)
@@ -194,12 +222,12 @@ def start_rig(
         "epp_port": grpc,
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
-        "stream_response_bodies": response_bodies,
-        "observe_responses": observe_responses,
+        "response_accounting": response_accounting,
+        **(bootstrap or {}),
     }
     start_envoy(
         group,
-        build_envoy_config(listen_port=gateway_port, admin_port=free_port(), **common),  # type: ignore[arg-type]
+        build_envoy_config(listen_port=gateway_port, admin_port=free_port(), **common),
         workdir / "gateway.yaml",
         name="envoy-gateway",
         concurrency=envoy_concurrency,
@@ -207,7 +235,7 @@ def start_rig(
     start_envoy(
         group,
         direct_twin(
-            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)  # type: ignore[arg-type]
+            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)
         ),
         workdir / "direct.yaml",
         name="envoy-direct",
@@ -222,13 +250,25 @@ def start_rig(
     )
 
 
-BODY = {"model": MODEL, "prompt": "Say ok.", "max_tokens": 1, "stream": False}
+BODY: dict[str, Any] = {"model": MODEL, "prompt": "Say ok.", "max_tokens": 1, "stream": False}
+_JSON = {"content-type": "application/json"}
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float | None:
+def body_of_size(prompt_bytes: int) -> dict[str, Any]:
+    """:data:`BODY` with a prompt of about ``prompt_bytes`` (2 KB, 220 KB in the figures)."""
+    if prompt_bytes <= len(BODY["prompt"]):
+        return BODY
+    words = "the quick brown fox jumps over a lazy dog " * (prompt_bytes // 42 + 1)
+    return {**BODY, "prompt": words[:prompt_bytes]}
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any] | bytes
+) -> float | None:
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
     start = time.perf_counter()
     try:
-        async with session.post(url, json=body) as response:
+        async with session.post(url, data=payload, headers=_JSON) as response:
             await response.read()
             if response.status != 200:
                 return None
@@ -237,8 +277,11 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
     return time.perf_counter() - start
 
 
-async def open_loop(url: str, rate: float, seconds: float, *, seed: int = 0) -> dict[str, float]:
+async def open_loop(
+    url: str, rate: float, seconds: float, *, seed: int = 0, body: dict[str, Any] | None = None
+) -> dict[str, float]:
     """Poisson arrivals at ``rate`` for ``seconds``; latency percentiles (ms) of successes."""
+    payload = json.dumps(body or BODY).encode()  # encoded once: the client's CPU is shared
     n = max(1, int(rate * seconds))
     offsets = arrival_times(n, rate, seed=seed)
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -246,7 +289,7 @@ async def open_loop(url: str, rate: float, seconds: float, *, seed: int = 0) -> 
         connector=connector, timeout=aiohttp.ClientTimeout(total=30)
     ) as session:
         for _ in range(50):  # warm connections and the EPP's code paths
-            await _one(session, url, BODY)
+            await _one(session, url, payload)
         started = time.perf_counter()
         tasks = []
         lag = []
@@ -256,7 +299,7 @@ async def open_loop(url: str, rate: float, seconds: float, *, seed: int = 0) -> 
                 await asyncio.sleep(delay)
             else:
                 lag.append(-delay)
-            tasks.append(asyncio.create_task(_one(session, url, BODY)))
+            tasks.append(asyncio.create_task(_one(session, url, payload)))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
     ok = [r for r in results if r is not None]
@@ -273,8 +316,11 @@ async def open_loop(url: str, rate: float, seconds: float, *, seed: int = 0) -> 
     }
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, float]:
+async def closed_loop(
+    url: str, concurrency: int, seconds: float, body: dict[str, Any] | None = None
+) -> dict[str, float]:
     """``concurrency`` clients back to back for ``seconds``: the sustained request rate."""
+    payload = json.dumps(body or BODY).encode()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
     latencies: list[float] = []
     failures = 0
@@ -282,13 +328,13 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, f
         connector=connector, timeout=aiohttp.ClientTimeout(total=30)
     ) as session:
         for _ in range(50):
-            await _one(session, url, BODY)
+            await _one(session, url, payload)
         deadline = time.perf_counter() + seconds
 
         async def client() -> None:
             nonlocal failures
             while time.perf_counter() < deadline:
-                latency = await _one(session, url, BODY)
+                latency = await _one(session, url, payload)
                 if latency is None:
                     failures += 1
                 else:
@@ -308,7 +354,12 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> dict[str, f
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User+system CPU seconds used so far by ``pid`` (from /proc)."""
+    """User+system CPU seconds used so far by ``pid`` and its live children (``--workers``)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    own = (int(fields[11]) + int(fields[12])) / ticks
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return own + sum(process_cpu_seconds(int(child)) for child in children)

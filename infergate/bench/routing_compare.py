@@ -19,8 +19,8 @@ import asyncio
 from infergate.bench.datasets import Tokens, shared_prefix_dataset
 from infergate.bench.gateway_rig import direct_twin
 from infergate.bench.runner import BenchConfig, run_benchmark
+from infergate.envoy.process import start_envoy
 from infergate.procs import free_port
-from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import LocalStack, StackSpec
 
 

@@ -100,6 +100,19 @@ def up(
     kv_transfer_port: int = typer.Option(
         14579, "--kv-transfer-port", help="With --roles: first engine's KV-transfer port."
     ),
+    response_accounting: str = typer.Option(
+        "engine",
+        "--response-accounting",
+        help="How the EPP learns each response's end and usage: engine (engines publish "
+        "completion records over ZMQ; Envoy sends the EPP no response body), observer (an "
+        "observability-mode filter streams response bodies to the EPP; for engines that "
+        "cannot report), body (GIE's single filter) or none.",
+    ),
+    completion_events_port: int = typer.Option(
+        5600,
+        "--completion-events-port",
+        help="With --response-accounting engine: first engine's completion-records port.",
+    ),
     engine_arg: list[str] = typer.Option(
         [],
         "--engine-arg",
@@ -137,11 +150,18 @@ def up(
     from rich.console import Console
     from rich.table import Table
 
+    from infergate.envoy.bootstrap import RESPONSE_ACCOUNTING
     from infergate.stack.local import LocalStack, StackError, StackSpec
 
     console = Console()
     if failure_mode not in ("FailOpen", "FailClose"):
         console.print(f"[red]--failure-mode must be FailOpen or FailClose, not {failure_mode!r}")
+        raise typer.Exit(2)
+    if response_accounting not in RESPONSE_ACCOUNTING:
+        console.print(
+            f"[red]--response-accounting must be one of {', '.join(RESPONSE_ACCOUNTING)}, "
+            f"not {response_accounting!r}"
+        )
         raise typer.Exit(2)
     spec = StackSpec(
         engines=engines,
@@ -164,6 +184,8 @@ def up(
         roles=[r.strip() for r in roles.split(",")] if roles else (),
         pd_threshold=pd_threshold,
         kv_transfer_port=kv_transfer_port,
+        response_accounting=response_accounting,
+        completion_events_port=completion_events_port,
         engine_args=list(engine_arg),
         epp_args=list(epp_arg),
         secure_serving=secure_serving,

@@ -23,6 +23,8 @@ from typing import Any
 import yaml
 
 from infergate.epp.config import LORA_CONFIG_YAML as LORA_CONFIG
+from infergate.envoy.bootstrap import build_envoy_config
+from infergate.envoy.process import start_envoy
 from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
 from infergate.epp.config import pd_config
 from infergate.procs import (
@@ -30,15 +32,13 @@ from infergate.procs import (
     ProcessGroup,
     ProcessStartError,
     ReadyCheck,
-    free_port,
     http_ready,
 )
-from infergate.stack.envoy_config import build_envoy_config
-from infergate.stack.envoy_process import start_envoy
 
 LOOPBACK = "127.0.0.1"
 TINY_MODEL_NAME = "infergate-tiny"
 KV_EVENTS_PORT_LABEL = "infergate.io/kv-events-port"  # read by precise-prefix-cache-scorer
+COMPLETION_EVENTS_PORT_LABEL = "infergate.io/completion-events-port"  # read by the EPP
 
 
 class StackError(RuntimeError):
@@ -118,6 +118,19 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
 #: Engine role (the ``llm-d.ai/role`` label) → the engine's ``kv_role``.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 ROLE_LABEL = "llm-d.ai/role"
+def _distinct_free_ports(count: int) -> list[int]:
+    """``count`` free loopback ports, all different (held open together while asked for:
+    one at a time, the kernel may hand out the same port twice)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((LOOPBACK, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @dataclass
@@ -144,6 +157,13 @@ class StackSpec:
     kv_events_port: int = 5557
     """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
     kv_events_ports: Sequence[int] | None = None
+    response_accounting: str = "engine"
+    """How the EPP learns a response's end and usage (``build_envoy_config``): ``engine``
+    (engines publish completion records; Envoy sends the EPP no response body),
+    ``observer``, ``body`` (GIE's single filter) or ``none``."""
+    completion_events_port: int = 5600
+    """First engine's completion-records port (engine i: ``+ i``) with ``engine`` accounting."""
+    completion_events_ports: Sequence[int] | None = None
     objectives_file: Path | None = None
     roles: Sequence[str] = ()
     """Prefill/decode disaggregation: engine i's role (``prefill``, ``decode`` or ``both``).
@@ -178,13 +198,15 @@ class StackSpec:
     def on_free_ports(cls, engines: int, **fields: Any) -> StackSpec:
         """A spec whose listener, admin, engine and EPP ports are free loopback ports (for
         tests, benchmarks and the routing lab, which run beside other stacks)."""
+        free = _distinct_free_ports(5 + 2 * engines)
         ports = {
-            "port": free_port(),
-            "admin_port": free_port(),
-            "engine_ports": [free_port() for _ in range(engines)],
-            "epp_grpc_port": free_port(),
-            "epp_health_port": free_port(),
-            "epp_metrics_port": free_port(),
+            "port": free[0],
+            "admin_port": free[1],
+            "epp_grpc_port": free[2],
+            "epp_health_port": free[3],
+            "epp_metrics_port": free[4],
+            "engine_ports": free[5 : 5 + engines],
+            "completion_events_ports": free[5 + engines :],
         }
         if fields.get("roles"):
             ports["kv_transfer_ports"] = [free_port() for _ in range(engines)]
@@ -235,6 +257,18 @@ class StackSpec:
                 )
             return list(self.kv_events_ports)
         return [self.kv_events_port + i for i in range(self.engines)]
+
+    def resolved_completion_events_ports(self) -> list[int]:
+        if self.response_accounting != "engine":
+            return []
+        if self.completion_events_ports is not None:
+            if len(self.completion_events_ports) != self.engines:
+                raise StackError(
+                    f"{len(self.completion_events_ports)} completion-events ports given for "
+                    f"{self.engines} engines"
+                )
+            return list(self.completion_events_ports)
+        return [self.completion_events_port + i for i in range(self.engines)]
 
     def resolved_engine_ports(self) -> list[int]:
         if self.engine_ports is not None:
@@ -328,6 +362,10 @@ class LocalStack:
                 (f"engine-{i} KV transfer", port, "--kv-transfer-port")
                 for i, port in enumerate(self.spec.resolved_kv_transfer_ports())
             ]
+            + [
+                (f"engine-{i} completion events", port, "--completion-events-port")
+                for i, port in enumerate(self.spec.resolved_completion_events_ports())
+            ]
         )
         seen: dict[int, str] = {}
         for who, port, flag in wanted:
@@ -408,6 +446,7 @@ class LocalStack:
             "debug_headers": True,
             "access_log": self.spec.access_log,
             "epp_tls": self.spec.secure_serving,
+            "response_accounting": self.spec.response_accounting,
         }
         args.update(overrides)
         if args["failure_mode_allow"] and "fallback_endpoints" not in overrides:
@@ -420,6 +459,9 @@ class LocalStack:
             zip(self.engine_addresses, self.spec.resolved_kv_events_ports(), strict=False)
         )
         roles = dict(zip(self.engine_addresses, self.spec.resolved_roles(), strict=False))
+        done_ports = dict(
+            zip(self.engine_addresses, self.spec.resolved_completion_events_ports(), strict=False)
+        )
         endpoints = []
         for address in addresses:
             host, _, port = address.rpartition(":")
@@ -428,6 +470,8 @@ class LocalStack:
                 labels[KV_EVENTS_PORT_LABEL] = str(kv_ports[address])
             if address in roles:
                 labels[ROLE_LABEL] = roles[address]
+            if address in done_ports:
+                labels[COMPLETION_EVENTS_PORT_LABEL] = str(done_ports[address])
             endpoints.append({"address": host, "port": int(port), "labels": labels})
         scratch = self.endpoints_file.with_suffix(".tmp")
         scratch.write_text(yaml.safe_dump({"endpoints": endpoints}, sort_keys=False))
@@ -506,6 +550,9 @@ class LocalStack:
         argv += self._lora_args()
         if self.spec.resolved_roles():
             argv += ["--kv-transfer-config", self.spec.kv_transfer_config(index)]
+        done_ports = self.spec.resolved_completion_events_ports()
+        if done_ports:
+            argv += ["--completion-events-port", str(done_ports[index])]
         argv += list(self.spec.engine_args)
         if index < len(self.spec.per_engine_args):
             argv += list(self.spec.per_engine_args[index])

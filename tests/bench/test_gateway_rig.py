@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 
 from infergate.bench.gateway_rig import direct_twin
-from infergate.stack.envoy_config import FALLBACK_CLUSTER, build_envoy_config
-from infergate.stack.envoy_process import validate_config
+from infergate.envoy.bootstrap import FALLBACK_CLUSTER, build_envoy_config
+from infergate.envoy.process import validate_config
 
 
 def test_direct_twin_drops_the_epp_and_is_valid(tmp_path: Path, envoy_binary: Path) -> None:

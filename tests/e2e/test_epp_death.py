@@ -3,9 +3,11 @@
 Through the real Envoy and simulated engines: 100 long streamed generations are in
 flight when the EPP is killed (SIGKILL, no goodbye); every one still ends with all its
 tokens and ``[DONE]``, with FailClose and with FailOpen. This holds because the EPP never
-carries response bytes: the routing filter sees no response body, and the observer filter
-that reads usage runs in Envoy's observability mode, whose failures Envoy ignores.
-The EPP still learns what it needs from responses (usage, completion): checked first.
+carries response bytes: the routing filter sees no response body; usage and the end of
+the response come from the engines' completion records (the default) or from an observer
+filter in Envoy's observability mode, whose failures Envoy ignores (for engines that
+cannot report). The EPP still learns what it needs from responses (usage, completion,
+cached tokens): checked first.
 """
 
 from __future__ import annotations
@@ -26,20 +28,26 @@ STREAMS = 100
 TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["FailClose", "FailOpen"])
+@pytest.fixture(
+    scope="module",
+    params=[("FailClose", "engine"), ("FailOpen", "engine"), ("FailClose", "observer")],
+    ids=lambda p: "-".join(p),
+)
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path
 ) -> Iterator[LocalStack]:
+    failure_mode, accounting = request.param
     spec = StackSpec.on_free_ports(
         engines=2,
         model=tiny_model,
         served_model_name="tiny",
         simulate=True,
-        failure_mode_allow=request.param == "FailOpen",
+        failure_mode_allow=failure_mode == "FailOpen",
+        response_accounting=accounting,
         # Slow steps: the generations are still streaming when the EPP dies.
         engine_args=["--sim-base-ms", "40", "--max-num-seqs", "64"],
         access_log=False,
-        workdir=tmp_path_factory.mktemp(f"epp-death-{request.param}"),
+        workdir=tmp_path_factory.mktemp(f"epp-death-{failure_mode}-{accounting}"),
         start_timeout=180.0,
     )
     with LocalStack(spec) as stack:
@@ -102,6 +110,43 @@ def test_the_epp_reads_usage_and_finishes_at_the_end_of_the_response(stack: Loca
             break
         time.sleep(0.1)
     assert _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"') == before + 12
+
+
+def test_usage_and_cached_tokens_reach_the_epp_without_include_usage(stack: LocalStack) -> None:
+    """Non-streamed and streamed without ``include_usage``: with engine records the EPP
+    still counts the tokens (the observer can only read what the body carries)."""
+    prompt = "the same long shared prefix " * 8
+    before = _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"')
+    cached_before = _epp_metric(stack, "infergate_epp_prefix_actual_cached_tokens_total", "")
+    for stream in (False, True, False):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "ignore_eos": True}
+        with httpx.stream(
+            "POST", f"{stack.base_url}/v1/completions", json={**body, "stream": stream},
+            timeout=60,
+        ) as response:  # fmt: skip
+            assert response.status_code == 200
+            response.read()
+    expected = before + (15 if stack.spec.response_accounting == "engine" else 10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"') >= expected:
+            break
+        time.sleep(0.1)
+    assert _epp_metric(stack, "infergate_epp_tokens_total", 'kind="completion"') == expected
+    if stack.spec.response_accounting == "engine":  # the prefix index's ground truth too
+        cached = _epp_metric(stack, "infergate_epp_prefix_actual_cached_tokens_total", "")
+        assert cached > cached_before
+    # Nothing left in flight once every response ended (the records released them).
+    assert _in_flight(stack) == 0
+
+
+def _in_flight(stack: LocalStack) -> float:
+    text = httpx.get(stack.epp_metrics_url, timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("infergate_epp_endpoint_in_flight_requests{")
+    )
 
 
 def test_sigkill_of_the_epp_truncates_no_stream_in_flight(stack: LocalStack) -> None:

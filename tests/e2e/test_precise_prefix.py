@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
 from infergate.procs import free_port
-from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER
 from infergate.stack.local import LocalStack, StackSpec
 from infergate.stack.probes import metric_sum, wait_for
 

@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 import httpx
 import openai
 
-from infergate.procs import free_port
-from infergate.stack.envoy_config import (
+from infergate.envoy.bootstrap import (
     EPP_CLUSTER,
     PICKED_HEADER,
     SERVED_HEADER,
     UPSTREAM_HOST_HEADER,
 )
-from infergate.stack.envoy_process import start_envoy
+from infergate.envoy.process import start_envoy
+from infergate.procs import free_port
 from infergate.stack.local import LocalStack
 from infergate.stack.probes import engines_idle, envoy_cluster_healthy, metric_sum, wait_for
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infergate.envoy.bootstrap import EPP_CLUSTER
+from infergate.envoy.process import start_envoy
 from infergate.procs import free_port
-from infergate.stack.envoy_config import EPP_CLUSTER
-from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import LocalStack, StackSpec
 
 

@@ -36,14 +36,16 @@ async def test_routes_at_end_of_body_and_streams_body_back(epp_factory, channel_
     payload = _completion("x" * 200)
     await stream.send(headers(POST), body(payload[:50], end_of_stream=False))
     await stream.send(body(payload[50:], end_of_stream=True))
-    header_response, body_response = await stream.recv(2)
+    header_response, first, second = await stream.recv(3)
     destination = set_headers(header_response)["x-gateway-destination-endpoint"]
     assert destination in {A.key, B.key}
     assert header_response.request_headers.response.clear_route_cache
     dynamic = json_format.MessageToDict(header_response.dynamic_metadata)
     assert dynamic == {"envoy.lb": {"x-gateway-destination-endpoint": destination}}
-    streamed = body_response.request_body.response.body_mutation.streamed_response
-    assert streamed.body == payload and streamed.end_of_stream
+    # The unchanged body goes back as Envoy sent it: the same two chunks, end on the last.
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in (first, second)]
+    assert [c.body for c in streamed] == [payload[:50], payload[50:]]
+    assert [c.end_of_stream for c in streamed] == [False, True]
 
     # Response side: headers and body pass through; the served endpoint is reported.
     await stream.send(

@@ -190,7 +190,7 @@ def test_pdb_only_with_several_replicas() -> None:
 
 
 def test_standalone_envoy_adds_sidecar_config_and_port() -> None:
-    pytest.importorskip("infergate.stack.envoy_config")
+    pytest.importorskip("infergate.envoy.bootstrap")
     pool = spec(**{c.ANNOTATION_STANDALONE_ENVOY: "true"})
     objects = {
         (o["kind"], o["metadata"]["name"]): o
@@ -212,7 +212,7 @@ def test_every_built_object_is_valid_kubernetes(replicas: str, standalone: str) 
     import kubernetes_validate
 
     if standalone == "true":
-        pytest.importorskip("infergate.stack.envoy_config")
+        pytest.importorskip("infergate.envoy.bootstrap")
     pool = spec(**{c.ANNOTATION_EPP_REPLICAS: replicas, c.ANNOTATION_STANDALONE_ENVOY: standalone})
     for obj in desired_objects(pool, SETTINGS, DEFAULT_EPP_CONFIG):
         kubernetes_validate.validate(obj, "1.32", strict=True)

@@ -177,7 +177,7 @@ async def test_a_service_the_user_owns_is_resolved_not_replaced(
 
 
 async def test_standalone_envoy_sidecar(emulator: KubeEmulator, start_operator: Any) -> None:
-    pytest.importorskip("infergate.stack.envoy_config", reason="envoy_config not built yet")
+    pytest.importorskip("infergate.envoy.bootstrap", reason="envoy_config not built yet")
     await start_operator()
     await emulator.create_object(pool(**{"infergate.io/standalone-envoy": "true"}))
     await wait_for(lambda: owned(emulator, "Deployment"), what="deployment")

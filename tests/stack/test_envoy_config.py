@@ -14,15 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.procs import ProcessGroup, free_port, tcp_ready
-from infergate.stack.envoy_config import (
+from infergate.envoy.bootstrap import (
     DESTINATION_HEADER,
     EPP_CLUSTER,
     UPSTREAM_HOST_HEADER,
     build_envoy_config,
     render_envoy_yaml,
 )
-from infergate.stack.envoy_process import start_envoy, validate_config
+from infergate.envoy.process import start_envoy, validate_config
+from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 
 def _ext_proc(config: dict) -> dict:
@@ -42,6 +42,7 @@ def _ext_proc(config: dict) -> dict:
         {"stream_response_bodies": False, "epp_health_check_interval_s": None},
         {"epp_tls": True},
         {"observe_responses": False},
+        {"response_accounting": "observer"},
         {"epp_tls": True, "epp_address": "epp.default.svc.cluster.local"},
     ],
 )
@@ -73,11 +74,19 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     assert open_["failure_mode_allow"] is True
     assert closed["failure_mode_allow"] is False
     mode = closed["processing_mode"]
-    # Responses go to the observer (observability mode), not through the routing filter.
+    # Responses never go through the routing filter.
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert mode["response_body_mode"] == "NONE"
     assert mode["request_trailer_mode"] == "SEND"
     config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    # Default: engines report completions, so no filter sees response bodies.
+    assert "infergate.ext_proc.observer" not in names
+    assert mode["response_trailer_mode"] == "SKIP"
+    config = build_envoy_config(
+        listen_port=1, epp_address="127.0.0.1", epp_port=2, response_accounting="observer"
+    )
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
     observer = hcm["typed_config"]["http_filters"][names.index("infergate.ext_proc.observer")]

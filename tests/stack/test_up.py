@@ -12,8 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
 from infergate.procs import ProcessGroup, free_port, tcp_ready
-from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER
 from infergate.stack.local import ensure_tiny_model, port_in_use
 
 

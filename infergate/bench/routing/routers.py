@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infergate.bench.gateway_rig import direct_twin
+from infergate.envoy.process import start_envoy
 from infergate.procs import free_port, http_ready
-from infergate.stack.envoy_process import start_envoy
 from infergate.stack.local import LOOPBACK, LocalStack
 
 

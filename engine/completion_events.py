@@ -1,0 +1,201 @@
+"""Completion records: the engine tells the Endpoint Picker when a request ended, and its usage.
+
+Why: the EPP needs, per routed request, the end of the response (to release in-flight
+and flow-control accounting), ``usage`` (tokens for fairness and the chars-per-token
+calibration) and ``cached_tokens`` (the prefix index's calibration). Reading them from
+the response body costs the EPP one gRPC message per SSE chunk, so a 512-token stream
+cost it ~26 times a one-token answer. An engine that publishes one small record per
+request makes that cost independent of the response's length, and lets Envoy send the
+EPP no response body at all.
+
+Wire format (ours; vLLM has no such channel): ZMQ PUB, multipart ``[topic, seq,
+payload]`` like the KV events (:mod:`infergate.engine.kv_events`); ``topic`` is
+``b"completions"``, ``seq`` a 64-bit big-endian batch number from 0, ``payload`` msgpack
+of ``[ts, records]``, each record the array
+``[key, status, prompt_tokens, completion_tokens, cached_tokens, finished_at]``
+(``finished_at`` in ``time.time()`` seconds; ``status`` the HTTP status the engine sent,
+499 when the client went away first). ``key`` is the value of the request's
+``x-infergate-request-id`` header, which the EPP set when it routed the request; a
+request without it (not routed by an EPP) produces no record.
+
+Every subscribed EPP replica receives every record and keeps those it routed. PUB/SUB
+drops what a subscriber is not connected for, so the EPP bounds how long it waits for a
+record (see ``infergate.epp.datalayer.completions``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import threading
+import time
+from itertools import count
+from typing import Any
+
+import msgspec
+
+from infergate.envoy.names import REQUEST_ID_HEADER
+
+log = logging.getLogger(__name__)
+
+TOPIC = b"completions"
+KEY_HEADER = REQUEST_ID_HEADER.encode()
+CLIENT_GONE = 499
+
+
+class CompletionRecord(msgspec.Struct, array_like=True, gc=False):
+    key: str
+    status: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finished_at: float
+
+
+class CompletionBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    records: list[CompletionRecord]
+
+
+def decode_batch(payload: bytes) -> CompletionBatch:
+    return msgspec.msgpack.decode(payload, type=CompletionBatch)
+
+
+class Usage:
+    """Token totals of one HTTP request, summed over the engine requests it made.
+
+    ``n`` choices of one prompt share the prompt's token list: its prompt (and cached)
+    tokens count once, as in the response's ``usage``; completion tokens count per choice.
+    """
+
+    __slots__ = ("_prompts", "cached_tokens", "completion_tokens", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self._prompts: set[int] = set()
+
+    def add(self, prompt_id: int, prompt_tokens: int, output_tokens: int, cached: int) -> None:
+        self.completion_tokens += output_tokens
+        if prompt_id not in self._prompts:
+            self._prompts.add(prompt_id)
+            self.prompt_tokens += prompt_tokens
+            self.cached_tokens += cached
+
+
+CURRENT: contextvars.ContextVar[Usage | None] = contextvars.ContextVar(
+    "infergate_completion_usage", default=None
+)
+"""The HTTP request's ``Usage`` while its handler runs (set by :class:`CompletionReporter`)."""
+
+
+class CompletionPublisher:
+    """Publishes records from a background thread, batching whatever queued meanwhile."""
+
+    def __init__(self, endpoint: str, *, hwm: int = 100_000) -> None:
+        import zmq
+        from infergate.engine.kv_events import is_bind_endpoint
+
+        self._sock: Any = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.set_hwm(hwm)
+        if is_bind_endpoint(endpoint):
+            self._sock.bind(endpoint)
+        else:
+            self._sock.connect(endpoint)
+        self._queue: queue.SimpleQueue[CompletionRecord | None] = queue.SimpleQueue()
+        self._seq = count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._thread = threading.Thread(target=self._run, name="completions", daemon=True)
+        self._thread.start()
+
+    def publish(self, record: CompletionRecord) -> None:
+        self._queue.put(record)
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            records = [first]
+            while len(records) < 1024:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                records.append(item)
+            try:
+                payload = self._encoder.encode(CompletionBatch(ts=time.time(), records=records))
+                seq = next(self._seq).to_bytes(8, "big")
+                self._sock.send_multipart((TOPIC, seq, payload))
+            except Exception:  # a publishing hiccup must never take the engine down
+                log.exception("failed to publish completion records")
+        self._sock.close(linger=0)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=2.0)
+
+
+class CompletionReporter:
+    """ASGI middleware: one record per HTTP request that carries the EPP's key header.
+
+    It makes the request's :class:`Usage` current (the async engine adds each finished
+    engine request to it) and publishes when the last body byte has been handed to the
+    server, or when the handler ends any other way (client gone, error).
+    """
+
+    def __init__(self, app: Any, publisher: CompletionPublisher) -> None:
+        self.app = app
+        self.publisher = publisher
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = ""
+        for name, value in scope.get("headers", ()):
+            if name == KEY_HEADER:
+                key = value.decode("latin-1")
+                break
+        if not key:
+            await self.app(scope, receive, send)
+            return
+        usage = Usage()
+        status = 0
+        sent = False
+
+        def publish(code: int) -> None:
+            nonlocal sent
+            if not sent:
+                sent = True
+                self.publisher.publish(
+                    CompletionRecord(
+                        key,
+                        code,
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        usage.cached_tokens,
+                        time.time(),
+                    )
+                )
+
+        async def reporting_send(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                publish(status)
+
+        token = CURRENT.set(usage)
+        try:
+            await self.app(scope, receive, reporting_send)
+        finally:
+            CURRENT.reset(token)
+            publish(CLIENT_GONE)  # no-op when the response ended; else it did not reach the client

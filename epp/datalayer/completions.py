@@ -1,0 +1,104 @@
+"""Completion records from the engines, as a data-layer feed.
+
+An engine started with ``--completion-events-port`` publishes one record per request the
+EPP routed (key, HTTP status, prompt/completion/cached tokens, finish time; the format is
+:mod:`infergate.engine.completion_events`). With them the EPP learns the end of a
+response and its usage without seeing the response body, so its cost per request does
+not grow with the response's length and Envoy can send it no response body at all
+(``response_accounting="engine"`` in the Envoy bootstrap).
+
+One ZMQ SUB per endpoint that reports: the endpoint label
+``infergate.io/completion-events-port`` names the port, or ``default_port`` applies to
+every endpoint. Endpoints without either are not subscribed and the EPP finishes their
+requests at the response headers (no usage), as before. Every EPP replica receives
+every record and keeps the ones it routed (``on_record`` looks the key up).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from infergate.engine.completion_events import CompletionBatch, CompletionRecord
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.endpoint_tasks import EndpointTasks
+from infergate.epp.types import Endpoint
+
+log = logging.getLogger("infergate.epp.completions")
+
+COMPLETION_EVENTS_PORT_LABEL = "infergate.io/completion-events-port"
+
+RecordSink = Callable[[str, CompletionRecord], None]
+"""Called with (endpoint key, record) for every record received."""
+
+
+class CompletionSubscriptions:
+    def __init__(
+        self,
+        datastore: Datastore,
+        on_record: RecordSink,
+        default_port: int | None = None,
+        on_removed: Callable[[str], None] | None = None,
+    ) -> None:
+        self.datastore = datastore
+        self.on_record = on_record
+        self.default_port = default_port
+        self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
+        self._zmq: Any = None
+        self._tasks = EndpointTasks(datastore, self._subscribe, "completions")
+        if on_removed is not None:
+            self._tasks.removed_listeners.append(lambda e: on_removed(e.key))
+
+    def port(self, endpoint: Endpoint) -> int | None:
+        label = endpoint.label(COMPLETION_EVENTS_PORT_LABEL)
+        if label:
+            try:
+                return int(label)
+            except ValueError:
+                log.warning("endpoint %s: bad %s %r", endpoint.key, COMPLETION_EVENTS_PORT_LABEL,
+                            label)  # fmt: skip
+                return None
+        return self.default_port
+
+    def reports(self, endpoint_key: str) -> bool:
+        """Whether ``endpoint_key`` reports completions (its requests wait for a record)."""
+        state = self.datastore.get(endpoint_key)
+        return state is not None and self.port(state.endpoint) is not None
+
+    def start(self) -> None:
+        import zmq.asyncio
+
+        self._zmq = zmq.asyncio.Context()
+        self._tasks.start()
+
+    async def stop(self) -> None:
+        await self._tasks.stop()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+
+    async def _subscribe(self, endpoint: Endpoint) -> None:
+        import zmq
+
+        port = self.port(endpoint)
+        if port is None:
+            return  # not a reporting endpoint
+        host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
+        socket = self._zmq.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"completions")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://{host}:{port}")
+        try:
+            while True:
+                frames = await socket.recv_multipart()
+                try:
+                    batch = self._decoder.decode(frames[-1])
+                except (msgspec.DecodeError, ValueError) as error:
+                    log.warning("bad completion batch from %s: %s", endpoint.key, error)
+                    continue
+                for record in batch.records:
+                    self.on_record(endpoint.key, record)
+        finally:
+            socket.close(0)

@@ -1,0 +1,616 @@
+"""Envoy v3 bootstrap for an InferencePool: ext_proc to the Endpoint Picker, EDS upstream.
+
+One pure function builds the whole bootstrap as plain dicts, so ``infergate up``, the
+operator's standalone Envoy sidecar and the conformance helpers all run the same config.
+Envoy 1.40 validates it (``envoy --mode validate``; see tests/stack).
+
+Why each piece is there:
+
+* ``ext_proc`` streams request and response bodies FULL_DUPLEX_STREAMED: the EPP must see
+  the whole OpenAI body before it can pick, and must pass SSE chunks straight back without
+  buffering. That body mode requires the matching trailer mode to be SEND. Because the
+  EPP answers the request-headers message only after the last body chunk, the per-message
+  timeout must cover the client's upload, hence seconds, not Envoy's 200 ms default.
+* The picked endpoint arrives as the ``x-gateway-destination-endpoint`` header (and the
+  same value as dynamic metadata in namespace ``envoy.lb``). The pool cluster uses Envoy's
+  ``override_host`` policy, which dials the first endpoint of that list and, on a retry
+  (connect failure, refused stream, reset before the request went out), the next one —
+  GIE's fallback list. ``override_host`` only dials hosts its cluster has, so the cluster
+  learns the pool's endpoints from the EPP itself over EDS (the EPP serves it on the
+  ext-proc port), and keeps the last set if the EPP dies. (DESIGN.md's ORIGINAL_DST
+  cluster dials any address but cannot honour the fallback list or fail open.) The
+  header is stripped from client requests first, so a client can never choose an
+  upstream itself.
+* Only requests that carry a pick in the ``envoy.lb`` metadata (which, unlike a header,
+  only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
+  ``failure_mode_allow`` let the request through) are balanced least-request over a static
+  fallback cluster when one is given, else over the endpoints the EPP last announced.
+* The EPP cluster speaks TLS when the EPP does (``epp_tls``, GIE's ``--secure-serving``;
+  like GIE's gateways it does not verify the EPP's certificate, which is self-signed by
+  default), and is health-checked with gRPC health (service ``liveness``) on the ext-proc
+  port itself, over the same transport: a TLS mismatch, or a port that accepts TCP but
+  does not speak gRPC, shows as unhealthy instead of failing every request. Panic routing
+  is off: with FULL_DUPLEX_STREAMED
+  bodies Envoy can fail open only before the first body chunk went out, so a dead EPP
+  must be known before the request starts, not discovered at connect time.
+* On the way back the upstream really used is copied into ``envoy.lb`` as
+  ``x-gateway-destination-endpoint-served`` and forwarded to the EPP with the response
+  headers, as GIE's protocol asks.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from infergate.envoy.names import (
+    DESTINATION_HEADER,
+    LB_METADATA_NAMESPACE,
+    REQUEST_ID_HEADER,
+    SERVED_HEADER,
+)
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "EPP_CLUSTER",
+    "EPP_HEALTH_SERVICE",
+    "FALLBACK_CLUSTER",
+    "LB_METADATA_NAMESPACE",
+    "PICKED_HEADER",
+    "POOL_CLUSTER",
+    "REQUEST_ID_HEADER",
+    "RESPONSE_ACCOUNTING",
+    "SERVED_HEADER",
+    "UPSTREAM_HOST_HEADER",
+    "build_envoy_config",
+    "render_envoy_yaml",
+]
+
+RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
+"""How the EPP learns a response's end and usage (see :func:`build_envoy_config`)."""
+UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
+"""Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
+PICKED_HEADER = "x-infergate-picked-endpoint"
+"""Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
+EPP_CLUSTER = "infergate_epp"
+EPP_HEALTH_SERVICE = "liveness"
+"""gRPC health service the EPP reports SERVING while it runs, on its ext-proc port too."""
+POOL_CLUSTER = "infergate_pool"
+FALLBACK_CLUSTER = "infergate_pool_fallback"
+
+_T = "type.googleapis.com/envoy."
+_HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_UPSTREAM_TLS = _T + "extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+_HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
+_ROUTER = _T + "extensions.filters.http.router.v3.Router"
+_HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
+_OVERRIDE_HOST = _T + "extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_LEAST_REQUEST = _T + "extensions.load_balancing_policies.least_request.v3.LeastRequest"
+
+_HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
+_STDOUT_LOG = _T + "extensions.access_loggers.stream.v3.StdoutAccessLog"
+
+_ACCESS_LOG_FORMAT = (
+    '[%START_TIME%] "%REQ(:METHOD)% %REQ(:PATH)%" %RESPONSE_CODE% %RESPONSE_FLAGS% '
+    "picked=%REQ(X-GATEWAY-DESTINATION-ENDPOINT)% upstream=%UPSTREAM_HOST% "
+    "duration_ms=%DURATION% upstream_ms=%RESPONSE_DURATION%\n"
+)
+
+
+def _duration(seconds: float) -> str:
+    """Envoy's JSON duration: a decimal number of seconds with an ``s`` suffix."""
+    if seconds < 0:
+        raise ValueError(f"durations must be >= 0, got {seconds}")
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _socket(address: str, port: int) -> dict[str, Any]:
+    if not 0 < port < 65536:
+        raise ValueError(f"port out of range: {port}")
+    return {"socket_address": {"address": address, "port_value": port}}
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def _circuit_breakers(max_requests: int) -> dict[str, Any]:
+    # Envoy's defaults (1024 each) would throttle long streaming generations well below
+    # what an inference pool can hold in flight.
+    return {
+        "thresholds": [
+            {
+                "max_connections": max_requests,
+                "max_pending_requests": max_requests,
+                "max_requests": max_requests,
+            }
+        ]
+    }
+
+
+def _static_cluster(
+    name: str,
+    endpoints: Sequence[tuple[str, int]],
+    *,
+    connect_timeout_s: float,
+    max_requests: int,
+    http2: bool,
+    streams_per_connection: int = 100000,
+) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if all(_is_ip(host) for host, _ in endpoints) else "STRICT_DNS",
+        "connect_timeout": _duration(connect_timeout_s),
+        "lb_policy": "LEAST_REQUEST",
+        "circuit_breakers": _circuit_breakers(max_requests),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _socket(host, port)}} for host, port in endpoints
+                    ]
+                }
+            ],
+        },
+    }
+    if not _is_ip(endpoints[0][0]):
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _HTTP_OPTIONS,
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        # One gRPC stream per HTTP request: allow plenty per connection.
+                        "max_concurrent_streams": streams_per_connection,
+                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                    }
+                },
+            }
+        }
+    return cluster
+
+
+def _ext_proc_filter(
+    *,
+    failure_mode_allow: bool,
+    message_timeout_s: float,
+    grpc_authority: str,
+    response_bodies: bool,
+) -> dict[str, Any]:
+    """The routing filter; without ``response_bodies`` Envoy ends its stream after the
+    response headers (the EPP learns the rest from the engine or the observer)."""
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EPP_CLUSTER, "authority": grpc_authority},
+            },
+            "failure_mode_allow": failure_mode_allow,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED" if response_bodies else "NONE",
+                # FULL_DUPLEX_STREAMED requires the trailer modes to be SEND.
+                "request_trailer_mode": "SEND",
+                "response_trailer_mode": "SEND" if response_bodies else "SKIP",
+            },
+            # The EPP answers headers only after the full body: give uploads time.
+            "message_timeout": _duration(message_timeout_s),
+            "max_message_timeout": _duration(max(message_timeout_s, 300.0)),
+            # Lets the EPP skip response-body streaming per request (e.g. non-streaming).
+            "allow_mode_override": True,
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
+                # The response-headers message then carries the served endpoint.
+                "forwarding_namespaces": {"untyped": [LB_METADATA_NAMESPACE]},
+            },
+        },
+    }
+
+
+def _observer_filter(*, grpc_authority: str) -> dict[str, Any]:
+    """A second ext_proc filter in observability mode: Envoy streams it the response
+    headers and body without waiting for answers and ignores its failures, so what the EPP
+    learns from responses (usage, cached tokens, completion) costs no round trip per chunk
+    and the EPP dying cuts no response. The EPP ties it to its request by the
+    ``x-infergate-request-id`` header it set when routing."""
+    return {
+        "name": "infergate.ext_proc.observer",
+        "typed_config": {
+            "@type": _EXT_PROC,
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EPP_CLUSTER, "authority": grpc_authority},
+            },
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            # Envoy keeps the stream this long after the response so the last chunk arrives.
+            "deferred_close_timeout": "5s",
+        },
+    }
+
+
+def _strip_client_headers_filter() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _HEADER_MUTATION,
+            "mutations": {
+                "request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": REQUEST_ID_HEADER}]
+            },
+        },
+    }
+
+
+def _header(key: str, value: str) -> dict[str, Any]:
+    return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+
+
+def _pool_cluster(
+    *, connect_timeout_s: float, max_requests: int, initial_fetch_timeout_s: float
+) -> dict[str, Any]:
+    """The pool's engines, learnt from the EPP over EDS, picked by ``override_host``.
+
+    ``override_host`` dials the EPP's pick (header ``x-gateway-destination-endpoint``,
+    ``ip:port[,ip:port…]``), moves down that list on each retry, and balances
+    least-request over the known endpoints when a request carries no pick (fail open).
+    """
+    return {
+        "name": POOL_CLUSTER,
+        "type": "EDS",
+        "connect_timeout": _duration(connect_timeout_s),
+        "circuit_breakers": _circuit_breakers(max_requests),
+        "eds_cluster_config": {
+            "eds_config": {
+                "resource_api_version": "V3",
+                # Past this Envoy serves without the pool (picks then fail over to
+                # nothing) rather than holding its listener back; EDS keeps retrying.
+                "initial_fetch_timeout": _duration(initial_fetch_timeout_s),
+                "api_config_source": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": EPP_CLUSTER}}],
+                    "set_node_on_first_message_only": True,
+                },
+            }
+        },
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": _OVERRIDE_HOST,
+                            # Only the EPP can set it: client copies are stripped first.
+                            "override_host_sources": [{"header": DESTINATION_HEADER}],
+                            "fallback_policy": {
+                                "policies": [
+                                    {
+                                        "typed_extension_config": {
+                                            "name": "envoy.load_balancing_policies.least_request",
+                                            "typed_config": {"@type": _LEAST_REQUEST},
+                                        }
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                }
+            ]
+        },
+    }
+
+
+def _routes(
+    *, route_timeout_s: float, has_fallback: bool, debug_headers: bool, fallback_retries: int
+) -> list[dict[str, Any]]:
+    route_action: dict[str, Any] = {
+        "timeout": _duration(route_timeout_s),
+        # Streaming generations may idle between tokens; only a silent stream is cut.
+        "idle_timeout": _duration(max(route_timeout_s, 60.0)),
+    }
+    # Match on the EPP's dynamic metadata, which a client cannot forge (a header it could).
+    picked = {
+        "match": {
+            "prefix": "/",
+            "dynamic_metadata": [
+                {
+                    "filter": LB_METADATA_NAMESPACE,
+                    "path": [{"key": DESTINATION_HEADER}],
+                    "value": {"present_match": True},
+                }
+            ],
+        },
+        "route": {"cluster": POOL_CLUSTER, **route_action},
+    }
+    if fallback_retries > 0:
+        # GIE: "if retry is configured, the proxy will go sequentially down the list".
+        # Only failures before any byte went upstream: a generation is never run twice.
+        picked["route"]["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": fallback_retries,
+            "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+        }
+    # No pick: the EPP was unreachable and failure_mode_allow let the request through.
+    unpicked: dict[str, Any] = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": FALLBACK_CLUSTER if has_fallback else POOL_CLUSTER, **route_action},
+    }
+    routes = [picked, unpicked]
+    for route in routes:
+        # The served endpoint goes back to the EPP (header -> envoy.lb metadata, see
+        # _served_to_metadata_filter); the debug pair is for people and tests.
+        headers = [_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
+        if debug_headers:
+            headers.append(_header(UPSTREAM_HOST_HEADER, "%UPSTREAM_HOST%"))
+            headers.append(_header(PICKED_HEADER, f"%REQ({DESTINATION_HEADER})%"))
+        route["response_headers_to_add"] = headers
+    return routes
+
+
+def _served_to_metadata_filter() -> dict[str, Any]:
+    """Copy the served endpoint into ``envoy.lb`` on the response path (before ext_proc
+    sees the response headers), per GIE's protocol; the EPP then reports it itself."""
+    return {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": _HEADER_TO_METADATA,
+            "response_rules": [
+                {
+                    "header": SERVED_HEADER,
+                    "on_header_present": {
+                        "metadata_namespace": LB_METADATA_NAMESPACE,
+                        "key": SERVED_HEADER,
+                        "type": "STRING",
+                    },
+                    "remove": True,
+                }
+            ],
+        },
+    }
+
+
+def build_envoy_config(
+    *,
+    listen_port: int,
+    epp_address: str,
+    epp_port: int,
+    failure_mode_allow: bool = False,
+    admin_port: int | None = 19000,
+    listen_address: str = "0.0.0.0",
+    route_timeout_s: float = 300.0,
+    admin_address: str = "127.0.0.1",
+    message_timeout_s: float = 30.0,
+    connect_timeout_s: float = 5.0,
+    stream_idle_timeout_s: float = 300.0,
+    fallback_endpoints: Sequence[tuple[str, int]] = (),
+    debug_headers: bool = False,
+    access_log: bool = False,
+    max_requests: int = 40000,
+    stat_prefix: str = "infergate",
+    epp_health_check_interval_s: float | None = 1.0,
+    stream_response_bodies: bool | None = None,
+    fallback_retries: int = 3,
+    eds_initial_fetch_timeout_s: float = 5.0,
+    epp_tls: bool = False,
+    observe_responses: bool | None = None,
+    response_accounting: str = "engine",
+    epp_streams_per_connection: int = 100000,
+) -> dict[str, Any]:
+    """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
+
+    ``failure_mode_allow`` is the pool's ``failureMode`` (True = FailOpen). With FailOpen,
+    requests the EPP could not handle are balanced (least-request) over
+    ``fallback_endpoints`` when given, else over the endpoints the EPP last announced over
+    EDS. ``fallback_retries`` is how many further endpoints of the EPP's list a request
+    may try when one refuses the connection (0: none). ``debug_headers`` adds
+    :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every proxied response.
+    ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
+    (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
+    FailOpen starts to apply to requests with a body.
+
+    ``response_accounting`` is how the EPP learns the end of a response and its usage:
+
+    * ``engine`` (default): the routing filter sees response headers only, no body, and
+      Envoy closes its stream then; the engines publish a completion record per request
+      (``--completion-events-port``, :mod:`infergate.engine.completion_events`). The
+      EPP's cost is independent of the response's length and its death cuts no stream.
+    * ``observer``: for engines that cannot report (vLLM): a second ext_proc filter in
+      observability mode receives every response chunk, unanswered
+      (:func:`_observer_filter`); the EPP reads ``usage`` from the body.
+    * ``body``: GIE's single FULL_DUPLEX_STREAMED filter; every chunk through the EPP.
+    * ``none``: no response body anywhere; no usage.
+
+    The older flags still apply: ``stream_response_bodies=False`` means ``none``,
+    ``observe_responses=False`` means ``body``.
+
+    ``epp_streams_per_connection`` caps the ext-proc streams Envoy multiplexes on one
+    HTTP/2 connection to the EPP; past it Envoy opens another. A low value (e.g. 8) makes
+    Envoy spread load over several connections, which the kernel hands to different
+    processes of an EPP run with ``--workers N`` (SO_REUSEPORT balances connections).
+
+    ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
+    unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
+    """
+    if route_timeout_s <= 0:
+        raise ValueError("route_timeout_s must be > 0")
+    if stream_response_bodies is False:
+        response_accounting = "none"
+    elif observe_responses is False:
+        response_accounting = "body"
+    if response_accounting not in RESPONSE_ACCOUNTING:
+        raise ValueError(
+            f"response_accounting must be one of {', '.join(RESPONSE_ACCOUNTING)}, "
+            f"not {response_accounting!r}"
+        )
+    hcm: dict[str, Any] = {
+        "@type": _HCM,
+        "stat_prefix": stat_prefix,
+        "codec_type": "AUTO",
+        # Generations stream for minutes: no whole-request deadline, only an idle one.
+        "request_timeout": "0s",
+        "stream_idle_timeout": _duration(stream_idle_timeout_s),
+        "request_headers_timeout": "10s",
+        "common_http_protocol_options": {"idle_timeout": "3600s"},
+        "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "route_config": {
+            "name": f"{stat_prefix}_routes",
+            "virtual_hosts": [
+                {
+                    "name": "inference_pool",
+                    "domains": ["*"],
+                    "routes": _routes(
+                        route_timeout_s=route_timeout_s,
+                        has_fallback=bool(fallback_endpoints),
+                        fallback_retries=fallback_retries,
+                        debug_headers=debug_headers,
+                    ),
+                }
+            ],
+        },
+        "http_filters": [
+            _strip_client_headers_filter(),
+            _ext_proc_filter(
+                failure_mode_allow=failure_mode_allow,
+                message_timeout_s=message_timeout_s,
+                grpc_authority=f"{epp_address}:{epp_port}",
+                response_bodies=response_accounting == "body",
+            ),
+            *(
+                [_observer_filter(grpc_authority=f"{epp_address}:{epp_port}")]
+                if response_accounting == "observer"
+                else []
+            ),
+            _served_to_metadata_filter(),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
+    if access_log:
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": {
+                    "@type": _STDOUT_LOG,
+                    "log_format": {"text_format_source": {"inline_string": _ACCESS_LOG_FORMAT}},
+                },
+            }
+        ]
+
+    pool_cluster = _pool_cluster(
+        connect_timeout_s=connect_timeout_s,
+        max_requests=max_requests,
+        initial_fetch_timeout_s=eds_initial_fetch_timeout_s,
+    )
+    epp_cluster = _static_cluster(
+        EPP_CLUSTER,
+        [(epp_address, epp_port)],
+        connect_timeout_s=connect_timeout_s,
+        max_requests=max_requests,
+        http2=True,
+        streams_per_connection=epp_streams_per_connection,
+    )
+    if epp_health_check_interval_s is not None:
+        # With FULL_DUPLEX_STREAMED, Envoy can fail open only until the first body chunk
+        # went to the EPP; a dead EPP found at connect time is already too late for a POST.
+        # A health-checked EPP with no healthy host fails the gRPC stream at once, in the
+        # headers phase, where failure_mode_allow still applies. Panic routing (Envoy's
+        # "use unhealthy hosts anyway" below 50% healthy) would defeat that: it is off.
+        interval = _duration(epp_health_check_interval_s)
+        epp_cluster["health_checks"] = [
+            {
+                "timeout": _duration(min(1.0, epp_health_check_interval_s)),
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                # On the ext-proc port, over the same transport as ext-proc (see above).
+                "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE},
+            }
+        ]
+        epp_cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    if epp_tls:
+        epp_cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _UPSTREAM_TLS,
+                "common_tls_context": {"alpn_protocols": ["h2"]},
+                **({} if _is_ip(epp_address) else {"sni": epp_address}),
+            },
+        }
+    clusters = [epp_cluster, pool_cluster]
+    if fallback_endpoints:
+        clusters.append(
+            _static_cluster(
+                FALLBACK_CLUSTER,
+                list(fallback_endpoints),
+                connect_timeout_s=connect_timeout_s,
+                max_requests=max_requests,
+                http2=False,
+            )
+        )
+
+    bootstrap: dict[str, Any] = {
+        "node": {"id": f"{stat_prefix}-envoy", "cluster": stat_prefix},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": f"{stat_prefix}_listener",
+                    "address": _socket(listen_address, listen_port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+        # Quiet the "no overload manager" warning and bound downstream connections.
+        "overload_manager": {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": _T
+                        + "extensions.resource_monitors.downstream_connections.v3."
+                        + "DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": 50000,
+                    },
+                }
+            ]
+        },
+    }
+    if admin_port is not None:
+        bootstrap["admin"] = {"address": _socket(admin_address, admin_port)}
+    return bootstrap
+
+
+def render_envoy_yaml(**kwargs: Any) -> str:
+    """:func:`build_envoy_config` rendered as YAML (what ``envoy -c`` reads)."""
+    return yaml.safe_dump(build_envoy_config(**kwargs), sort_keys=False)

@@ -1,0 +1,20 @@
+"""The names Envoy and the Endpoint Picker agree on, defined once.
+
+GIE's Endpoint Picker Protocol: the EPP answers with the picked endpoint(s) in the
+``x-gateway-destination-endpoint`` header and the same value as dynamic metadata under
+``envoy.lb``; a gateway may restrict the candidates with the subset hint in
+``envoy.lb.subset_hint``; Envoy reports the endpoint really used back to the EPP as
+``x-gateway-destination-endpoint-served`` in ``envoy.lb``. ``x-infergate-request-id``
+is ours: the EPP's id for a routed request, which the observer filter's stream and the
+engines' completion records name (client copies are stripped by the bootstrap).
+"""
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+"""Header (and ``envoy.lb`` metadata key) carrying the EPP's pick, per GIE's protocol."""
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
+"""GIE's served endpoint: Envoy reports it to the EPP in ``envoy.lb`` metadata."""
+LB_METADATA_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+REQUEST_ID_HEADER = "x-infergate-request-id"
+"""The EPP's id for a routed request (observer stream, engines' completion records)."""

@@ -1,0 +1,94 @@
+"""Completion records: one per EPP-routed request, over a real ZMQ PUB/SUB, with usage.
+
+The middleware wraps a small ASGI app that runs "engine requests" the way the servers
+do (the async engine adds each finished one to the current ``Usage``); a real SUB socket
+decodes what the publisher sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from infergate.engine.completion_events import (
+    CURRENT,
+    TOPIC,
+    CompletionPublisher,
+    CompletionRecord,
+    CompletionReporter,
+    Usage,
+    decode_batch,
+)
+
+from infergate.procs import free_port
+
+
+def test_n_choices_of_one_prompt_count_the_prompt_once() -> None:
+    usage = Usage()
+    prompt, other = object(), object()
+    usage.add(id(prompt), 10, 4, 8)
+    usage.add(id(prompt), 10, 6, 8)  # second choice of the same prompt
+    usage.add(id(other), 3, 1, 0)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (13, 11, 8)
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    usage = CURRENT.get()
+    assert usage is not None or scope["path"] == "/unrouted"
+    if usage is not None:
+        usage.add(1, 7, 3, 5)
+    if scope["path"] == "/fail":
+        raise RuntimeError("handler failed")
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"a", "more_body": True})
+    await send({"type": "http.response.body", "body": b"b", "more_body": False})
+
+
+@pytest.fixture
+def channel() -> Any:
+    port = free_port()
+    publisher = CompletionPublisher(f"tcp://*:{port}")  # a wildcard binds
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    yield publisher, sub
+    sub.close(0)
+    context.term()
+    publisher.close()
+
+
+def _records(sub: Any, count: int) -> list[CompletionRecord]:
+    out: list[CompletionRecord] = []
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    while len(out) < count and poller.poll(5000):
+        topic, _seq, payload = sub.recv_multipart()
+        assert topic == TOPIC
+        out.extend(decode_batch(payload).records)
+    return out
+
+
+def test_one_record_per_routed_request_with_its_usage_and_status(channel: Any) -> None:
+    publisher, sub = channel
+    app = CompletionReporter(_app, publisher)
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            await asyncio.sleep(0.3)  # the SUB connects (PUB drops what nobody receives)
+            assert (await client.get("/unrouted")).status_code == 200
+            ok = await client.get("/ok", headers={"x-infergate-request-id": "k1"})
+            assert ok.text == "ab"
+            await client.get("/fail", headers={"x-infergate-request-id": "k2"})
+
+    asyncio.run(run())
+    records = {r.key: r for r in _records(sub, 2)}
+    assert set(records) == {"k1", "k2"}  # none for the request the EPP did not route
+    k1 = records["k1"]
+    assert (k1.status, k1.prompt_tokens, k1.completion_tokens, k1.cached_tokens) == (200, 7, 3, 5)
+    assert k1.finished_at > 0
+    assert records["k2"].status == 499  # the response never reached the client
