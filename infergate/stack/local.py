@@ -22,9 +22,9 @@ from typing import Any
 
 import yaml
 
-from infergate.epp.config import LORA_CONFIG_YAML as LORA_CONFIG
 from infergate.envoy.bootstrap import build_envoy_config
 from infergate.envoy.process import start_envoy
+from infergate.epp.config import LORA_CONFIG_YAML as LORA_CONFIG
 from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
 from infergate.epp.config import pd_config
 from infergate.procs import (
@@ -198,7 +198,7 @@ class StackSpec:
     def on_free_ports(cls, engines: int, **fields: Any) -> StackSpec:
         """A spec whose listener, admin, engine and EPP ports are free loopback ports (for
         tests, benchmarks and the routing lab, which run beside other stacks)."""
-        free = _distinct_free_ports(5 + 2 * engines)
+        free = _distinct_free_ports(5 + 3 * engines)
         ports = {
             "port": free[0],
             "admin_port": free[1],
@@ -206,10 +206,10 @@ class StackSpec:
             "epp_health_port": free[3],
             "epp_metrics_port": free[4],
             "engine_ports": free[5 : 5 + engines],
-            "completion_events_ports": free[5 + engines :],
+            "completion_events_ports": free[5 + engines : 5 + 2 * engines],
         }
         if fields.get("roles"):
-            ports["kv_transfer_ports"] = [free_port() for _ in range(engines)]
+            ports["kv_transfer_ports"] = free[5 + 2 * engines :]
         return cls(engines=engines, **{**ports, **fields})
 
     def resolved_roles(self) -> list[str]:
