@@ -76,6 +76,9 @@ async def test_chaos_leaves_a_clean_engine(
             values[f'vllm:request_success_total{{finished_reason="{r}",model_name="{MODEL}"}}']
             for r in ("stop", "length", "abort")
         )
-        assert finished == REQUESTS
+        # Every request the engine admitted is accounted for. A client that gives up after
+        # 0.3 s may leave before its body was read and tokenized (on a loaded machine): such
+        # a request never became an engine request, so it may be missing from the count.
+        assert REQUESTS - results.count("gave up") <= finished <= REQUESTS, (finished, results)
         assert values[f"vllm:num_preemptions_total{m}"] > 0  # the small cache was exercised
         assert (await client.get("/health")).status_code == 200

@@ -150,7 +150,7 @@ HERMES = (
 def test_auto_parses_hermes_calls_stream_and_not(auto_server: Server) -> None:
     client = auto_server.client()
     res = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100,
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300, temperature=0,
         extra_body={"guided_grammar": HERMES},
     )  # fmt: skip
     choice = res.choices[0]
@@ -159,7 +159,7 @@ def test_auto_parses_hermes_calls_stream_and_not(auto_server: Server) -> None:
     (call,) = choice.message.tool_calls or []
     _check_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100, stream=True,
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=300, temperature=0, stream=True,
         extra_body={"guided_grammar": HERMES},
     )  # fmt: skip
     calls, finish, content = _stream_calls(stream)
