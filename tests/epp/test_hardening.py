@@ -134,6 +134,13 @@ async def test_observer_stream_reads_usage_and_the_request_finishes_once(
     seen = headers({**POST, "x-infergate-request-id": key})
     seen.observability_mode = True
     await observer.send(seen)
+    # Envoy's observer sees the request before the upstream answers; the two gRPC streams
+    # are independent here, so wait for the observer to attach before the response.
+    for _ in range(100):
+        routed = epp.ext_proc.routed.get(key)
+        if routed is not None and routed.observer_attached:
+            break
+        await asyncio.sleep(0.01)
     await routing.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
     await routing.recv(1)
     await routing.close()
