@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 from infergate.engine.completion_events import CompletionBatch, CompletionRecord
 from infergate.epp.datalayer.datastore import Datastore
-from infergate.epp.datalayer.endpoint_tasks import EndpointTasks
+from infergate.epp.datalayer.endpoint_tasks import ZmqSubscriptions
 from infergate.epp.types import Endpoint
 
 log = logging.getLogger("infergate.epp.completions")
@@ -34,7 +33,7 @@ RecordSink = Callable[[str, CompletionRecord], None]
 """Called with (endpoint key, record) for every record received."""
 
 
-class CompletionSubscriptions:
+class CompletionSubscriptions(ZmqSubscriptions):
     def __init__(
         self,
         datastore: Datastore,
@@ -46,8 +45,7 @@ class CompletionSubscriptions:
         self.on_record = on_record
         self.default_port = default_port
         self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
-        self._zmq: Any = None
-        self._tasks = EndpointTasks(datastore, self._subscribe, "completions")
+        super().__init__(datastore, "completions")
         if on_removed is not None:
             self._tasks.removed_listeners.append(lambda e: on_removed(e.key))
 
@@ -66,18 +64,6 @@ class CompletionSubscriptions:
         """Whether ``endpoint_key`` reports completions (its requests wait for a record)."""
         state = self.datastore.get(endpoint_key)
         return state is not None and self.port(state.endpoint) is not None
-
-    def start(self) -> None:
-        import zmq.asyncio
-
-        self._zmq = zmq.asyncio.Context()
-        self._tasks.start()
-
-    async def stop(self) -> None:
-        await self._tasks.stop()
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
 
     async def _subscribe(self, endpoint: Endpoint) -> None:
         import zmq

@@ -57,3 +57,28 @@ class EndpointTasks:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+class ZmqSubscriptions:
+    """One ZMQ SUB task per endpoint (KV events, completion records): the shared asyncio
+    context is made at ``start`` and terminated at ``stop``; subclasses write
+    ``_subscribe(endpoint)``, which runs for as long as the endpoint is in the pool."""
+
+    def __init__(self, datastore: Datastore, name: str) -> None:
+        self._zmq: Any = None
+        self._tasks = EndpointTasks(datastore, self._subscribe, name)
+
+    async def _subscribe(self, endpoint: Endpoint) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        import zmq.asyncio
+
+        self._zmq = zmq.asyncio.Context()
+        self._tasks.start()
+
+    async def stop(self) -> None:
+        await self._tasks.stop()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 from infergate.epp.datalayer.datastore import Datastore
-from infergate.epp.datalayer.endpoint_tasks import EndpointTasks
+from infergate.epp.datalayer.endpoint_tasks import ZmqSubscriptions
 from infergate.epp.types import Endpoint
 
 log = logging.getLogger("infergate.epp.kv_events")
@@ -146,7 +146,7 @@ def apply_batch(index: KVBlockIndex, endpoint: str, payload: bytes) -> dict[str,
     return counts
 
 
-class KVEventSubscriptions:
+class KVEventSubscriptions(ZmqSubscriptions):
     """One ZMQ SUB per endpoint feeding ``index``; ``cleared_listeners`` hear total evictions."""
 
     def __init__(
@@ -160,26 +160,13 @@ class KVEventSubscriptions:
         self.default_port = default_port
         self.metrics = metrics
         self.cleared_listeners: list[Callable[[str], None]] = []
-        self._zmq: Any = None
-        self._tasks = EndpointTasks(datastore, self._subscribe, "kv-events")
+        super().__init__(datastore, "kv-events")
         self._tasks.removed_listeners.append(lambda e: index.cleared(e.key))
 
     def address(self, endpoint: Endpoint) -> str:
         port = endpoint.label(KV_EVENTS_PORT_LABEL) or str(self.default_port)
         host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
         return f"tcp://{host}:{port}"
-
-    def start(self) -> None:
-        import zmq.asyncio
-
-        self._zmq = zmq.asyncio.Context()
-        self._tasks.start()
-
-    async def stop(self) -> None:
-        await self._tasks.stop()
-        if self._zmq is not None:
-            self._zmq.term()
-            self._zmq = None
 
     async def _subscribe(self, endpoint: Endpoint) -> None:
         import zmq
