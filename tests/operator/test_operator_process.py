@@ -188,7 +188,9 @@ async def test_standalone_envoy_sidecar(emulator: KubeEmulator, start_operator: 
     )
     bootstrap = yaml.safe_load(envoy_cm["data"]["envoy.yaml"])
     assert "static_resources" in bootstrap
-    ports = {p["name"]: p["port"] for p in owned(emulator, "Service")["spec"]["ports"]}  # type: ignore[index]
+    # The Service is applied after the Deployment and both ConfigMaps: wait for it too.
+    service = await wait_for(lambda: owned(emulator, "Service"), what="service")
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
     assert ports["http"] == 8081
     # Switching it off removes the sidecar and prunes its ConfigMap.
     await emulator.patch_object(
