@@ -28,12 +28,11 @@ from __future__ import annotations
 import contextvars
 import logging
 import queue
-import threading
 import time
-from itertools import count
 from typing import Any
 
 import msgspec
+from infergate.engine.kv_events import ZmqPublisher
 
 from infergate.envoy.names import REQUEST_ID_HEADER
 
@@ -91,24 +90,14 @@ CURRENT: contextvars.ContextVar[Usage | None] = contextvars.ContextVar(
 """The HTTP request's ``Usage`` while its handler runs (set by :class:`CompletionReporter`)."""
 
 
-class CompletionPublisher:
+class CompletionPublisher(ZmqPublisher):
     """Publishes records from a background thread, batching whatever queued meanwhile."""
 
-    def __init__(self, endpoint: str, *, hwm: int = 100_000) -> None:
-        import zmq
-        from infergate.engine.kv_events import is_bind_endpoint
+    thread_name = "completions"
+    what = "completion records"
 
-        self._sock: Any = zmq.Context.instance().socket(zmq.PUB)
-        self._sock.set_hwm(hwm)
-        if is_bind_endpoint(endpoint):
-            self._sock.bind(endpoint)
-        else:
-            self._sock.connect(endpoint)
-        self._queue: queue.SimpleQueue[CompletionRecord | None] = queue.SimpleQueue()
-        self._seq = count()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._thread = threading.Thread(target=self._run, name="completions", daemon=True)
-        self._thread.start()
+    def __init__(self, endpoint: str, *, hwm: int = 100_000) -> None:
+        super().__init__(endpoint, topic=TOPIC.decode(), hwm=hwm)
 
     def publish(self, record: CompletionRecord) -> None:
         self._queue.put(record)
@@ -129,17 +118,8 @@ class CompletionPublisher:
                     stop = True
                     break
                 records.append(item)
-            try:
-                payload = self._encoder.encode(CompletionBatch(ts=time.time(), records=records))
-                seq = next(self._seq).to_bytes(8, "big")
-                self._sock.send_multipart((TOPIC, seq, payload))
-            except Exception:  # a publishing hiccup must never take the engine down
-                log.exception("failed to publish completion records")
+            self._send(CompletionBatch(ts=time.time(), records=records))
         self._sock.close(linger=0)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=2.0)
 
 
 class CompletionReporter:

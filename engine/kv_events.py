@@ -105,8 +105,15 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-class ZmqEventPublisher:
-    """Publishes event batches from a background thread so the step loop never blocks."""
+class ZmqPublisher:
+    """A ZMQ PUB socket fed from a background thread, so the caller never blocks on ZMQ.
+
+    Each message is vLLM's framing: (topic, 8-byte big-endian sequence number, msgpack
+    payload). :meth:`_run` sends one queued item per message; a subclass may batch.
+    """
+
+    thread_name = "zmq-publisher"
+    what = "events"  # for the log line when a send fails
 
     def __init__(self, endpoint: str, *, topic: str = "", hwm: int = 100_000) -> None:
         import zmq
@@ -120,25 +127,35 @@ class ZmqEventPublisher:
         else:
             self._sock.connect(endpoint)
         self._topic = topic.encode()
-        self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._seq = count()
         self._encoder = msgspec.msgpack.Encoder()
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
-    def publish(self, events: list[KVEvent]) -> None:
-        if events:
-            self._queue.put(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+    def _send(self, payload: Any) -> None:
+        try:
+            seq = next(self._seq).to_bytes(8, "big")
+            self._sock.send_multipart((self._topic, seq, self._encoder.encode(payload)))
+        except Exception:  # a publishing hiccup must never take the engine down
+            log.exception("failed to publish %s", self.what)
 
     def _run(self) -> None:
-        while (batch := self._queue.get()) is not None:
-            try:
-                seq = next(self._seq).to_bytes(8, "big")
-                self._sock.send_multipart((self._topic, seq, self._encoder.encode(batch)))
-            except Exception:  # a publishing hiccup must never take the engine down
-                log.exception("failed to publish KV events")
+        while (item := self._queue.get()) is not None:
+            self._send(item)
         self._sock.close(linger=0)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=2.0)
+
+
+class ZmqEventPublisher(ZmqPublisher):
+    """Publishes KV event batches from a background thread so the step loop never blocks."""
+
+    thread_name = "kv-events"
+    what = "KV events"
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if events:
+            self._queue.put(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
