@@ -1,19 +1,16 @@
-"""Fixtures: the KMock-based API server and the operator as a real process against it;
-for the cluster tier, the chart installed on the real API server (`installed`)."""
+"""Fixtures: the KMock-based API server (for the emulator's own tests); for the cluster
+tier, the chart installed on the real API server (`installed`)."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from infergate.operator.crd_validation import CRDRegistry
-from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
 from infergate.testing.controlplane import Cluster
 from infergate.testing.kube_emulator import KubeEmulator, serve_emulator, write_kubeconfig
 
@@ -30,41 +27,6 @@ async def emulator() -> AsyncIterator[KubeEmulator]:
 @pytest.fixture
 def kubeconfig(emulator: KubeEmulator, tmp_path: Path) -> Path:
     return write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))
-
-
-StartOperator = Callable[..., Awaitable[ManagedProcess]]
-
-
-@pytest.fixture
-def start_operator(
-    processes: ProcessGroup, kubeconfig: Path, infergate_cli: list[str]
-) -> StartOperator:
-    """Start ``infergate operator`` (standalone, liveness endpoint) and wait for liveness."""
-
-    async def start(
-        *extra: str, resync: float = 1.0, name: str = "operator", standalone: bool = True
-    ) -> ManagedProcess:
-        port = free_port()
-        env = dict(
-            os.environ,
-            KUBECONFIG=str(kubeconfig),
-            INFERGATE_RESYNC_SECONDS=str(resync),
-            INFERGATE_EPP_IMAGE="registry.example/infergate-epp:test",
-        )
-        argv = [
-            *infergate_cli,
-            "operator",
-            *(["--standalone"] if standalone else []),
-            "--liveness",
-            f"http://127.0.0.1:{port}/healthz",
-            *extra,
-        ]
-        return await asyncio.to_thread(
-            processes.start, name, argv, ready=http_ready(f"http://127.0.0.1:{port}/healthz"),
-            timeout=60.0, env=env,
-        )  # fmt: skip
-
-    return start
 
 
 @pytest.fixture(scope="session")
