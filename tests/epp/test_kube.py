@@ -1,19 +1,21 @@
-"""Pool mode against the KMock-based Kubernetes API emulator (real HTTP, real watches)."""
+"""Pool mode on a real API server (the cluster tier): the in-process EPP watches the pool,
+its pods (run by kwok) and the policy objects through the admin kubeconfig."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import os
-from collections.abc import AsyncIterator
+import json
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-import pytest_asyncio
 import yaml
 from infergate.epp.datalayer.discovery.kube import READ_TIMEOUT, pool_endpoints
 
-from infergate.testing.kube_emulator import KubeEmulator, serve_emulator, write_kubeconfig
+from infergate.testing.controlplane import Cluster
 
 from .conftest import eventually
 
@@ -21,86 +23,114 @@ ROOT = Path(__file__).resolve().parents[2]
 POOL = yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
 
 
-@pytest_asyncio.fixture
-async def emulator() -> AsyncIterator[KubeEmulator]:
-    async with serve_emulator([ROOT / "crds"]) as emu:
-        yield emu
-
-
 @pytest.fixture
-def kubeconfig(emulator: KubeEmulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_kubeconfig(tmp_path / "kubeconfig", str(emulator.url))
-    monkeypatch.setenv("KUBECONFIG", str(path))
+def namespace(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh namespace with the CRDs installed, and the admin kubeconfig for the EPP."""
+    for crd in sorted((ROOT / "crds").glob("*.yaml")):
+        if crd.name != "kustomization.yaml":
+            cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+    cluster.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    name = f"epp-kube-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return path
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def keys(epp) -> set[str]:
+async def kubectl(cluster: Cluster, *args: str, stdin: Any = None) -> str:
+    """``kubectl`` off the event loop (the in-process EPP's watches run on it)."""
+    body = None if stdin is None else json.dumps(stdin)
+    result = await asyncio.to_thread(cluster.kubectl, *args, stdin=body)
+    return str(result.stdout)
+
+
+async def add_pod(cluster: Cluster, namespace: str, name: str, labels: dict[str, str]) -> str:
+    """A pod kwok runs (no process behind it); returns its IP once it has one."""
+    await kubectl(cluster, "apply", "-n", namespace, "-f", "-", stdin={
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+        "spec": {"containers": [{"name": "c", "image": "registry.example/engine:test"}]},
+    })  # fmt: skip
+    for _ in range(600):
+        pod = json.loads(await kubectl(cluster, "get", "pod", name, "-n", namespace, "-o", "json"))
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in pod["status"].get("conditions") or []
+        )
+        if pod["status"].get("podIP") and ready:
+            return str(pod["status"]["podIP"])
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"pod {name} got no IP")
+
+
+def keys(epp: Any) -> set[str]:
     return {s.key for s in epp.datastore.all()}
 
 
+@pytest.mark.cluster
 async def test_pool_mode_tracks_ready_pods_ports_and_objectives(
-    emulator, kubeconfig, epp_factory
+    cluster: Cluster, namespace: str, epp_factory: Any
 ) -> None:
     pool = copy.deepcopy(POOL)
+    pool["metadata"]["namespace"] = namespace
     pool["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8001}]
-    await emulator.create_object(pool)
-    await emulator.add_pod("default", "engine-0", {"app": "qwen-engine"}, ip="10.0.0.10")
-    await emulator.add_pod("default", "other", {"app": "unrelated"}, ip="10.0.0.12")
+    await kubectl(cluster, "apply", "-f", "-", stdin=pool)
+    ip0 = await add_pod(cluster, namespace, "engine-0", {"app": "qwen-engine"})
+    await add_pod(cluster, namespace, "other", {"app": "unrelated"})
     epp = await epp_factory(
-        pool_name="qwen-pool", pool_namespace="default", refresh_metrics_interval=5.0
+        pool_name="qwen-pool", pool_namespace=namespace, refresh_metrics_interval=5.0
     )
-    await eventually(lambda: keys(epp) == {"10.0.0.10:8000", "10.0.0.10:8001"}, timeout=30)
+    await eventually(lambda: keys(epp) == {f"{ip0}:8000", f"{ip0}:8001"}, timeout=30)
 
-    await emulator.add_pod(
-        "default", "engine-1", {"app": "qwen-engine"}, ip="10.0.0.11", ready=False
-    )
-    await emulator.add_pod(
-        "default",
-        "engine-2",
-        {"app": "qwen-engine", "inference.networking.k8s.io/engine-type": "sglang"},
-        ip="10.0.0.13",
-    )
-    await eventually(lambda: "10.0.0.13:8000" in keys(epp), timeout=30)
-    assert "10.0.0.11:8000" not in keys(epp)  # not Ready
-    await emulator.delete_object("Pod", "default", "engine-0")
-    await eventually(lambda: keys(epp) == {"10.0.0.13:8000", "10.0.0.13:8001"}, timeout=30)
+    # A pod turns NotReady (what a failing readiness probe makes the kubelet write): dropped.
+    ip1 = await add_pod(cluster, namespace, "engine-1", {"app": "qwen-engine"})
+    await eventually(lambda: f"{ip1}:8000" in keys(epp), timeout=30)
+    not_ready = {"status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    await kubectl(cluster, "patch", "pod", "engine-1", "-n", namespace, "--subresource=status",
+                  "--type=strategic", "-p", json.dumps(not_ready))  # fmt: skip
+    await eventually(lambda: f"{ip1}:8000" not in keys(epp), timeout=30)
+    # (Deleted now, so kwok's own stages cannot make it Ready again under the checks below.)
+    await kubectl(cluster, "delete", "pod", "engine-1", "-n", namespace, "--wait=false")
+    sglang = {"app": "qwen-engine", "inference.networking.k8s.io/engine-type": "sglang"}
+    ip2 = await add_pod(cluster, namespace, "engine-2", sglang)
+    await eventually(lambda: f"{ip2}:8000" in keys(epp), timeout=30)
+    await kubectl(cluster, "delete", "pod", "engine-0", "-n", namespace, "--wait=false")
+    await eventually(lambda: keys(epp) == {f"{ip2}:8000", f"{ip2}:8001"}, timeout=30)
 
     # Watches idle past the client read timeout are re-opened and still deliver.
     await asyncio.sleep(READ_TIMEOUT + 1)
-    await emulator.add_pod("default", "engine-3", {"app": "qwen-engine"}, ip="10.0.0.14")
-    await eventually(lambda: "10.0.0.14:8000" in keys(epp), timeout=30)
+    ip3 = await add_pod(cluster, namespace, "engine-3", {"app": "qwen-engine"})
+    await eventually(lambda: f"{ip3}:8000" in keys(epp), timeout=30)
 
-    await emulator.create_object(
-        {
-            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
-            "kind": "InferenceObjective",
-            "metadata": {"name": "batch", "namespace": "default"},
-            "spec": {"priority": -5, "poolRef": {"name": "qwen-pool"}},
-        }
-    )
-    await emulator.create_object(
-        {
-            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
-            "kind": "InferenceModelRewrite",
-            "metadata": {"name": "alias", "namespace": "default"},
-            "spec": {
-                "poolRef": {"name": "qwen-pool"},
-                "rules": [
-                    {
-                        "matches": [{"model": {"value": "qwen"}}],
-                        "targets": [{"modelRewrite": "qwen-v2", "weight": 1}],
-                    }
-                ],
-            },
-        }
-    )
+    objective = {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": "batch", "namespace": namespace},
+        "spec": {"priority": -5, "poolRef": {"name": "qwen-pool"}},
+    }
+    rewrite = {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+        "kind": "InferenceModelRewrite",
+        "metadata": {"name": "alias", "namespace": namespace},
+        "spec": {
+            "poolRef": {"name": "qwen-pool"},
+            "rules": [
+                {
+                    "matches": [{"model": {"value": "qwen"}}],
+                    "targets": [{"modelRewrite": "qwen-v2", "weight": 1}],
+                }
+            ],
+        },
+    }
+    for body in (objective, rewrite):
+        await kubectl(cluster, "apply", "-f", "-", stdin=body)
     await eventually(lambda: epp.objectives.priority("batch") == -5, timeout=30)
     await eventually(lambda: epp.objectives.rewrite("qwen") == "qwen-v2", timeout=30)
 
-    await emulator.delete_object("InferencePool", "default", "qwen-pool")
+    await kubectl(cluster, "delete", "inferencepool", "qwen-pool", "-n", namespace)
     await eventually(lambda: keys(epp) == set(), timeout=30)
-    assert os.environ["KUBECONFIG"] == str(kubeconfig)
 
 
 def test_pool_endpoints_rules() -> None:
