@@ -102,14 +102,17 @@ def deployment(name: str, namespace: str, labels: dict[str, str], replicas: int)
     }
 
 
-def test_owned_objects_status_and_ready_endpoints(
-    cluster: Cluster,
-    installed: tuple[str, Path],
-    processes: ProcessGroup,
-    infergate_cli: list[str],
-) -> None:
+@pytest.fixture
+def namespace(
+    installed: tuple[str, Path], processes: ProcessGroup, infergate_cli: list[str]
+) -> str:
+    """The chart's namespace, with the operator running on the chart's token."""
     namespace, sa_kubeconfig = installed
     run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator")
+    return namespace
+
+
+def test_owned_objects_status_and_ready_endpoints(cluster: Cluster, namespace: str) -> None:
     apply(cluster, pool(namespace))
     created = cluster.get("inferencepool", "qwen-pool", namespace)
     assert created is not None
@@ -186,14 +189,7 @@ def test_owned_objects_status_and_ready_endpoints(
     wait_for(lambda: cluster.get("poddisruptionbudget", EPP, namespace) is None, "the PDB pruned")
 
 
-def test_a_service_the_user_owns_is_resolved_not_replaced(
-    cluster: Cluster,
-    installed: tuple[str, Path],
-    processes: ProcessGroup,
-    infergate_cli: list[str],
-) -> None:
-    namespace, sa_kubeconfig = installed
-    run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator")
+def test_a_service_the_user_owns_is_resolved_not_replaced(cluster: Cluster, namespace: str) -> None:
     apply(cluster, {
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": EPP, "namespace": namespace},
@@ -221,14 +217,7 @@ def test_a_service_the_user_owns_is_resolved_not_replaced(
     )
 
 
-def test_drift_standalone_envoy_and_a_renamed_picker(
-    cluster: Cluster,
-    installed: tuple[str, Path],
-    processes: ProcessGroup,
-    infergate_cli: list[str],
-) -> None:
-    namespace, sa_kubeconfig = installed
-    run_operator(processes, infergate_cli, sa_kubeconfig, namespace, "operator")
+def test_drift_standalone_envoy_and_a_renamed_picker(cluster: Cluster, namespace: str) -> None:
     apply(cluster, pool(namespace))
     for kind in OWNED:
         wait_for(functools.partial(cluster.get, kind, EPP, namespace), f"the EPP {kind}")
