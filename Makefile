@@ -38,8 +38,10 @@ controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kube
 demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
 	$(BIN)/infergate up
 
-test: install lmeval controlplane ## Run the test suite, the cluster tier included (gpu tests skip themselves without a GPU)
-	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest $(PYTEST_ARGS)
+# The conformance suite runs on the real API server (the controlplane driver); the local
+# driver (the KMock emulator, no Go needed) stays for `make conformance-local`.
+test: install lmeval controlplane ## Run the test suite, the cluster tier and conformance on the real API server included (gpu tests skip themselves without a GPU)
+	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) CONFORMANCE_DRIVER=controlplane $(BIN)/pytest $(PYTEST_ARGS)
 
 test-cluster: install controlplane ## Only the cluster tier (the local control plane, or INFERGATE_TEST_KUBECONFIG)
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m cluster $(PYTEST_ARGS)
