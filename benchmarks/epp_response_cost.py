@@ -125,6 +125,32 @@ def _equal_rate_cell(
     return net, text
 
 
+def _idle_rate(rig: Rig, seconds: float) -> float:
+    """EPP CPU seconds per second with no traffic.
+
+    The EPP's background work (metrics scrapes per endpoint) costs CPU per second, not per
+    request: the closed loop subtracts it for the wall time of each cell, else longer
+    responses look dearer only because they last longer."""
+    before, t0 = process_cpu_seconds(rig.epp_pid), time.perf_counter()
+    time.sleep(seconds)
+    return (process_cpu_seconds(rig.epp_pid) - before) / (time.perf_counter() - t0)
+
+
+def _closed_loop_cell(
+    rig: Rig, tokens: int, requests: int, concurrency: int, idle_rate: float
+) -> tuple[float, str]:
+    """Net EPP CPU ms per request of ``requests`` closed-loop requests, idle rate subtracted."""
+    before, t0 = process_cpu_seconds(rig.epp_pid), time.perf_counter()
+    ok = asyncio.run(_closed_loop(rig.gateway_url, tokens, requests, concurrency))
+    used = process_cpu_seconds(rig.epp_pid) - before
+    net = (used - idle_rate * (time.perf_counter() - t0)) * 1000 / max(ok, 1)
+    text = (
+        f"{ok} ok, EPP {used * 1000 / max(ok, 1):.2f} ms/req, {net:.2f} net of "
+        f"{idle_rate * 1000:.0f} ms/s background"
+    )
+    return net, text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,32,512")
@@ -162,33 +188,16 @@ def main() -> None:
                 epp_args=["--refresh-metrics-interval", args.refresh],
             )
             asyncio.run(_closed_loop(rig.gateway_url, 1, 16, 4))  # warm up
-            # The EPP's background work (20 Hz metrics scrapes per endpoint) costs CPU per
-            # second, not per request: measured idle, it is subtracted for the wall time
-            # of each cell, else longer responses look dearer only because they last longer.
-            idle_before, idle_t0 = process_cpu_seconds(rig.epp_pid), time.perf_counter()
-            time.sleep(args.idle_seconds)
-            idle_rate = (process_cpu_seconds(rig.epp_pid) - idle_before) / (
-                time.perf_counter() - idle_t0
-            )
+            idle_rate = 0.0 if args.rate else _idle_rate(rig, args.idle_seconds)
             for i, tokens in enumerate(t for _ in range(args.repeat) for t in lengths):
                 if args.rate:
                     net, text = _equal_rate_cell(rig, tokens, args.rate, args.seconds, seed=i)
-                    cells.setdefault(design, {}).setdefault(tokens, []).append(net)
-                    print(f"{design:>8} {tokens:>4} tokens: {text}", flush=True)
-                    continue
-                before, t0 = process_cpu_seconds(rig.epp_pid), time.perf_counter()
-                ok = asyncio.run(
-                    _closed_loop(rig.gateway_url, tokens, args.requests, args.concurrency)
-                )
-                used = process_cpu_seconds(rig.epp_pid) - before
-                background = idle_rate * (time.perf_counter() - t0)
-                net = (used - background) * 1000 / max(ok, 1)
+                else:
+                    net, text = _closed_loop_cell(
+                        rig, tokens, args.requests, args.concurrency, idle_rate
+                    )
                 cells.setdefault(design, {}).setdefault(tokens, []).append(net)
-                print(
-                    f"{design:>8} {tokens:>4} tokens: {ok} ok, EPP {used * 1000 / max(ok, 1):.2f} "
-                    f"ms/req, {net:.2f} net of {idle_rate * 1000:.0f} ms/s background",
-                    flush=True,
-                )
+                print(f"{design:>8} {tokens:>4} tokens: {text}", flush=True)
     load = (
         f"open loop at {args.rate:g} req/s for {args.seconds:g} s, net of the direct twin"
         if args.rate
