@@ -117,10 +117,35 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
-#: infergate's default, chosen in the routing lab (docs/benchmarks.md, ``infergate bench
-#: routing``): the predicted-latency scorer decides; the calibrated prefix index feeds it
-#: (it runs for its prepare/pre-request/response hooks without a weight of its own).
+#: infergate's default, chosen on the routing lab's workload matrix (docs/benchmarks.md,
+#: ``infergate bench routing --matrix all``): the bounded-load filter keeps every endpoint
+#: within 1.25x its fair share of the requests in flight; the predicted-latency scorer
+#: decides among the rest (the calibrated prefix index feeds it: it runs for its
+#: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
+#: only for requests to adapters on engines that report adapter slots.
 DEFAULT_CONFIG_YAML = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+- type: bounded-load-filter
+- type: prefix-cache-scorer
+- type: predicted-latency-scorer
+- type: lora-affinity-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: bounded-load-filter
+  - pluginRef: predicted-latency-scorer
+    weight: 1
+  - pluginRef: lora-affinity-scorer
+    weight: 2
+  - pluginRef: max-score-picker
+"""
+
+#: infergate's default before the workload matrix (the predicted-latency scorer alone),
+#: kept by name for comparison in the lab (``--router epp:builtin:latency-only``).
+LATENCY_ONLY_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
@@ -247,6 +272,7 @@ def pd_config(threshold: int = 256) -> str:
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
+    "latency-only": LATENCY_ONLY_CONFIG_YAML,
     "gie-default": GIE_DEFAULT_CONFIG_YAML,
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
     "flow-control": FLOW_CONTROL_CONFIG_YAML,

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from infergate.bench.routing.workloads import Workload
 
 app = typer.Typer(help="Benchmarks that print numbers (never timed tests).", no_args_is_help=True)
 
@@ -204,7 +209,27 @@ def routing(
     output_len: int | None = typer.Option(
         None, "--output-len", min=1, help="Override every request's max_tokens."
     ),
-    seed: int = typer.Option(0, "--seed", help="Workload seed: every router gets the same."),
+    seed: int | None = typer.Option(
+        None,
+        "--seed",
+        help="Workload seed: every router gets the same. Default: drawn at run time and "
+        "printed (and written to results.json), so no workload is tuned to one seed.",
+    ),
+    matrix: str | None = typer.Option(
+        None,
+        "--matrix",
+        help="Run the workload matrix instead of presets: core (working set 0.5-2.5x the "
+        "fleet's KV capacity x load 0.3-1.1x round robin's saturation), extra (Zipf "
+        "popularity, mixed lengths, multi-turn, adapters, 8 engines) or all. Each cell sets "
+        "its own fleet and rate; prints every router's regret (TTFT p90/p99 over the best "
+        "router's in the cell).",
+    ),
+    cells: str | None = typer.Option(
+        None,
+        "--cells",
+        help="With --matrix: only these 0-based cell indices, e.g. 0-3,7 (run a long matrix "
+        "in parts; the list is in docs/benchmarks.md).",
+    ),
     output_dir: Path = typer.Option(
         Path("routing-lab"), "--output-dir", help="Where results.json and the plots go."
     ),
@@ -228,27 +253,29 @@ def routing(
     from rich.progress import Progress
 
     from infergate.bench.routing.lab import LabSpec, run_lab
-    from infergate.bench.routing.report import plot, print_summary, row_cells, write_json
+    from infergate.bench.routing.report import (
+        plot,
+        plot_regret,
+        print_regret,
+        print_summary,
+        row_cells,
+        write_json,
+    )
     from infergate.bench.routing.routers import DEFAULT_ROUTERS, resolve
-    from infergate.bench.routing.workloads import WORKLOADS
 
     console = Console()
     if not console.is_terminal:  # a log file or CI: no wrapping of the wide table
         console = Console(width=180)
-    names = list(WORKLOADS) if "all" in workload else workload
-    try:
-        chosen = [WORKLOADS[n] for n in names]
-    except KeyError as error:
-        raise typer.BadParameter(
-            f"unknown workload {error.args[0]!r}; choose from {', '.join(WORKLOADS)} or all",
-            param_hint="--workload",
-        ) from None
+    chosen, names = _lab_workloads(workload, matrix, cells, rates)
     try:
         routers = [resolve(n) for n in (router or list(DEFAULT_ROUTERS))]
         sweep = [float(x) for x in rates.split(",")] if rates else None
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     per_workload = {w.name: sweep or list(w.rates) for w in chosen}
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**31)
+    console.print(f"seed {seed} (rerun with --seed {seed})", markup=False)
     total = sum(len(per_workload[w.name]) for w in chosen) * len(routers)
     spec = LabSpec(
         engines=engines,
@@ -274,9 +301,42 @@ def routing(
     meta = {
         "engines": engines,
         "seed": seed,
+        "matrix": matrix,
         "workloads": names,
         "routers": [r.name for r in routers],
     }
     write_json(results, output_dir / "results.json", meta)
-    plots = plot(results, output_dir)
+    if matrix is None:
+        plots = plot(results, output_dir)
+    else:
+        print_regret(results, console)
+        heat = plot_regret(results, output_dir)
+        plots = [heat] if heat else []
     console.print(f"results: {output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")
+
+
+def _lab_workloads(
+    workload: list[str], matrix: str | None, cells: str | None, rates: str | None
+) -> tuple[list[Workload], list[str]]:
+    """The lab's workloads: the matrix cells when ``--matrix`` is given, else the presets."""
+    from infergate.bench.routing import matrix as lab_matrix
+    from infergate.bench.routing.workloads import WORKLOADS
+
+    if matrix is not None:
+        if rates:
+            raise typer.BadParameter("each matrix cell sets its own rate", param_hint="--rates")
+        try:
+            chosen_cells = lab_matrix.select(matrix, cells)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--matrix/--cells") from None
+        return [lab_matrix.workload(c) for c in chosen_cells], [c.name for c in chosen_cells]
+    if cells:
+        raise typer.BadParameter("--cells needs --matrix", param_hint="--cells")
+    names = list(WORKLOADS) if "all" in workload else workload
+    try:
+        return [WORKLOADS[n] for n in names], names
+    except KeyError as error:
+        raise typer.BadParameter(
+            f"unknown workload {error.args[0]!r}; choose from {', '.join(WORKLOADS)} or all",
+            param_hint="--workload",
+        ) from None

@@ -26,7 +26,9 @@ def test_default_profile_is_predicted_latency_fed_by_the_prefix_index() -> None:
     scheduler = build(DEFAULT_CONFIG_YAML)
     (profile,) = scheduler.profiles
     weights = {scorer.type_name: weight for scorer, weight in profile.scorers}
-    assert weights == {"predicted-latency-scorer": 1}
+    # LoRA affinity is neutral unless a request is for an adapter (test_routing_model.py).
+    assert weights == {"predicted-latency-scorer": 1, "lora-affinity-scorer": 2}
+    assert [f.type_name for f in profile.filters] == ["bounded-load-filter"]
     # The prefix index is in no profile but still runs its lifecycle hooks.
     assert [p.type_name for p in scheduler.preparers] == ["prefix-cache-scorer"]
     assert "prefix-cache-scorer" in [p.type_name for p in scheduler.response_complete_hooks]

@@ -308,3 +308,117 @@ async def test_an_endpoint_with_stale_metrics_is_predicted_slow() -> None:
     alive.prefill_busy_until = time.monotonic() + 5.0  # even a long queue is better
     picked, _, _ = await schedule(ctx, states, "x" * 400, scorer)
     assert states[picked] is alive
+
+
+# -- robustness: queueing behind a full cache, bounded load, adapters only when in play --
+
+
+def _loaded(state: EndpointState, *, running: int, waiting: int, kv_usage: float) -> None:
+    state.metrics.running, state.metrics.waiting = running, waiting
+    state.metrics.kv_usage = kv_usage
+
+
+async def _sticky_and_cold(lifetime: float, sticky_load: tuple[int, int, float]):
+    """Two endpoints with 6,400-token caches: ``sticky`` holds the 2,000-token group prefix
+    and carries ``sticky_load`` (running, waiting, KV usage); ``cold`` holds nothing and is
+    idle. Returns the pick for the group's next request and the predictions."""
+    states = fleet(2, blocks=400)
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, decodeSecondsPerRequest=0.0)
+    now = [100.0]
+    scorer.clock = lambda: now[0]
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)  # 4 chars/token
+    group = "g" * 8000  # 2,000 tokens
+    first, _, _ = await schedule(ctx, states, group + " q0", scorer)
+    sticky, cold = states[first], states[1 - first]
+    scorer._lifetime[sticky.key] = lifetime  # learned from completions (T(e))
+    now[0] += 5.0  # the prefill clock drained: only the engine's own queue remains
+    _loaded(sticky, running=sticky_load[0], waiting=sticky_load[1], kv_usage=sticky_load[2])
+    picked, _, cycle = await schedule(ctx, states, group + " q1", scorer)
+    return states[picked] is sticky, sticky, cold, cycle["latency.predicted"]
+
+
+async def test_a_saturated_sticky_engine_loses_when_its_queue_costs_more_than_the_hit() -> None:
+    # The holder's cache is full (3 running, 2 waiting, 97 % used) and a request there
+    # lives 0.5 s: it waits for the 2 queued ahead at 5 / 0.5 s = 10 completions per
+    # second, 0.2 s. The prefill it saves is 2,000 tokens × 30 µs = 60 ms: the idle cold
+    # engine wins, by 0.2 − 0.06 s. (A pure-affinity policy picks the holder here.)
+    stays, sticky, cold, predicted = await _sticky_and_cold(0.5, (3, 2, 0.97))
+    assert not stays
+    assert predicted[sticky.key] - predicted[cold.key] == pytest.approx(0.2 - 0.06, abs=0.01)
+
+
+async def test_a_busier_sticky_engine_keeps_its_group_while_the_queue_is_cheaper() -> None:
+    # The holder runs 2 requests and has room (40 % used, none waiting): no queue, so the
+    # 60 ms of prefill it saves wins although it is the busier engine. (A pure-load policy
+    # picks the idle cold engine here.)
+    stays, sticky, cold, predicted = await _sticky_and_cold(0.5, (2, 0, 0.4))
+    assert stays and sticky.metrics.running > cold.metrics.running
+    assert predicted[cold.key] - predicted[sticky.key] > 0.05
+
+
+async def test_a_short_queue_still_loses_to_a_long_prefill() -> None:
+    # Same full holder, but its requests are short-lived (60 ms): the queue (2 × 60 ms ÷ 5
+    # = 24 ms) is cheaper than recomputing the 60 ms prefix elsewhere, so the group stays.
+    stays, _, _, _ = await _sticky_and_cold(0.06, (3, 2, 0.97))
+    assert stays
+
+
+def test_queue_seconds_follows_littles_law() -> None:
+    from infergate.epp.scheduling.plugins.latency import queue_seconds
+
+    (e,) = fleet(1, blocks=400)  # 6,400 tokens
+    assert queue_seconds(e, 2000, 1.0) == 0.0  # idle
+    _loaded(e, running=2, waiting=0, kv_usage=0.5)
+    assert queue_seconds(e, 2000, 1.0) == 0.0  # 3,200 tokens free: room now
+    _loaded(e, running=3, waiting=0, kv_usage=0.9)  # 640 free; each running holds 1,920
+    # ⌈(2,000 − 640) ÷ 1,920⌉ = 1 completion, at 3 per second (T = 1 s, n = 3).
+    assert queue_seconds(e, 2000, 1.0) == pytest.approx(1 / 3)
+    _loaded(e, running=3, waiting=3, kv_usage=0.9)  # and 3 queued ahead: 4 of 6 per second
+    assert queue_seconds(e, 2000, 1.0) == pytest.approx(4 / 6)
+    e.metrics.num_gpu_blocks = 0  # no reported cache size: only the reported queue counts
+    assert queue_seconds(e, 2000, 1.0) == pytest.approx(3 / 6)
+
+
+def test_bounded_load_filter_keeps_endpoints_within_the_factor_of_the_fair_share() -> None:
+    states = fleet(4)
+    ctx = context(states)
+    bounded = plugin("bounded-load-filter", ctx, loadFactor=1.25)
+    r = InferenceRequest("r", {}, model="m", target_model="m")
+    for state, load in zip(states, (9, 3, 2, 1), strict=True):
+        state.in_flight_requests = load
+    # Σ = 15, +1 for this request, over 4: fair share 4, bound ⌈1.25 × 4⌉ = 5.
+    kept = bounded.filter(CycleState(), r, list(states))
+    assert kept == states[1:]
+    # The engine's own report counts too (requests from other routers or replicas).
+    states[1].metrics.running, states[1].metrics.waiting = 5, 3  # load 8 > ⌈1.25 × 21 ÷ 4⌉
+    assert states[1] not in bounded.filter(CycleState(), r, list(states))
+    # Never empty: the least loaded endpoint is always within the bound.
+    for state in states:
+        state.in_flight_requests, state.metrics.running, state.metrics.waiting = 50, 0, 0
+    states[3].in_flight_requests = 0
+    assert states[3] in bounded.filter(CycleState(), r, list(states))
+    with pytest.raises(ValueError, match="loadFactor"):
+        REGISTRY["bounded-load-filter"].Params.model_validate({"loadFactor": 0.5})
+
+
+def test_lora_affinity_is_neutral_unless_the_request_is_for_an_adapter() -> None:
+    states = fleet(3)
+    ctx = context(states)
+    lora = plugin("lora-affinity-scorer", ctx)
+
+    def scores(model: str) -> list[float]:
+        r = InferenceRequest("r", {}, model=model, target_model=model)
+        return lora.score(CycleState(), r, states)
+
+    assert scores("base") == [1.0, 1.0, 1.0]  # no endpoint reports adapter slots
+    for state in states:
+        state.metrics.max_active_models = 2
+    states[0].metrics.active_models = frozenset({"lora-a"})
+    states[1].metrics.active_models = frozenset({"lora-b", "lora-c"})
+    assert scores("base") == [1.0, 1.0, 1.0]  # the base model is no adapter
+    # An adapter: running on 0 > a free slot on 2 > both slots taken on 1.
+    assert scores("lora-a") == [1.0, 0.0, 0.8]

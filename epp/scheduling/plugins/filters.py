@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import time
 
 from infergate.epp.scheduling.plugins.base import Filter, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
+from pydantic import BaseModel, ConfigDict, Field
 
 TEST_SELECTION_HEADER = "test-epp-endpoint-selection"
 
@@ -83,3 +85,50 @@ class HeaderBasedTestingFilter(Filter):
                     chosen.append(state)
         cycle["test.selection_order"] = [s.key for s in chosen]
         return chosen
+
+
+def endpoint_load(state: EndpointState) -> int:
+    """Requests on an endpoint: the larger of what this EPP has in flight there and what
+    the engine last reported (running + waiting; it counts other routers' requests too,
+    the EPP's count covers those sent since the last report)."""
+    m = state.metrics
+    return max(state.in_flight_requests, m.running + m.waiting)
+
+
+class BoundedLoadParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    loadFactor: float = Field(
+        1.25,
+        ge=1.0,
+        description="An endpoint stays a candidate while its load is at most this many "
+        "times the fair share (rounded up).",
+    )
+
+
+@register
+class BoundedLoadFilter(Filter):
+    """Keep only endpoints whose load is within ``loadFactor`` × the fair share.
+
+    ``bound = ceil(loadFactor × (Σ load + 1) ÷ N)`` over the N candidates, the ``+ 1``
+    counting the request being placed; an endpoint with ``load ≤ bound`` stays. The least
+    loaded endpoint always stays (its load is at most the mean), so the filter never
+    empties the list. This is consistent hashing with bounded loads (Mirrokni, Thorup and
+    Zadimoghaddam, 2018) applied to affinity routing: the scorers may still prefer the
+    endpoint that holds a prefix, but no endpoint gets more than ``loadFactor`` × its share
+    of the requests in flight, so however sticky the scoring, the busiest engine's queue
+    is bounded by a constant factor of round robin's. Affinity is kept where it is cheap
+    (the holder is not overloaded) and given up exactly where it would build a queue.
+    """
+
+    type_name = "bounded-load-filter"
+    Params = BoundedLoadParams
+
+    def filter(
+        self, cycle: CycleState, request: InferenceRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        if len(endpoints) < 2:
+            return endpoints
+        loads = [endpoint_load(e) for e in endpoints]
+        factor = float(self.params.loadFactor)  # type: ignore[attr-defined]
+        bound = math.ceil(factor * (sum(loads) + 1) / len(endpoints))
+        return [e for e, load in zip(endpoints, loads, strict=True) if load <= bound]

@@ -3,7 +3,8 @@
 For every candidate endpoint ``e`` the scorer predicts this request's time to first
 token there (all times in seconds)::
 
-    ttft(e) = wait(e) + base(e) + per_token(e) × uncached(e) + evict(e) + busy(e)
+    ttft(e) = max(wait(e), queue(e)) + base(e) + per_token(e) × uncached(e) + evict(e)
+              + busy(e)
 
 * ``uncached(e) = prompt_tokens − cached(e)``: ``prompt_tokens`` is the prompt's length
   in characters over the learned characters-per-token; ``cached(e)`` is what the prefix
@@ -26,6 +27,18 @@ token there (all times in seconds)::
   evictionPenalty``. This keeps prefix groups from being scattered over every cache (which
   is what makes a tight-capacity fleet thrash) while still letting a group move when its
   holder's queue costs more than recomputing it elsewhere.
+* ``queue(e)``: the wait for room on the engine itself. An engine admits a request only
+  when its KV cache has room for it (and it runs at most ``max_num_seqs``), so behind a
+  full cache a request waits for running requests to *finish*, which takes decode time the
+  prefill clock above knows nothing of. With ``n`` requests on ``e`` (the larger of the
+  EPP's in-flight count and the engine's running + waiting) and ``T(e)`` the mean time
+  from routing to completion the EPP observed there, Little's law gives ``e``'s
+  completion rate ``X = n ÷ T``; the request waits for the ``waiting(e)`` requests ahead
+  of it plus the ``k`` completions that free enough cache for it: ``k = ⌈(need − free) ÷
+  held⌉`` where ``need`` is its uncached prompt plus ``max_tokens``, ``free =
+  capacity × (1 − kv_usage)`` and ``held`` the mean tokens a running request holds. So
+  ``queue(e) = (waiting(e) + k) ÷ X``. This is what makes a sticky engine with a full
+  cache lose to a cold idle one once the queue costs more than the prefill it saves.
 * ``busy(e) = running(e) × decodeSecondsPerRequest``: a small tie-break for decode load.
 * An endpoint whose metrics are stale (DESIGN.md: stale means saturated; a dead engine
   stops answering its scrapes) gets ``STALE_PENALTY_S`` added, so it is chosen only when
@@ -44,6 +57,7 @@ linear one whose parameters are learned per endpoint.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,15 +66,24 @@ from infergate.epp.datalayer.prefill_cost import PrefillCost
 from infergate.epp.scheduling.plugins.base import (
     PluginContext,
     PreRequest,
+    ResponseComplete,
+    ResponseInfo,
     SchedulingResult,
     Scorer,
     register,
 )
+from infergate.epp.scheduling.plugins.filters import endpoint_load
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 #: Added to the prediction of an endpoint with stale metrics (seconds).
 STALE_PENALTY_S = 60.0
+#: Before the first completion on an endpoint: seconds per output token (decode step).
+PRIOR_DECODE_STEP_S = 0.01
+#: Output tokens assumed for a request without ``max_tokens``.
+DEFAULT_OUTPUT_TOKENS = 128
+#: Weight of the newest observed request lifetime in its moving average.
+LIFETIME_EWMA = 0.1
 
 
 class PredictedLatencyParams(BaseModel):
@@ -82,7 +105,7 @@ class PredictedLatencyParams(BaseModel):
     )
 
 
-class PredictedLatencyScorer(Scorer, PreRequest):
+class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
     type_name = "predicted-latency-scorer"
     Params = PredictedLatencyParams
 
@@ -92,6 +115,8 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         self.calibration = context.calibration
         self.clock = time.monotonic
         self._pinned: PrefillCost | None = None
+        #: Mean seconds from routing to completion, per endpoint key (``T(e)``).
+        self._lifetime: dict[str, float] = {}
         if self.p.secondsPerToken is not None or self.p.baseSeconds is not None:
             self._pinned = PrefillCost()
             if self.p.secondsPerToken is not None:
@@ -125,10 +150,15 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         model = request.target_model or request.model
         stale = self.context.saturation.is_stale
         out: list[tuple[float, float]] = []
+        output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
         for e in endpoints:
             cost = self._cost(e)
             uncached = max(1.0, prompt - cached.get(e.key, 0.0))
             wait = max(e.prefill_busy_until - now, e.metrics.waiting * cost.base, 0.0)
+            lifetime = self._lifetime.get(e.key) or (
+                cost.seconds(prompt) + output * PRIOR_DECODE_STEP_S
+            )
+            wait = max(wait, queue_seconds(e, uncached + output, lifetime))
             ttft = wait + cost.seconds(uncached)
             if prefix is not None and self.p.evictionPenalty > 0:
                 free = prefix.free_tokens(e, model)
@@ -173,6 +203,47 @@ class PredictedLatencyScorer(Scorer, PreRequest):
         request.notes["latency.predicted_ttft"] = (cycle.get("latency.predicted") or {}).get(
             primary.key
         )
+        request.notes["latency.routed_at"] = now
+
+    def response_complete(
+        self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo
+    ) -> None:
+        """Learn ``T(e)``: the time from routing to completion of a successful request."""
+        routed_at = request.notes.get("latency.routed_at")
+        primary = result.primary
+        if routed_at is None or primary is None or not 200 <= response.status < 300:
+            return
+        seconds = self.clock() - routed_at
+        old = self._lifetime.get(primary.key)
+        self._lifetime[primary.key] = (
+            seconds if old is None else old + LIFETIME_EWMA * (seconds - old)
+        )
+        if len(self._lifetime) > 4 * max(1, len(self.context.datastore)):
+            live = {s.key for s in self.context.datastore.all()}
+            self._lifetime = {k: v for k, v in self._lifetime.items() if k in live}
+
+
+def queue_seconds(e: EndpointState, need_tokens: float, lifetime: float) -> float:
+    """How long a request needing ``need_tokens`` of KV cache waits for room on ``e``.
+
+    ``(waiting + k) × T ÷ n`` (module docstring): ``n`` requests on ``e`` complete at
+    ``n ÷ T`` per second; the request waits for the ``waiting`` ahead of it, then for the
+    ``k`` completions that free the cache it needs. Zero when nothing is queued and the
+    cache has room, or when the engine reports no cache size."""
+    m = e.metrics
+    n = endpoint_load(e)
+    if n == 0:
+        return 0.0
+    k = 0.0
+    capacity = m.capacity_tokens
+    if capacity > 0 and m.running > 0:
+        free = capacity * (1.0 - m.kv_usage)
+        if need_tokens > free:
+            held = capacity * m.kv_usage / m.running
+            k = math.ceil((need_tokens - free) / max(held, 1.0))
+    if m.waiting == 0 and k == 0:
+        return 0.0
+    return (m.waiting + min(k, n)) * lifetime / n
 
 
 register(PredictedLatencyScorer)

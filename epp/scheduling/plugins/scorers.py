@@ -101,16 +101,43 @@ class TokenLoadScorer(Scorer, PreRequest, ResponseComplete):
             state.in_flight_tokens = max(0, state.in_flight_tokens - self._tokens(request))
 
 
+#: Adapter names remembered per LoRA scorer (bounded: a fleet serves far fewer).
+MAX_KNOWN_ADAPTERS = 10_000
+
+
 @register
 class LoraAffinityScorer(Scorer):
-    """Prefer servers with the request's adapter active, then those with room to load it."""
+    """Prefer servers with the request's adapter active, then those with room to load it.
+
+    Neutral (every candidate 1.0) unless the request is for an adapter: some candidate
+    reports adapter slots (``vllm:lora_requests_info``'s ``max_lora``) and the model is an
+    adapter some endpoint has reported running or waiting. So the scorer can sit in the
+    default profile: on a fleet without adapters, or for base-model requests, it changes
+    nothing. (An adapter no engine has loaded yet is new to the EPP too; its first request
+    is routed on the other scorers, and it is known from the next report on.)
+    """
 
     type_name = "lora-affinity-scorer"
+
+    def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
+        super().__init__(name, params, context)
+        self._adapters: set[str] = set()
+
+    def _is_adapter(self, model: str, endpoints: Sequence[EndpointState]) -> bool:
+        if not any(e.metrics.max_active_models > 0 for e in endpoints):
+            return False
+        for e in endpoints:
+            for name in e.metrics.active_models | e.metrics.waiting_models:
+                if len(self._adapters) < MAX_KNOWN_ADAPTERS:
+                    self._adapters.add(name)
+        return model in self._adapters
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> list[float]:
         model = request.target_model
+        if not self._is_adapter(model, endpoints):
+            return [1.0] * len(endpoints)
         scores: list[float] = []
         for e in endpoints:
             m = e.metrics

@@ -88,14 +88,20 @@ def scrape_counters(url: str) -> dict[str, float]:
     return out
 
 
+def engine_count(workload: Workload, spec: LabSpec) -> int:
+    """The workload's own fleet size (matrix cells have one), else the lab's."""
+    return workload.engines or spec.engines
+
+
 def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
-    engine_args: list[str] = list(spec.sim_args)
+    engine_args: list[str] = [*workload.engine_args, *spec.sim_args]
+    engines = engine_count(workload, spec)
     if workload.kv_blocks is not None:
         engine_args += ["--num-gpu-blocks-override", str(workload.kv_blocks)]
     slow = ["--sim-base-ms", "12", "--sim-us-per-token", "60", "--sim-us-per-seq", "30"]
-    per_engine = [slow if i < workload.slow_engines else [] for i in range(spec.engines)]
+    per_engine = [slow if i < workload.slow_engines else [] for i in range(engines)]
     return StackSpec.on_free_ports(
-        engines=spec.engines,
+        engines=engines,
         access_log=False,
         engine_args=engine_args,
         per_engine_args=per_engine,
@@ -117,7 +123,7 @@ def run_one(
     fleet = fleet_spec(workload, spec)
     if router.kv_events:
         fleet.precise_prefix = True
-        fleet.kv_events_ports = [free_port() for _ in range(spec.engines)]
+        fleet.kv_events_ports = [free_port() for _ in range(engine_count(workload, spec))]
     stack = LocalStack(fleet)
     try:
         stack.start_engines()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -119,3 +119,141 @@ def plot(results: Sequence[RunResult], directory: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+#: The baselines every router must not lose to: Envoy's own load balancers.
+BASELINES = ("round-robin", "least-request")
+
+
+@dataclass(frozen=True)
+class Regret:
+    """One router's regret over a set of cells: its TTFT percentile over the best router's
+    in the same cell (1.0: it was the best there), the worst and the mean over cells; and
+    the worst against the better of round robin and least request in each cell."""
+
+    router: str
+    cells: int
+    p90_worst: float
+    p90_mean: float
+    p99_worst: float
+    p99_mean: float
+    p90_vs_baseline: float
+    p99_vs_baseline: float
+
+
+def _by_cell(results: Sequence[RunResult]) -> dict[tuple[str, float], dict[str, RunResult]]:
+    cells: dict[tuple[str, float], dict[str, RunResult]] = {}
+    for r in results:
+        if not r.skipped and r.completed:
+            cells.setdefault((r.workload, r.rate), {})[r.router] = r
+    return cells
+
+
+def regrets(results: Sequence[RunResult]) -> list[Regret]:
+    """Each router's regret over the cells where every router of the run completed.
+
+    ``regret(router, cell) = ttft_pXX(router, cell) ÷ min over routers of ttft_pXX(·, cell)``;
+    the baseline regret divides by ``min(round robin, least request)`` instead (cells
+    without either baseline count as 1)."""
+    cells = _by_cell(results)
+    routers = list(dict.fromkeys(r.router for r in results if not r.skipped))
+    complete = [rows for rows in cells.values() if set(routers) <= set(rows)]
+    out: list[Regret] = []
+    for router in routers:
+        p90: list[float] = []
+        p99: list[float] = []
+        base90: list[float] = []
+        base99: list[float] = []
+        for rows in complete:
+            mine = rows[router]
+            p90.append(mine.ttft_p90_ms / max(1e-9, min(r.ttft_p90_ms for r in rows.values())))
+            p99.append(mine.ttft_p99_ms / max(1e-9, min(r.ttft_p99_ms for r in rows.values())))
+            base = [rows[b] for b in BASELINES if b in rows]
+            if base:
+                base90.append(mine.ttft_p90_ms / max(1e-9, min(b.ttft_p90_ms for b in base)))
+                base99.append(mine.ttft_p99_ms / max(1e-9, min(b.ttft_p99_ms for b in base)))
+        if not p90:
+            continue
+        out.append(
+            Regret(
+                router,
+                len(p90),
+                max(p90),
+                sum(p90) / len(p90),
+                max(p99),
+                sum(p99) / len(p99),
+                max(base90, default=1.0),
+                max(base99, default=1.0),
+            )
+        )
+    return out
+
+
+def regret_markdown(rows: Sequence[Regret]) -> str:
+    head = (
+        "| router | cells | p90 regret worst | p90 regret mean | p99 regret worst | "
+        "p99 regret mean | p90 vs best of RR/LR (worst) | p99 vs best of RR/LR (worst) |"
+    )
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for g in rows:
+        lines.append(
+            f"| {g.router} | {g.cells} | {g.p90_worst:.2f} | {g.p90_mean:.2f} | "
+            f"{g.p99_worst:.2f} | {g.p99_mean:.2f} | {g.p90_vs_baseline:.2f} | "
+            f"{g.p99_vs_baseline:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def print_regret(results: Sequence[RunResult], console: Console | None = None) -> None:
+    rows = regrets(results)
+    if not rows or rows[0].cells < 1:
+        return
+    console = console or Console()
+    t = Table(title="regret: TTFT percentile / best router's in the same cell")
+    for title in ("router", "cells", "p90 worst", "p90 mean", "p99 worst", "p99 mean",
+                  "p90 vs RR/LR", "p99 vs RR/LR"):  # fmt: skip
+        t.add_column(title, justify="left" if title == "router" else "right")
+    for g in rows:
+        t.add_row(
+            g.router, str(g.cells), f"{g.p90_worst:.2f}", f"{g.p90_mean:.2f}",
+            f"{g.p99_worst:.2f}", f"{g.p99_mean:.2f}", f"{g.p90_vs_baseline:.2f}",
+            f"{g.p99_vs_baseline:.2f}",
+        )  # fmt: skip
+    console.print(t)
+
+
+def plot_regret(results: Sequence[RunResult], directory: Path) -> Path | None:
+    """A heat map per percentile: routers × cells, colour = regret (1 = best in the cell)."""
+    cells = _by_cell(results)
+    routers = list(dict.fromkeys(r.router for r in results if not r.skipped))
+    keys = [k for k, rows in cells.items() if set(routers) <= set(rows)]
+    if not keys or not routers:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.7 * len(keys) + 3), 2 + 1.1 * len(routers)))
+    for ax, field, title in zip(axes, ("ttft_p90_ms", "ttft_p99_ms"), ("p90", "p99"), strict=True):
+        grid = []
+        for router in routers:
+            row = []
+            for key in keys:
+                best = min(getattr(r, field) for r in cells[key].values())
+                row.append(getattr(cells[key][router], field) / max(1e-9, best))
+            grid.append(row)
+        image = ax.imshow(grid, cmap="RdYlGn_r", vmin=1.0, vmax=3.0, aspect="auto")
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(routers)), routers, fontsize=8)
+        ax.set_xticks(range(len(keys)), [k[0] for k in keys], rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"TTFT {title} regret (router ÷ best router in the cell)")
+        fig.colorbar(image, ax=ax, fraction=0.02)
+    fig.tight_layout()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "routing-regret.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

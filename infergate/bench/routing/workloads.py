@@ -44,6 +44,8 @@ class Workload:
     extra: dict[str, str] = field(default_factory=dict)
     lora: int = 0  # adapters served by every engine (lora-0 …); requests name them
     max_loras: int = 2  # adapter slots per engine
+    engines: int | None = None  # fleet size; None: the lab's --engines
+    engine_args: tuple[str, ...] = ()  # extra flags for every engine (e.g. a slower timing model)
 
 
 def _shared_prefix(groups: int, prefix: int, suffix: int, output: int) -> Builder:

@@ -1,0 +1,242 @@
+"""The routing lab's workload matrix: cells along the axes a router must hold on.
+
+A preset workload answers one question; a default chosen on one preset is tuned to it.
+The matrix instead spans the regimes a fleet meets, and the lab reports each router's
+*regret* in every cell (its TTFT p90 and p99 over the best router's there), so a default
+is chosen for its worst and mean case rather than its best. The axes:
+
+* ``working_set`` — the hot prefixes' tokens over the fleet's KV capacity
+  (``groups × prefix_len ÷ (engines × kv_blocks × block_size)``): at 0.5 every group fits
+  somewhere with room to spare; at 2.5 no placement keeps them all cached.
+* ``load`` — offered rate over round robin's estimated saturation rate
+  (:func:`saturation_rate`): 0.3, 0.6, 0.9 and 1.1 (past it, queues grow for every router).
+* ``popularity`` — ``uniform`` groups, or ``zipf`` (group *k* drawn ∝ ``1/(k+1)^1.1``).
+* ``mix`` — ``fixed`` (every request: the group prefix, a 32-token question, 48 output
+  tokens) or ``mixed`` (questions of 16-800 tokens and 8-192 output tokens, log-uniform).
+* ``turns`` — 1, or multi-turn sessions whose history grows every turn.
+* ``adapters`` — 0, or that many LoRA adapters (group *g* asks for ``lora-(g mod K)``) on
+  engines with 4 adapter slots each.
+* ``engines`` — fleet size.
+
+Seeds are drawn when the lab runs (``--seed`` fixes one) and recorded with the results.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from infergate.bench.datasets import SampleRequest, Tokens
+from infergate.bench.routing.workloads import Workload
+
+#: The matrix fleet: KV blocks per engine (16 tokens each) and the group prefix length.
+KV_BLOCKS = 400
+BLOCK_SIZE = 16
+PREFIX_TOKENS = 2000
+QUESTION_TOKENS = 32
+OUTPUT_TOKENS = 48
+ZIPF_S = 1.1
+ADAPTER_SLOTS = 4
+
+#: The matrix runs the simulator's timing model (engine/sim_runner.py ``TimingModel``)
+#: this many times slower, and its rates this many times lower: the same regimes, with
+#: half the steps per second, so this 2-core machine keeps the modelled pace (at the
+#: normal pace, 4 engines at 35 req/s ran their steps 13-45 % late here).
+TIME_SCALE = 2.0
+#: The timing model at that scale, in seconds.
+STEP_FLOOR_S = 6e-3 * TIME_SCALE
+PER_TOKEN_S = 30e-6 * TIME_SCALE
+PER_KV_TOKEN_S = 0.05e-6 * TIME_SCALE
+PER_SEQ_S = 15e-6 * TIME_SCALE
+PER_PAIR_S = 1e-9 * TIME_SCALE
+#: The engine flags that set it.
+SIM_ARGS = (
+    f"--sim-base-ms={STEP_FLOOR_S * 1e3:g}",
+    f"--sim-us-per-token={PER_TOKEN_S * 1e6:g}",
+    f"--sim-us-per-kv-token={PER_KV_TOKEN_S * 1e6:g}",
+    f"--sim-us-per-seq={PER_SEQ_S * 1e6:g}",
+    f"--sim-ns-per-attention-pair={PER_PAIR_S * 1e9:g}",
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    working_set: float = 1.0
+    load: float = 0.6
+    popularity: str = "uniform"
+    mix: str = "fixed"
+    turns: int = 1
+    adapters: int = 0
+    engines: int = 4
+
+    @property
+    def name(self) -> str:
+        parts = [f"ws{self.working_set:g}", f"load{self.load:g}"]
+        if self.popularity != "uniform":
+            parts.append(self.popularity)
+        if self.mix != "fixed":
+            parts.append(self.mix)
+        if self.turns > 1:
+            parts.append(f"turns{self.turns}")
+        if self.adapters:
+            parts.append(f"lora{self.adapters}")
+        if self.engines != 4:
+            parts.append(f"{self.engines}e")
+        return "-".join(parts)
+
+    @property
+    def groups(self) -> int:
+        fleet_tokens = self.engines * KV_BLOCKS * BLOCK_SIZE
+        return max(2, round(self.working_set * fleet_tokens / PREFIX_TOKENS))
+
+
+def _prefill_seconds(tokens: float, start: float) -> float:
+    """The simulator's compute for ``tokens`` new tokens after ``start`` cached ones."""
+    return tokens * PER_TOKEN_S + tokens * (start + tokens / 2) * PER_PAIR_S
+
+
+def saturation_rate(cell: Cell) -> float:
+    """Round robin's saturation rate (req/s) on the cell's fleet, from the timing model.
+
+    Under round robin every engine sees every group, so with LRU caching and uniform
+    popularity a prefix is cached with probability ``h = min(1, C ÷ (G × P))`` (C: one
+    engine's KV tokens). A request then costs ``(1 − h) × prefill(P + Q) + h × prefill(Q
+    after P)`` of compute plus ``O`` decode steps of ``PER_SEQ + ctx × PER_KV_TOKEN`` (the
+    step floor is shared by the batch). Two limits bind: compute, ``engines ÷ cost``; and KV
+    memory, since a running request holds ``P + Q + O`` tokens, so at most ``C ÷ (P + Q + O)``
+    run at once per engine, each for its prefill plus ``O`` steps of at least the floor.
+    The smaller is the saturation rate. It is an estimate (Zipf popularity raises ``h``, a
+    mixed-length cell uses its mean lengths); the lab's round-robin rows at load 0.9-1.1
+    show where it really queues.
+    """
+    capacity = KV_BLOCKS * BLOCK_SIZE
+    question, output = _mean_lengths(cell)
+    prefix = PREFIX_TOKENS
+    hit = min(1.0, capacity / (cell.groups * prefix))
+    ctx = prefix + question + output / 2
+    prefill = (1 - hit) * _prefill_seconds(prefix + question, 0) + hit * _prefill_seconds(
+        question, prefix
+    )
+    decode = output * (PER_SEQ_S + ctx * PER_KV_TOKEN_S)
+    compute_bound = cell.engines / (prefill + decode)
+    concurrent = capacity / (prefix + question + output)
+    duration = prefill + output * (STEP_FLOOR_S + 3 * (PER_SEQ_S + ctx * PER_KV_TOKEN_S))
+    kv_bound = cell.engines * concurrent / duration
+    return min(compute_bound, kv_bound)
+
+
+def _mean_lengths(cell: Cell) -> tuple[float, float]:
+    if cell.mix == "mixed":
+        return _log_uniform_mean(16, 800), _log_uniform_mean(8, 192)
+    return float(QUESTION_TOKENS), float(OUTPUT_TOKENS)
+
+
+def _log_uniform_mean(low: float, high: float) -> float:
+    return (high - low) / math.log(high / low)
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def _group_weights(cell: Cell) -> list[float]:
+    if cell.popularity == "zipf":
+        return [1.0 / (k + 1) ** ZIPF_S for k in range(cell.groups)]
+    if cell.popularity != "uniform":
+        raise ValueError(f"popularity must be uniform or zipf, not {cell.popularity!r}")
+    return [1.0] * cell.groups
+
+
+def build_samples(cell: Cell, tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
+    """``n`` requests for the cell: group by popularity, lengths by mix, turns by session."""
+    rng = random.Random(seed)
+    weights = _group_weights(cell)
+    prefixes = [f"System {g}: " + tokens.text(PREFIX_TOKENS, rng) for g in range(cell.groups)]
+    histories: dict[int, list[dict[str, str]]] = {}
+    samples: list[SampleRequest] = []
+    for index in range(n):
+        (group,) = rng.choices(range(cell.groups), weights)
+        if cell.mix == "mixed":
+            question_len, output_len = _log_uniform(rng, 16, 800), _log_uniform(rng, 8, 192)
+        else:
+            question_len, output_len = QUESTION_TOKENS, OUTPUT_TOKENS
+        question = f"Question {index}: " + tokens.text(question_len, rng)
+        model = f"lora-{group % cell.adapters}" if cell.adapters else None
+        if cell.turns > 1:
+            history = histories.get(group)
+            if history is None or len(history) >= 2 * cell.turns + 1:
+                history = [{"role": "system", "content": prefixes[group]}]
+            history.append({"role": "user", "content": question})
+            samples.append(
+                SampleRequest("", output_len, messages=[dict(m) for m in history], group=group,
+                              model=model)
+            )  # fmt: skip
+            history.append({"role": "assistant", "content": tokens.text(output_len, rng)})
+            histories[group] = history
+            continue
+        samples.append(
+            SampleRequest(question, output_len, system=prefixes[group], group=group, model=model)
+        )
+    return samples
+
+
+def workload(cell: Cell) -> Workload:
+    """The cell as a lab workload: its fleet, its samples and its one rate."""
+
+    def build(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
+        return build_samples(cell, tokens, n, seed)
+
+    return Workload(
+        cell.name,
+        f"{cell.groups} groups x {PREFIX_TOKENS} tokens on {cell.engines} engines x "
+        f"{KV_BLOCKS} blocks; {cell.load:g} x round robin's saturation",
+        build,
+        (round(cell.load * saturation_rate(cell), 1),),
+        num_prompts=240,
+        kv_blocks=KV_BLOCKS,
+        endpoint="/v1/chat/completions" if cell.turns > 1 else "/v1/completions",
+        lora=cell.adapters,
+        max_loras=ADAPTER_SLOTS,
+        engines=cell.engines,
+        engine_args=SIM_ARGS,
+    )
+
+
+#: Working set × load on 4 engines (uniform popularity, fixed lengths, single turn).
+CORE = tuple(
+    Cell(working_set=ws, load=load) for ws in (0.5, 1.0, 1.5, 2.5) for load in (0.3, 0.6, 0.9, 1.1)
+)
+#: One step along each other axis, from cells of the core.
+EXTRA = (
+    Cell(working_set=1.5, load=0.9, popularity="zipf"),
+    Cell(working_set=2.5, load=0.6, popularity="zipf"),
+    Cell(working_set=1.0, load=0.6, mix="mixed"),
+    Cell(working_set=1.0, load=0.6, turns=4),
+    Cell(working_set=1.0, load=0.6, adapters=8),
+    Cell(working_set=1.5, load=0.6, engines=8),
+)
+MATRICES: dict[str, Sequence[Cell]] = {"core": CORE, "extra": EXTRA, "all": CORE + EXTRA}
+
+
+def select(matrix: str, only: str | None) -> list[Cell]:
+    """The cells of ``matrix`` (``core``, ``extra``, ``all``), or the 0-based indices in
+    ``only`` (comma-separated, ranges as ``3-5``) of it, so a long matrix can be run in
+    parts on a small machine."""
+    if matrix not in MATRICES:
+        raise ValueError(f"unknown matrix {matrix!r}: choose from {', '.join(MATRICES)}")
+    cells = list(MATRICES[matrix])
+    if not only:
+        return cells
+    chosen: list[Cell] = []
+    for part in only.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(f"--cells: {part!r} is not an index or a range like 3-5") from None
+        if not 0 <= first <= last < len(cells):
+            raise ValueError(f"--cells: {part!r} is outside 0-{len(cells) - 1}")
+        chosen.extend(cells[first : last + 1])
+    return chosen
