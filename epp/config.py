@@ -143,23 +143,6 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
-#: infergate's default before the workload matrix (the predicted-latency scorer alone),
-#: kept by name for comparison in the lab (``--router epp:builtin:latency-only``).
-LATENCY_ONLY_CONFIG_YAML = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: prefix-cache-scorer
-- type: predicted-latency-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: predicted-latency-scorer
-    weight: 1
-  - pluginRef: max-score-picker
-"""
-
 #: GIE's default profile with the precise (KV-event driven) prefix scorer in place of the
 #: approximate one: llm-d's "precise prefix-cache aware" routing.
 GIE_PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
@@ -272,7 +255,6 @@ def pd_config(threshold: int = 256) -> str:
 #: Configs available by name: ``--config-file builtin:NAME``.
 BUILTIN_CONFIGS = {
     "infergate-default": DEFAULT_CONFIG_YAML,
-    "latency-only": LATENCY_ONLY_CONFIG_YAML,
     "gie-default": GIE_DEFAULT_CONFIG_YAML,
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
     "flow-control": FLOW_CONTROL_CONFIG_YAML,

@@ -386,7 +386,7 @@ def test_queue_seconds_follows_littles_law() -> None:
 def test_bounded_load_filter_keeps_endpoints_within_the_factor_of_the_fair_share() -> None:
     states = fleet(4)
     ctx = context(states)
-    bounded = plugin("bounded-load-filter", ctx, loadFactor=1.25)
+    bounded = plugin("bounded-load-filter", ctx, loadFactor=1.25, loadSlack=0)
     r = InferenceRequest("r", {}, model="m", target_model="m")
     for state, load in zip(states, (9, 3, 2, 1), strict=True):
         state.in_flight_requests = load
@@ -396,6 +396,8 @@ def test_bounded_load_filter_keeps_endpoints_within_the_factor_of_the_fair_share
     # The engine's own report counts too (requests from other routers or replicas).
     states[1].metrics.running, states[1].metrics.waiting = 5, 3  # load 8 > ⌈1.25 × 21 ÷ 4⌉
     assert states[1] not in bounded.filter(CycleState(), r, list(states))
+    slack = plugin("bounded-load-filter", ctx, loadFactor=1.25, loadSlack=1)
+    assert states[1] in slack.filter(CycleState(), r, list(states))  # 8 ≤ 7 + 1
     # Never empty: the least loaded endpoint is always within the bound.
     for state in states:
         state.in_flight_requests, state.metrics.running, state.metrics.waiting = 50, 0, 0
@@ -422,3 +424,36 @@ def test_lora_affinity_is_neutral_unless_the_request_is_for_an_adapter() -> None
     assert scores("base") == [1.0, 1.0, 1.0]  # the base model is no adapter
     # An adapter: running on 0 > a free slot on 2 > both slots taken on 1.
     assert scores("lora-a") == [1.0, 0.0, 0.8]
+
+
+async def test_the_eviction_charge_scales_with_how_often_evicted_tokens_are_reused() -> None:
+    states = fleet(2, blocks=200)  # 3,200 tokens each
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, evictionPenalty=1.0)
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)
+    full, empty = states
+    prefix = ctx.extras["prefix_index"]
+    prefix.index.add(full.key, list(range(10_000, 10_170)))  # ~full
+
+    async def eviction_charge() -> float:
+        """Predicted TTFT on the full cache minus on the empty one (scored, not routed)."""
+        r = InferenceRequest("r", {}, prompt_text="new group " * 600, model="m", target_model="m")
+        cycle = CycleState()
+        await prefix.prepare(cycle, r, states)
+        scorer.score(cycle, r, states)
+        return cycle["latency.predicted"][full.key] - cycle["latency.predicted"][empty.key]
+
+    charge = await eviction_charge()
+    assert scorer.reuse == 1.0 and charge > 0  # nothing observed yet: every token counts
+    # The fleet reports that a quarter of prompt tokens were cache hits lately: evicted
+    # blocks are read again a quarter as often, so the charge falls to a quarter.
+    request = InferenceRequest("x", {}, model="m", target_model="m")
+    request.notes["latency.routed_at"] = scorer.clock()
+    for _ in range(2000):
+        response = ResponseInfo(status=200, prompt_tokens=1000, cached_tokens=250)
+        scorer.response_complete(request, SchedulingResult("p", [empty]), response)
+    assert scorer.reuse == pytest.approx(0.25, abs=0.01)
+    assert await eviction_charge() == pytest.approx(charge * 0.25, rel=0.05)

@@ -101,7 +101,14 @@ class BoundedLoadParams(BaseModel):
         1.25,
         ge=1.0,
         description="An endpoint stays a candidate while its load is at most this many "
-        "times the fair share (rounded up).",
+        "times the fair share (rounded up), plus loadSlack.",
+    )
+    loadSlack: int = Field(
+        1,
+        ge=0,
+        description="Requests allowed above the scaled fair share: at low load a request "
+        "or two more on a cache holder builds no queue (continuous batching runs them "
+        "together), so the bound only bites once the fleet is busy.",
     )
 
 
@@ -109,8 +116,9 @@ class BoundedLoadParams(BaseModel):
 class BoundedLoadFilter(Filter):
     """Keep only endpoints whose load is within ``loadFactor`` × the fair share.
 
-    ``bound = ceil(loadFactor × (Σ load + 1) ÷ N)`` over the N candidates, the ``+ 1``
-    counting the request being placed; an endpoint with ``load ≤ bound`` stays. The least
+    ``bound = ceil(loadFactor × (Σ load + 1) ÷ N) + loadSlack`` over the N candidates, the
+    ``+ 1`` counting the request being placed; an endpoint with ``load ≤ bound`` stays. The
+    least
     loaded endpoint always stays (its load is at most the mean), so the filter never
     empties the list. This is consistent hashing with bounded loads (Mirrokni, Thorup and
     Zadimoghaddam, 2018) applied to affinity routing: the scorers may still prefer the
@@ -130,5 +138,6 @@ class BoundedLoadFilter(Filter):
             return endpoints
         loads = [endpoint_load(e) for e in endpoints]
         factor = float(self.params.loadFactor)  # type: ignore[attr-defined]
-        bound = math.ceil(factor * (sum(loads) + 1) / len(endpoints))
+        slack = int(self.params.loadSlack)  # type: ignore[attr-defined]
+        bound = math.ceil(factor * (sum(loads) + 1) / len(endpoints)) + slack
         return [e for e, load in zip(endpoints, loads, strict=True) if load <= bound]

@@ -24,7 +24,13 @@ token there (all times in seconds)::
 * ``evict(e)``: what loading this prompt will cost *later*. If the uncached tokens do
   not fit in the part of ``e``'s KV cache the index believes free, the overflow evicts
   other prefixes that will have to be recomputed: ``overflow_tokens × per_token ×
-  evictionPenalty``. This keeps prefix groups from being scattered over every cache (which
+  evictionPenalty × reuse``. ``reuse`` is the fleet's recent prefix-hit fraction
+  (cached ÷ prompt tokens over the responses this EPP saw complete, token-weighted and
+  decayed): the chance that an evicted token would have been read again. When the hot
+  prefixes fit, it is high and evicting a group costs nearly its recompute; when they
+  cannot all fit (a working set larger than the fleet's caches), most evicted blocks would
+  have been evicted unread anyway, and charging them in full would make every holder far
+  too sticky. This keeps prefix groups from being scattered over every cache (which
   is what makes a tight-capacity fleet thrash) while still letting a group move when its
   holder's queue costs more than recomputing it elsewhere.
 * ``queue(e)``: the wait for room on the engine itself. An engine admits a request only
@@ -84,6 +90,8 @@ PRIOR_DECODE_STEP_S = 0.01
 DEFAULT_OUTPUT_TOKENS = 128
 #: Weight of the newest observed request lifetime in its moving average.
 LIFETIME_EWMA = 0.1
+#: Decay per response of the prefix-hit fraction behind the eviction charge (~200 responses).
+REUSE_DECAY = 0.005
 
 
 class PredictedLatencyParams(BaseModel):
@@ -117,6 +125,16 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         self._pinned: PrefillCost | None = None
         #: Mean seconds from routing to completion, per endpoint key (``T(e)``).
         self._lifetime: dict[str, float] = {}
+        #: Decayed cached and prompt tokens of completed responses (``reuse``).
+        self._reuse_cached = 0.0
+        self._reuse_prompt = 0.0
+
+    @property
+    def reuse(self) -> float:
+        """The recent prefix-hit fraction of the fleet; 1 before any response reported."""
+        if self._reuse_prompt <= 0:
+            return 1.0
+        return min(1.0, self._reuse_cached / self._reuse_prompt)
         if self.p.secondsPerToken is not None or self.p.baseSeconds is not None:
             self._pinned = PrefillCost()
             if self.p.secondsPerToken is not None:
@@ -151,6 +169,7 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         stale = self.context.saturation.is_stale
         out: list[tuple[float, float]] = []
         output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
+        reuse = self.reuse
         for e in endpoints:
             cost = self._cost(e)
             uncached = max(1.0, prompt - cached.get(e.key, 0.0))
@@ -163,7 +182,7 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             if prefix is not None and self.p.evictionPenalty > 0:
                 free = prefix.free_tokens(e, model)
                 if free is not None and uncached > free:
-                    ttft += (uncached - free) * cost.per_token * self.p.evictionPenalty
+                    ttft += (uncached - free) * cost.per_token * self.p.evictionPenalty * reuse
             ttft += max(e.in_flight_requests, e.metrics.running) * self.p.decodeSecondsPerRequest
             if stale(e, now):
                 ttft += STALE_PENALTY_S
@@ -208,11 +227,15 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
     def response_complete(
         self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo
     ) -> None:
-        """Learn ``T(e)``: the time from routing to completion of a successful request."""
+        """Learn ``T(e)`` (routing to completion of a successful request) and ``reuse``."""
         routed_at = request.notes.get("latency.routed_at")
         primary = result.primary
         if routed_at is None or primary is None or not 200 <= response.status < 300:
             return
+        if response.prompt_tokens:
+            keep = 1.0 - REUSE_DECAY
+            self._reuse_prompt = self._reuse_prompt * keep + response.prompt_tokens
+            self._reuse_cached = self._reuse_cached * keep + (response.cached_tokens or 0)
         seconds = self.clock() - routed_at
         old = self._lifetime.get(primary.key)
         self._lifetime[primary.key] = (

@@ -39,6 +39,10 @@ QUESTION_TOKENS = 32
 OUTPUT_TOKENS = 48
 ZIPF_S = 1.1
 ADAPTER_SLOTS = 4
+#: Requests per cell: about RUN_SECONDS of arrivals, within these bounds (p99 needs ~100).
+RUN_SECONDS = 25.0
+MIN_PROMPTS = 120
+MAX_PROMPTS = 300
 
 #: The matrix runs the simulator's timing model (engine/sim_runner.py ``TimingModel``)
 #: this many times slower, and its rates this many times lower: the same regimes, with
@@ -102,29 +106,43 @@ def saturation_rate(cell: Cell) -> float:
 
     Under round robin every engine sees every group, so with LRU caching and uniform
     popularity a prefix is cached with probability ``h = min(1, C ÷ (G × P))`` (C: one
-    engine's KV tokens). A request then costs ``(1 − h) × prefill(P + Q) + h × prefill(Q
-    after P)`` of compute plus ``O`` decode steps of ``PER_SEQ + ctx × PER_KV_TOKEN`` (the
-    step floor is shared by the batch). Two limits bind: compute, ``engines ÷ cost``; and KV
-    memory, since a running request holds ``P + Q + O`` tokens, so at most ``C ÷ (P + Q + O)``
-    run at once per engine, each for its prefill plus ``O`` steps of at least the floor.
-    The smaller is the saturation rate. It is an estimate (Zipf popularity raises ``h``, a
-    mixed-length cell uses its mean lengths); the lab's round-robin rows at load 0.9-1.1
-    show where it really queues.
+    engine's KV tokens). A request's prefill then costs ``p = (1 − h) × prefill(P + Q) + h ×
+    prefill(Q after P)``. Two limits bind at a per-engine rate ``r``:
+
+    * compute: ``r × p < 1``;
+    * KV memory: a running request holds ``P + Q + O`` tokens, so at most ``c = C ÷ (P +
+      Q + O)`` run at once, each for its prefill plus ``O`` decode steps. The engine spends
+      ``u = r × p`` of its time in prefill steps; the rest goes in steps of about the floor
+      ``f``, so a sequence advances ``(1 − u) ÷ f + r × (1 − h)`` steps a second and lives
+      ``d(r) = p + O ÷ that``. By Little's law the engine holds ``r × d(r)`` requests.
+
+    The saturation rate is the largest ``r`` with ``r × p < 1`` and ``r × d(r) ≤ c``
+    (bisection), times the number of engines. Zipf popularity raises ``h`` and a
+    mixed-length cell is estimated at its mean lengths, so it is an estimate; round
+    robin's rows at load 0.9-1.1 show where it really queues.
     """
     capacity = KV_BLOCKS * BLOCK_SIZE
     question, output = _mean_lengths(cell)
     prefix = PREFIX_TOKENS
     hit = min(1.0, capacity / (cell.groups * prefix))
-    ctx = prefix + question + output / 2
     prefill = (1 - hit) * _prefill_seconds(prefix + question, 0) + hit * _prefill_seconds(
         question, prefix
     )
-    decode = output * (PER_SEQ_S + ctx * PER_KV_TOKEN_S)
-    compute_bound = cell.engines / (prefill + decode)
     concurrent = capacity / (prefix + question + output)
-    duration = prefill + output * (STEP_FLOOR_S + 3 * (PER_SEQ_S + ctx * PER_KV_TOKEN_S))
-    kv_bound = cell.engines * concurrent / duration
-    return min(compute_bound, kv_bound)
+
+    def held(rate: float) -> float:
+        busy = rate * prefill
+        steps_per_second = (1 - busy) / STEP_FLOOR_S + rate * (1 - hit)
+        return rate * (prefill + output / steps_per_second)
+
+    low, high = 0.0, 1.0 / prefill
+    for _ in range(60):
+        mid = (low + high) / 2
+        if held(mid) <= concurrent:
+            low = mid
+        else:
+            high = mid
+    return cell.engines * low
 
 
 def _mean_lengths(cell: Cell) -> tuple[float, float]:
@@ -188,13 +206,14 @@ def workload(cell: Cell) -> Workload:
     def build(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
         return build_samples(cell, tokens, n, seed)
 
+    rate = round(cell.load * saturation_rate(cell), 1)
     return Workload(
         cell.name,
         f"{cell.groups} groups x {PREFIX_TOKENS} tokens on {cell.engines} engines x "
         f"{KV_BLOCKS} blocks; {cell.load:g} x round robin's saturation",
         build,
-        (round(cell.load * saturation_rate(cell), 1),),
-        num_prompts=240,
+        (rate,),
+        num_prompts=min(MAX_PROMPTS, max(MIN_PROMPTS, round(rate * RUN_SECONDS))),
         kv_blocks=KV_BLOCKS,
         endpoint="/v1/chat/completions" if cell.turns > 1 else "/v1/completions",
         lora=cell.adapters,
@@ -208,6 +227,14 @@ def workload(cell: Cell) -> Workload:
 CORE = tuple(
     Cell(working_set=ws, load=load) for ws in (0.5, 1.0, 1.5, 2.5) for load in (0.3, 0.6, 0.9, 1.1)
 )
+#: Half of CORE in which every working-set and every load level appears twice (each
+#: working set at one low and one high load): the part of the matrix a 2-core machine
+#: runs for every router in about an hour.
+FRACTION = tuple(
+    Cell(working_set=ws, load=load)
+    for ws, load in ((0.5, 0.3), (0.5, 0.9), (1.0, 0.6), (1.0, 1.1), (1.5, 0.3), (1.5, 0.9),
+                     (2.5, 0.6), (2.5, 1.1))
+)  # fmt: skip
 #: One step along each other axis, from cells of the core.
 EXTRA = (
     Cell(working_set=1.5, load=0.9, popularity="zipf"),
@@ -217,11 +244,16 @@ EXTRA = (
     Cell(working_set=1.0, load=0.6, adapters=8),
     Cell(working_set=1.5, load=0.6, engines=8),
 )
-MATRICES: dict[str, Sequence[Cell]] = {"core": CORE, "extra": EXTRA, "all": CORE + EXTRA}
+MATRICES: dict[str, Sequence[Cell]] = {
+    "standard": FRACTION + EXTRA,
+    "core": CORE,
+    "extra": EXTRA,
+    "all": CORE + EXTRA,
+}
 
 
 def select(matrix: str, only: str | None) -> list[Cell]:
-    """The cells of ``matrix`` (``core``, ``extra``, ``all``), or the 0-based indices in
+    """The cells of ``matrix`` (``standard``, ``core``, ``extra``, ``all``), or the 0-based indices in
     ``only`` (comma-separated, ranges as ``3-5``) of it, so a long matrix can be run in
     parts on a small machine."""
     if matrix not in MATRICES:
