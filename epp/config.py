@@ -169,42 +169,10 @@ flowControl:
 #: --precise-prefix``): the precise index gives exact token counts and confirmed blocks,
 #: the calibrated approximate index covers the window before an event arrives; the
 #: predicted-latency scorer takes the larger cached estimate.
-PRECISE_PREFIX_CONFIG_YAML = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: prefix-cache-scorer
-- type: precise-prefix-cache-scorer
-- type: predicted-latency-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: predicted-latency-scorer
-    weight: 1
-  - pluginRef: max-score-picker
-"""
-
-#: infergate's default plus LoRA affinity (``infergate up --lora N``): a request for an
-#: adapter prefers endpoints whose ``vllm:lora_requests_info`` lists it running, then
-#: those with a free adapter slot, so adapters stay on few engines and load less often.
-LORA_CONFIG_YAML = """\
-apiVersion: inference.networking.x-k8s.io/v1alpha1
-kind: EndpointPickerConfig
-plugins:
-- type: prefix-cache-scorer
-- type: predicted-latency-scorer
-- type: lora-affinity-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: predicted-latency-scorer
-    weight: 1
-  - pluginRef: lora-affinity-scorer
-    weight: 2
-  - pluginRef: max-score-picker
-"""
+PRECISE_PREFIX_CONFIG_YAML = DEFAULT_CONFIG_YAML.replace(
+    "- type: prefix-cache-scorer\n",
+    "- type: prefix-cache-scorer\n- type: precise-prefix-cache-scorer\n",
+)
 
 #: Prefill/decode disaggregation (docs/epp.md, "Prefill/decode disaggregation"): the
 #: decode profile picks among ``decode``/``both`` engines with GIE's default scorers; when
@@ -259,7 +227,8 @@ BUILTIN_CONFIGS = {
     "precise-prefix": PRECISE_PREFIX_CONFIG_YAML,
     "flow-control": FLOW_CONTROL_CONFIG_YAML,
     "gie-precise-prefix": GIE_PRECISE_PREFIX_CONFIG_YAML,
-    "lora": LORA_CONFIG_YAML,
+    # The default has LoRA affinity now; the name stays for configs that use it.
+    "lora": DEFAULT_CONFIG_YAML,
     "pd": PD_CONFIG_YAML,
 }
 BUILTIN_PREFIX = "builtin:"

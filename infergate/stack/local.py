@@ -24,7 +24,6 @@ import yaml
 
 from infergate.envoy.bootstrap import build_envoy_config
 from infergate.envoy.process import start_envoy
-from infergate.epp.config import LORA_CONFIG_YAML as LORA_CONFIG
 from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
 from infergate.epp.config import pd_config
 from infergate.procs import (
@@ -495,10 +494,10 @@ class LocalStack:
         ]
         if self.spec.epp_config_file:
             argv += ["--config-file", str(self.spec.epp_config_file)]
-        elif self.spec.precise_prefix or self.spec.lora:
+        elif self.spec.precise_prefix:
             assert self.workdir is not None
             generated = self.workdir / "epp-config.yaml"
-            generated.write_text(PRECISE_PREFIX_CONFIG if self.spec.precise_prefix else LORA_CONFIG)
+            generated.write_text(PRECISE_PREFIX_CONFIG)
             argv += ["--config-file", str(generated)]
         elif self.spec.resolved_roles():
             assert self.workdir is not None
