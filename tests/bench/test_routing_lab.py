@@ -64,6 +64,12 @@ def test_bad_choices_are_refused(infergate_cli: list[str], tmp_path: Path) -> No
     assert missing.returncode == 2 and "no EndpointPickerConfig file" in missing.stderr
     rates = _run(infergate_cli, "--rates", "fast")
     assert rates.returncode == 2
+    cells = _run(infergate_cli, "--cells", "1")
+    assert cells.returncode == 2 and "--cells needs --matrix" in cells.stderr
+    both = _run(infergate_cli, "--matrix", "core", "--rates", "5")
+    assert both.returncode == 2 and "each matrix cell sets its own rate" in both.stderr
+    outside = _run(infergate_cli, "--matrix", "core", "--cells", "16")
+    assert outside.returncode == 2 and "outside 0-15" in outside.stderr
 
 
 def test_presets_cover_the_questions_users_ask() -> None:
@@ -104,3 +110,80 @@ def test_sglang_router_missing_is_a_clear_skip(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(routers, "sglang_available", lambda: False)
     with pytest.raises(routers.RouterUnavailable, match="pip install sglang-router"):
         routers.ROUTERS["sglang-cache-aware"].start(None)  # type: ignore[arg-type]
+
+
+def test_matrix_cells_span_the_axes_and_size_their_fleet() -> None:
+    from infergate.bench.routing import matrix
+
+    cells = matrix.select("standard", None)
+    assert {c.working_set for c in cells} >= {0.5, 1.0, 1.5, 2.5}
+    assert {c.load for c in cells} >= {0.3, 0.6, 0.9, 1.1}
+    assert {c.popularity for c in cells} == {"uniform", "zipf"}
+    assert {c.engines for c in cells} == {4, 8} and any(c.adapters for c in cells)
+    assert any(c.turns > 1 for c in cells) and any(c.mix == "mixed" for c in cells)
+    assert len(matrix.select("core", None)) == 16
+    assert [c.name for c in matrix.select("core", "0-1,15")] == [
+        "ws0.5-load0.3", "ws0.5-load0.6", "ws2.5-load1.1",
+    ]  # fmt: skip
+    # The working set is the groups' prefixes over the fleet's KV tokens.
+    wide = matrix.Cell(working_set=2.5)
+    fleet_tokens = wide.engines * matrix.KV_BLOCKS * matrix.BLOCK_SIZE
+    assert wide.groups * matrix.PREFIX_TOKENS == pytest.approx(2.5 * fleet_tokens, rel=0.05)
+    # Round robin saturates sooner when fewer prefixes stay cached, later with more engines.
+    assert matrix.saturation_rate(matrix.Cell(working_set=0.5)) > matrix.saturation_rate(wide)
+    # (8 engines hold 26 groups where 4 hold 13: the rounding moves the hit rate a little.)
+    assert matrix.saturation_rate(matrix.Cell(engines=8)) == pytest.approx(
+        2 * matrix.saturation_rate(matrix.Cell()), rel=0.1
+    )
+    work = matrix.workload(matrix.Cell(working_set=1.0, load=0.6, adapters=8))
+    assert work.kv_blocks == matrix.KV_BLOCKS and work.lora == 8 and work.engines == 4
+    assert work.rates[0] == pytest.approx(0.6 * matrix.saturation_rate(matrix.Cell()), abs=0.1)
+    for bad in ("core:1", "99"):
+        with pytest.raises(ValueError, match="--cells"):
+            matrix.select("core", bad)
+    with pytest.raises(ValueError, match="unknown matrix"):
+        matrix.select("huge", None)
+
+
+def test_matrix_samples_follow_popularity_mix_turns_and_adapters() -> None:
+    from infergate.bench.routing import matrix
+
+    tokens = Tokens(None)
+    zipf = matrix.build_samples(matrix.Cell(popularity="zipf"), tokens, 400, 3)
+    groups = [s.group for s in zipf]
+    assert groups.count(0) > 3 * groups.count(12)  # Zipf: the head group is far hotter
+    mixed = matrix.build_samples(matrix.Cell(mix="mixed"), tokens, 200, 3)
+    assert min(s.output_len for s in mixed) < 20 and max(s.output_len for s in mixed) > 150
+    turns = matrix.build_samples(matrix.Cell(turns=3), tokens, 60, 3)
+    session = [s for s in turns if s.group == turns[0].group]
+    # Every turn carries the system prompt and the earlier turns, until the session ends.
+    assert [len(s.messages or []) for s in session[:3]] == [2, 4, 6]
+    assert len(session[3].messages or []) == 2
+    lora = matrix.build_samples(matrix.Cell(adapters=4), tokens, 50, 3)
+    assert all(s.model == f"lora-{s.group % 4}" for s in lora)
+
+
+def test_regret_divides_by_the_best_router_in_each_cell() -> None:
+    from infergate.bench.routing.lab import RunResult
+    from infergate.bench.routing.report import regret_markdown, regrets
+
+    def row(cell: str, router: str, p90: float, p99: float) -> RunResult:
+        return RunResult(cell, router, 1.0, completed=10, ttft_p90_ms=p90, ttft_p99_ms=p99)
+
+    results = [
+        row("a", "round-robin", 100, 200), row("a", "least-request", 120, 180),
+        row("a", "epp", 90, 300),
+        row("b", "round-robin", 400, 800), row("b", "least-request", 500, 900),
+        row("b", "epp", 200, 400),
+        row("c", "round-robin", 10, 10),  # not every router ran: left out
+    ]  # fmt: skip
+    by = {g.router: g for g in regrets(results)}
+    assert by["epp"].cells == 2
+    assert by["epp"].p90_worst == pytest.approx(1.0) and by["epp"].p99_worst == pytest.approx(
+        300 / 180
+    )
+    assert by["round-robin"].p90_mean == pytest.approx((100 / 90 + 400 / 200) / 2)
+    # Against the better of round robin and least request in each cell.
+    assert by["epp"].p90_vs_baseline == pytest.approx(0.9)
+    assert by["epp"].p99_vs_baseline == pytest.approx(300 / 180)
+    assert "| epp | 2 |" in regret_markdown(list(by.values()))
