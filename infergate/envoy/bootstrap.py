@@ -386,7 +386,7 @@ def _routes(
     # No pick: the EPP was unreachable and failure_mode_allow let the request through.
     # An ORIGINAL_DST pool cannot take it (without the header it would dial the listener
     # itself): then such a request finds no route (404) unless a fallback cluster exists.
-    routes = [picked]
+    routes: list[dict[str, Any]] = [picked]
     if has_fallback or unpicked_to_pool:
         cluster = FALLBACK_CLUSTER if has_fallback else POOL_CLUSTER
         routes.append({"match": {"prefix": "/"}, "route": {"cluster": cluster, **route_action}})
