@@ -128,13 +128,16 @@ def _external_epp(binary: Path | None, config: Path | None) -> Callable[[LocalSt
             health_port=spec.epp_health_port,
             metrics_port=spec.epp_metrics_port,
         )
-        stack.epp = stack.group.start(
-            "external-epp",
-            argv,
-            ready=grpc_serving(LOOPBACK, spec.epp_health_port),
-            timeout=60.0,
-            log_path=stack.workdir / "external-epp.log",
-        )
+        try:
+            stack.epp = stack.group.start(
+                "external-epp",
+                argv,
+                ready=grpc_serving(LOOPBACK, spec.epp_health_port),
+                timeout=60.0,
+                log_path=stack.workdir / "external-epp.log",
+            )
+        except OSError as error:  # not a program for this machine (exec failed)
+            raise RouterUnavailable(f"cannot run {found}: {error}; {external.BUILD_HINT}") from None
         envoy_config = stack.envoy_config(
             upstream="original_dst",
             response_accounting="body",
