@@ -194,7 +194,21 @@ def routing(
         "--routers",
         help="Router(s) to compare (repeat; default: all but epp-precise): round-robin, "
         "least-request, sglang-cache-aware, epp-gie, epp-infergate, epp-precise (engines "
-        "publish KV events), or epp:CONFIG.yaml for the EPP with any EndpointPickerConfig.",
+        "publish KV events), epp:CONFIG.yaml for the EPP with any EndpointPickerConfig, or "
+        "external-epp (the binary given by --external-epp).",
+    ),
+    external_epp: Path | None = typer.Option(
+        None,
+        "--external-epp",
+        help="An external ext-proc Endpoint Picker binary (llm-d-router's or GIE's Go epp, "
+        "built by hand) for the external-epp router; it discovers the fleet from a file, "
+        "behind the same Envoy (ORIGINAL_DST). Adds external-epp to the default routers.",
+    ),
+    external_epp_config: Path | None = typer.Option(
+        None,
+        "--external-epp-config",
+        help="The external EPP's EndpointPickerConfig (default: llm-d-router's default "
+        "profile, queue 2 / KV cache 2 / prefix 3); the lab adds its file discovery.",
     ),
     rates: str | None = typer.Option(
         None,
@@ -268,8 +282,12 @@ def routing(
     if not console.is_terminal:  # a log file or CI: no wrapping of the wide table
         console = Console(width=180)
     chosen, names = _lab_workloads(workload, matrix, cells, rates)
+    wanted = router or [*DEFAULT_ROUTERS, *(["external-epp"] if external_epp else [])]
     try:
-        routers = [resolve(n) for n in (router or list(DEFAULT_ROUTERS))]
+        routers = [
+            resolve(n, external_epp=external_epp, external_epp_config=external_epp_config)
+            for n in wanted
+        ]
         sweep = [float(x) for x in rates.split(",")] if rates else None
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None

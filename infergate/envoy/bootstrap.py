@@ -21,6 +21,11 @@ Why each piece is there:
   cluster dials any address but cannot honour the fallback list or fail open.) The
   header is stripped from client requests first, so a client can never choose an
   upstream itself.
+* ``upstream="original_dst"`` swaps that pool cluster for the one GIE's and llm-d-router's
+  reference configs use: an ``ORIGINAL_DST`` cluster that dials whatever address the
+  ``x-gateway-destination-endpoint`` header names (first entry only; no fallback list,
+  no EDS). It exists so an external EPP that does not serve EDS (the routing lab's
+  ``external-epp`` peer) runs behind this same listener and filter chain.
 * Only requests that carry a pick in the ``envoy.lb`` metadata (which, unlike a header,
   only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
   ``failure_mode_allow`` let the request through) are balanced least-request over a static
@@ -64,6 +69,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "RESPONSE_ACCOUNTING",
     "SERVED_HEADER",
+    "UPSTREAMS",
     "UPSTREAM_HOST_HEADER",
     "build_envoy_config",
     "render_envoy_yaml",
@@ -71,6 +77,8 @@ __all__ = [
 
 RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
 """How the EPP learns a response's end and usage (see :func:`build_envoy_config`)."""
+UPSTREAMS = ("eds", "original_dst")
+"""How Envoy finds the picked endpoint (see :func:`build_envoy_config`)."""
 UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
 """Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
 PICKED_HEADER = "x-infergate-picked-endpoint"
@@ -320,8 +328,33 @@ def _pool_cluster(
     }
 
 
+def _original_dst_cluster(*, connect_timeout_s: float, max_requests: int) -> dict[str, Any]:
+    """GIE's reference pool cluster: dial the address in ``x-gateway-destination-endpoint``.
+
+    Envoy reads only the first ``ip:port`` of the header, so the EPP's fallback list is
+    ignored, and it dials any address at all: safe here only because client copies of
+    the header are stripped before ext_proc runs.
+    """
+    return {
+        "name": POOL_CLUSTER,
+        "type": "ORIGINAL_DST",
+        "connect_timeout": _duration(connect_timeout_s),
+        "lb_policy": "CLUSTER_PROVIDED",
+        "circuit_breakers": _circuit_breakers(max_requests),
+        "original_dst_lb_config": {
+            "use_http_header": True,
+            "http_header_name": DESTINATION_HEADER,
+        },
+    }
+
+
 def _routes(
-    *, route_timeout_s: float, has_fallback: bool, debug_headers: bool, fallback_retries: int
+    *,
+    route_timeout_s: float,
+    has_fallback: bool,
+    debug_headers: bool,
+    fallback_retries: int,
+    unpicked_to_pool: bool = True,
 ) -> list[dict[str, Any]]:
     route_action: dict[str, Any] = {
         "timeout": _duration(route_timeout_s),
@@ -351,11 +384,12 @@ def _routes(
             "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
         }
     # No pick: the EPP was unreachable and failure_mode_allow let the request through.
-    unpicked: dict[str, Any] = {
-        "match": {"prefix": "/"},
-        "route": {"cluster": FALLBACK_CLUSTER if has_fallback else POOL_CLUSTER, **route_action},
-    }
-    routes = [picked, unpicked]
+    # An ORIGINAL_DST pool cannot take it (without the header it would dial the listener
+    # itself): then such a request finds no route (404) unless a fallback cluster exists.
+    routes: list[dict[str, Any]] = [picked]
+    if has_fallback or unpicked_to_pool:
+        cluster = FALLBACK_CLUSTER if has_fallback else POOL_CLUSTER
+        routes.append({"match": {"prefix": "/"}, "route": {"cluster": cluster, **route_action}})
     for route in routes:
         # The served endpoint goes back to the EPP (header -> envoy.lb metadata, see
         # _served_to_metadata_filter); the debug pair is for people and tests.
@@ -415,6 +449,7 @@ def build_envoy_config(
     observe_responses: bool | None = None,
     response_accounting: str = "engine",
     epp_streams_per_connection: int = 100000,
+    upstream: str = "eds",
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -448,6 +483,11 @@ def build_envoy_config(
     Envoy spread load over several connections, which the kernel hands to different
     processes of an EPP run with ``--workers N`` (SO_REUSEPORT balances connections).
 
+    ``upstream`` is how Envoy reaches the pick: ``eds`` (default; the pool cluster
+    learns the endpoints from the EPP over EDS and honours its fallback list) or
+    ``original_dst`` (GIE's reference ``ORIGINAL_DST`` cluster, for an EPP that serves
+    no EDS; requests without a pick then get a 404 unless ``fallback_endpoints`` exist).
+
     ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
     unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
     """
@@ -457,6 +497,8 @@ def build_envoy_config(
         response_accounting = "none"
     elif observe_responses is False:
         response_accounting = "body"
+    if upstream not in UPSTREAMS:
+        raise ValueError(f"upstream must be one of {', '.join(UPSTREAMS)}, not {upstream!r}")
     if response_accounting not in RESPONSE_ACCOUNTING:
         raise ValueError(
             f"response_accounting must be one of {', '.join(RESPONSE_ACCOUNTING)}, "
@@ -485,6 +527,7 @@ def build_envoy_config(
                         has_fallback=bool(fallback_endpoints),
                         fallback_retries=fallback_retries,
                         debug_headers=debug_headers,
+                        unpicked_to_pool=upstream == "eds",
                     ),
                 }
             ],
@@ -517,11 +560,16 @@ def build_envoy_config(
             }
         ]
 
-    pool_cluster = _pool_cluster(
-        connect_timeout_s=connect_timeout_s,
-        max_requests=max_requests,
-        initial_fetch_timeout_s=eds_initial_fetch_timeout_s,
-    )
+    if upstream == "original_dst":
+        pool_cluster = _original_dst_cluster(
+            connect_timeout_s=connect_timeout_s, max_requests=max_requests
+        )
+    else:
+        pool_cluster = _pool_cluster(
+            connect_timeout_s=connect_timeout_s,
+            max_requests=max_requests,
+            initial_fetch_timeout_s=eds_initial_fetch_timeout_s,
+        )
     epp_cluster = _static_cluster(
         EPP_CLUSTER,
         [(epp_address, epp_port)],

@@ -187,3 +187,91 @@ def test_regret_divides_by_the_best_router_in_each_cell() -> None:
     assert by["epp"].p90_vs_baseline == pytest.approx(0.9)
     assert by["epp"].p99_vs_baseline == pytest.approx(300 / 180)
     assert "| epp | 2 |" in regret_markdown(list(by.values()))
+
+
+def test_external_epp_gets_the_peers_default_profile_and_the_labs_fleet(tmp_path: Path) -> None:
+    """What the lab hands an external EPP: llm-d-router's default weights, file discovery
+    of the lab's engines (any discovery of the user's replaced), plaintext on free ports."""
+    from infergate.bench.routing import external
+
+    endpoints = tmp_path / "endpoints.yaml"
+    config = external.with_file_discovery(external.load_config(None), endpoints)
+    (profile,) = config["schedulingProfiles"]
+    weights = {ref["pluginRef"]: ref["weight"] for ref in profile["plugins"]}
+    assert weights == {
+        "queue-scorer": 2,
+        "kv-cache-utilization-scorer": 2,
+        "prefix-cache-scorer": 3,
+    }
+    discovery = config["dataLayer"]["discovery"]["pluginRef"]
+    (plugin,) = [p for p in config["plugins"] if p["name"] == discovery]
+    assert plugin["type"] == "file-discovery"
+    assert plugin["parameters"] == {"path": str(endpoints), "watchFile": False}
+    assert external.PEER_DEFAULT_CONFIG["plugins"][-1]["type"] == "prefix-cache-scorer"  # untouched
+
+    user = tmp_path / "mine.yaml"
+    user.write_text(
+        "apiVersion: llm-d.ai/v1alpha1\nkind: EndpointPickerConfig\n"
+        "plugins:\n- {name: q, type: queue-scorer}\n"
+        "- {name: theirs, type: file-discovery, parameters: {path: /etc/epp/endpoints.yaml}}\n"
+        "schedulingProfiles:\n- {name: default, plugins: [{pluginRef: q}]}\n"
+        "dataLayer: {discovery: {pluginRef: theirs}}\n"
+    )
+    mine = external.with_file_discovery(external.load_config(user), endpoints)
+    assert [p["name"] for p in mine["plugins"]] == ["q", external.DISCOVERY_PLUGIN]
+    assert mine["dataLayer"]["discovery"] == {"pluginRef": external.DISCOVERY_PLUGIN}
+
+    document = external.endpoints_document(["127.0.0.1:8001", "127.0.0.1:8002"])
+    assert document["endpoints"][1] == {"name": "engine-1", "address": "127.0.0.1", "port": "8002"}
+    argv = external.epp_argv(
+        Path("/bin/epp"), tmp_path / "c.yaml", grpc_port=1, health_port=2, metrics_port=3
+    )
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    assert argv[0] == "/bin/epp" and flags["--config-file"] == str(tmp_path / "c.yaml")
+    assert (flags["--grpc-port"], flags["--grpc-health-port"], flags["--metrics-port"]) == (
+        "1",
+        "2",
+        "3",
+    )
+    assert "--secure-serving=false" in argv
+
+
+def test_external_epp_bad_config_is_refused(tmp_path: Path) -> None:
+    from infergate.bench.routing import external
+
+    with pytest.raises(ValueError, match="No such file"):
+        resolve("external-epp", external_epp_config=tmp_path / "none.yaml")
+    not_epc = tmp_path / "envoy.yaml"
+    not_epc.write_text("static_resources: {}\n")
+    with pytest.raises(external.ExternalEppError, match="not an EndpointPickerConfig"):
+        resolve("external-epp", external_epp_config=not_epc)
+    no_profile = tmp_path / "bare.yaml"
+    no_profile.write_text("kind: EndpointPickerConfig\nplugins: []\n")
+    with pytest.raises(external.ExternalEppError, match="no schedulingProfiles"):
+        external.load_config(no_profile)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: [\n")
+    with pytest.raises(external.ExternalEppError, match="not YAML"):
+        external.load_config(broken)
+
+
+def test_external_epp_without_a_binary_is_a_clear_skip(tmp_path: Path) -> None:
+    """No binary (or not an executable one): skipped before anything starts, saying how
+    to build the peer."""
+    from infergate.bench.routing import routers
+
+    with pytest.raises(routers.RouterUnavailable, match=r"go build .*cmd/epp"):
+        resolve("external-epp").start(None)  # type: ignore[arg-type]
+    text = tmp_path / "epp"
+    text.write_text("not a program")
+    with pytest.raises(routers.RouterUnavailable, match="is not an executable file"):
+        resolve("external-epp", external_epp=text).start(None)  # type: ignore[arg-type]
+
+
+def test_cli_external_epp_with_a_bad_config_exits_2(
+    infergate_cli: list[str], tmp_path: Path
+) -> None:
+    result = _run(
+        infergate_cli, "--router", "external-epp", "--external-epp-config", str(tmp_path / "x.yaml")
+    )
+    assert result.returncode == 2 and "--external-epp-config" in result.stderr

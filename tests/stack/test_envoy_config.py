@@ -44,6 +44,12 @@ def _ext_proc(config: dict) -> dict:
         {"observe_responses": False},
         {"response_accounting": "observer"},
         {"epp_tls": True, "epp_address": "epp.default.svc.cluster.local"},
+        {"upstream": "original_dst", "response_accounting": "body"},
+        {
+            "upstream": "original_dst",
+            "failure_mode_allow": True,
+            "fallback_endpoints": [("127.0.0.1", 8000)],
+        },
     ],
 )
 def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binary: Path) -> None:
@@ -121,6 +127,29 @@ def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
         listen_port=1, epp_address="127.0.0.1", epp_port=2, fallback_retries=0
     )
     assert "retry_policy" not in _routes(no_retries)[0]["route"]
+
+
+def test_original_dst_upstream_is_gies_reference_cluster() -> None:
+    """For an EPP that serves no EDS: Envoy dials whatever the pick header names, and a
+    request without a pick has no route (an ORIGINAL_DST cluster would dial the listener)."""
+    config = build_envoy_config(
+        listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="original_dst"
+    )
+    pool = config["static_resources"]["clusters"][1]
+    assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
+    assert pool["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": DESTINATION_HEADER,
+    }
+    routes = _routes(config)
+    assert len(routes) == 1 and routes[0]["match"]["dynamic_metadata"]
+    with_fallback = build_envoy_config(
+        listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="original_dst",
+        failure_mode_allow=True, fallback_endpoints=[("127.0.0.1", 8000)],
+    )  # fmt: skip
+    assert _routes(with_fallback)[1]["route"]["cluster"] == "infergate_pool_fallback"
+    with pytest.raises(ValueError, match="upstream must be one of eds, original_dst"):
+        build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="dns")
 
 
 def _routes(config: dict) -> list[dict]:

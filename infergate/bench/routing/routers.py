@@ -11,6 +11,11 @@
   fleet publish them); ``epp:PATH`` runs the EPP with any EndpointPickerConfig file (a
   file that uses ``precise-prefix-cache-scorer`` needs ``epp:builtin:…`` or KV events
   are not published).
+* ``external-epp`` — any external ext-proc Endpoint Picker binary (llm-d-router's or GIE's
+  Go ``epp``, ``--external-epp PATH``) with its file discovery of the fleet, behind the
+  same Envoy through GIE's reference ORIGINAL_DST cluster
+  (:mod:`infergate.bench.routing.external`); skipped with a message when no binary is
+  given.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from infergate.bench.gateway_rig import direct_twin
+from infergate.bench.routing import external
 from infergate.envoy.process import start_envoy
 from infergate.procs import free_port, http_ready
-from infergate.stack.local import LOOPBACK, LocalStack
+from infergate.stack.local import LOOPBACK, LocalStack, grpc_serving
 
 
 class RouterUnavailable(RuntimeError):
@@ -97,6 +105,63 @@ def _epp(config: str) -> Callable[[LocalStack], str]:
     return start
 
 
+def _external_epp(binary: Path | None, config: Path | None) -> Callable[[LocalStack], str]:
+    """The external EPP on the stack's EPP ports, and Envoy in front with GIE's reference
+    upstream (ORIGINAL_DST) and response bodies streamed to the EPP, as the peer expects."""
+
+    def start(stack: LocalStack) -> str:
+        found = external.find_binary(binary)
+        if found is None:
+            where = f"{binary} is not an executable file; " if binary is not None else ""
+            raise RouterUnavailable(where + external.BUILD_HINT)
+        assert stack.workdir is not None
+        endpoints = stack.workdir / "peer-endpoints.yaml"
+        endpoints.write_text(yaml.safe_dump(external.endpoints_document(stack.engine_addresses)))
+        config_file = stack.workdir / "peer-epp-config.yaml"
+        document = external.with_file_discovery(external.load_config(config), endpoints)
+        config_file.write_text(yaml.safe_dump(document, sort_keys=False))
+        spec = stack.spec
+        argv = external.epp_argv(
+            found,
+            config_file,
+            grpc_port=spec.epp_grpc_port,
+            health_port=spec.epp_health_port,
+            metrics_port=spec.epp_metrics_port,
+        )
+        try:
+            stack.epp = stack.group.start(
+                "external-epp",
+                argv,
+                ready=grpc_serving(LOOPBACK, spec.epp_health_port),
+                timeout=60.0,
+                log_path=stack.workdir / "external-epp.log",
+            )
+        except OSError as error:  # not a program for this machine (exec failed)
+            raise RouterUnavailable(f"cannot run {found}: {error}; {external.BUILD_HINT}") from None
+        envoy_config = stack.envoy_config(
+            upstream="original_dst",
+            response_accounting="body",
+            failure_mode_allow=False,
+            epp_health_check_interval_s=None,  # the peer answers gRPC health on its own port
+            access_log=False,
+        )
+        stack.envoy = start_envoy(
+            stack.group, envoy_config, stack.workdir / "envoy-external-epp.yaml",
+            name="envoy-external-epp", log_path=stack.workdir / "envoy-external-epp.log",
+        )  # fmt: skip
+        return stack.base_url
+
+    return start
+
+
+def external_router(binary: Path | None, config: Path | None = None) -> Router:
+    """The ``external-epp`` router for ``binary`` (None: it will be skipped, saying why)."""
+    described = f"external EPP {binary.name if binary else '(no --external-epp)'}"
+    if config is not None:
+        described += f", {config.name}"
+    return Router("external-epp", described, _external_epp(binary, config))
+
+
 ROUTERS: dict[str, Router] = {
     r.name: r
     for r in (
@@ -120,6 +185,7 @@ ROUTERS: dict[str, Router] = {
             "infergate EPP, default profile plus LoRA affinity (up --lora)",
             _epp("builtin:lora"),
         ),
+        external_router(None),
     )
 }
 
@@ -128,8 +194,15 @@ ROUTERS: dict[str, Router] = {
 DEFAULT_ROUTERS = ("round-robin", "least-request", "sglang-cache-aware", "epp-gie", "epp-infergate")
 
 
-def resolve(name: str) -> Router:
-    """A router by name, or ``epp:PATH`` for the EPP with that EndpointPickerConfig file."""
+def resolve(
+    name: str, *, external_epp: Path | None = None, external_epp_config: Path | None = None
+) -> Router:
+    """A router by name, or ``epp:PATH`` for the EPP with that EndpointPickerConfig file;
+    ``external-epp`` runs ``external_epp`` with ``external_epp_config`` (or its default)."""
+    if name == "external-epp":
+        if external_epp_config is not None:
+            external.load_config(external_epp_config)  # refuse a bad file now, not mid-run
+        return external_router(external_epp, external_epp_config)
     if name in ROUTERS:
         return ROUTERS[name]
     if name.startswith("epp:"):
