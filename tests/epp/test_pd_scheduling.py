@@ -9,10 +9,11 @@ from infergate.epp.config import BUILTIN_CONFIGS, ConfigError, parse_config
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.scheduling.plugins import PluginContext
-from infergate.epp.scheduling.plugins.profile_handlers import PREFILL_HEADER
 from infergate.epp.scheduling.plugins.roles import role_of
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import Endpoint, EndpointState, InferenceRequest, Metrics
+
+from infergate.wire.names import PREFILL_HEADER
 
 PD_YAML = """\
 plugins:
