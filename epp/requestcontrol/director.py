@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.objectives import OBJECTIVE_HEADER, ObjectiveStore
 from infergate.epp.flowcontrol.controller import (
     FlowController,
     FlowRejected,
@@ -26,7 +27,6 @@ from infergate.epp.flowcontrol.controller import (
 )
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
-from infergate.epp.requestcontrol.objectives import OBJECTIVE_HEADER, ObjectiveStore
 from infergate.epp.requestcontrol.requests import BadRequest, parse_body
 from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
 from infergate.epp.scheduling.scheduler import Scheduler

@@ -13,7 +13,7 @@ from infergate.epp.flowcontrol.controller import FAIRNESS_HEADER
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.director import Director, Rejected
-from infergate.epp.requestcontrol.objectives import ObjectiveStore
+from infergate.epp.datalayer.objectives import ObjectiveStore
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.plugins.base import ResponseInfo
 from infergate.epp.scheduling.scheduler import Scheduler
