@@ -11,7 +11,7 @@ from infergate.engine.metrics import EngineMetrics
 from infergate.epp.datalayer.calibration import TokenCalibration
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import VLLM, parse_metrics
-from infergate.epp.datalayer.prefill_cost import PRIOR_PER_TOKEN_S, PrefillCost
+from infergate.epp.prefill_cost import PRIOR_PER_TOKEN_S, PrefillCost
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
 from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
