@@ -36,9 +36,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
-from infergate.epp.scheduling.plugins.base import ResponseInfo
 from infergate.epp.types import InferenceRequest
 
 from infergate.wire.completions import CompletionRecord

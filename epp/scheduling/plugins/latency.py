@@ -48,14 +48,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from infergate.epp.framework.requestcontrol import PreRequest
 from infergate.epp.prefill_cost import PrefillCost
-from infergate.epp.scheduling.plugins.base import (
-    PluginContext,
-    PreRequest,
-    SchedulingResult,
-    Scorer,
-    register,
-)
+from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -26,14 +26,8 @@ from infergate.epp.datalayer.kv_events import (
     KVBlockIndex,
     KVEventSubscriptions,
 )
-from infergate.epp.scheduling.plugins.base import (
-    PluginContext,
-    PrepareData,
-    PreRequest,
-    SchedulingResult,
-    Scorer,
-    register,
-)
+from infergate.epp.framework.requestcontrol import PrepareData, PreRequest
+from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
