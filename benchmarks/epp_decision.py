@@ -28,10 +28,10 @@ import time
 
 from infergate.epp.config import load_config
 from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.objectives import ObjectiveStore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.director import Director
-from infergate.epp.requestcontrol.objectives import ObjectiveStore
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import Endpoint, InferenceRequest, Metrics

@@ -1,26 +1,10 @@
-"""Completion records: the engine tells the Endpoint Picker when a request ended, and its usage.
+"""The engine's side of completion records: one per HTTP request the EPP routed.
 
-Why: the EPP needs, per routed request, the end of the response (to release in-flight
-and flow-control accounting), ``usage`` (tokens for fairness and the chars-per-token
-calibration) and ``cached_tokens`` (the prefix index's calibration). Reading them from
-the response body costs the EPP one gRPC message per SSE chunk, so a 512-token stream
-cost it ~26 times a one-token answer. An engine that publishes one small record per
-request makes that cost independent of the response's length, and lets Envoy send the
-EPP no response body at all.
-
-Wire format (ours; vLLM has no such channel): ZMQ PUB, multipart ``[topic, seq,
-payload]`` like the KV events (:mod:`infergate.engine.kv_events`); ``topic`` is
-``b"completions"``, ``seq`` a 64-bit big-endian batch number from 0, ``payload`` msgpack
-of ``[ts, records]``, each record the array
-``[key, status, prompt_tokens, completion_tokens, cached_tokens, finished_at]``
-(``finished_at`` in ``time.time()`` seconds; ``status`` the HTTP status the engine sent,
-499 when the client went away first). ``key`` is the value of the request's
-``x-infergate-request-id`` header, which the EPP set when it routed the request; a
-request without it (not routed by an EPP) produces no record.
-
-Every subscribed EPP replica receives every record and keeps those it routed. PUB/SUB
-drops what a subscriber is not connected for, so the EPP bounds how long it waits for a
-record (see ``infergate.epp.datalayer.completions``).
+The record format, its topic and the header that keys it are in
+:mod:`infergate.wire.completions` (shared with the EPP's subscriber). Here: the
+per-request token totals (:class:`Usage`, filled by the async engine), the ASGI middleware
+that publishes a record when the response ends or the client goes away
+(:class:`CompletionReporter`), and the ZMQ publisher that batches them.
 """
 
 from __future__ import annotations
@@ -31,34 +15,17 @@ import queue
 import time
 from typing import Any
 
-import msgspec
 from infergate.engine.kv_events import ZmqPublisher
 
-from infergate.envoy.names import REQUEST_ID_HEADER
+from infergate.wire.completions import (
+    CLIENT_GONE,
+    KEY_HEADER,
+    TOPIC,
+    CompletionBatch,
+    CompletionRecord,
+)
 
 log = logging.getLogger(__name__)
-
-TOPIC = b"completions"
-KEY_HEADER = REQUEST_ID_HEADER.encode()
-CLIENT_GONE = 499
-
-
-class CompletionRecord(msgspec.Struct, array_like=True, gc=False):
-    key: str
-    status: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    finished_at: float
-
-
-class CompletionBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    records: list[CompletionRecord]
-
-
-def decode_batch(payload: bytes) -> CompletionBatch:
-    return msgspec.msgpack.decode(payload, type=CompletionBatch)
 
 
 class Usage:

@@ -11,7 +11,7 @@ these. The format, as vLLM's ``vllm/distributed/kv_events.py`` defines it:
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
   medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
   ``["AllBlocksCleared"]``. Block hashes are unsigned 64-bit ints
-  (see :mod:`infergate.engine.block_hash`); ``medium`` is ``"GPU"`` as in vLLM (the
+  (see :mod:`infergate.wire.block_hash`); ``medium`` is ``"GPU"`` as in vLLM (the
   engine's own KV memory, whatever the device).
 """
 

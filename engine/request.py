@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from infergate.engine.block_hash import block_hashes
 from infergate.engine.interfaces import SamplingParams, TokenLogprob
 from infergate.engine.lora.manager import LoRARequest
+
+from infergate.wire.block_hash import block_hashes
 
 if TYPE_CHECKING:
     from infergate.engine.structured_output.matcher import GrammarState

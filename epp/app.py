@@ -24,16 +24,16 @@ from infergate.epp.datalayer.discovery.file import (
     load_endpoints_file,
     watch_file,
 )
+from infergate.epp.datalayer.objectives import (
+    ObjectivesError,
+    ObjectiveStore,
+    load_objectives_file,
+)
 from infergate.epp.eds import EndpointDiscovery
 from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.director import Director
-from infergate.epp.requestcontrol.objectives import (
-    ObjectivesError,
-    ObjectiveStore,
-    load_objectives_file,
-)
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.server import ExtProcServer, Limits

@@ -129,7 +129,7 @@ def epp(
     from infergate.epp.config import ConfigError, load_config, parse_config
     from infergate.epp.datalayer.discovery.file import EndpointsFileError
     from infergate.epp.datalayer.discovery.static import parse_endpoint
-    from infergate.epp.requestcontrol.objectives import ObjectivesError
+    from infergate.epp.datalayer.objectives import ObjectivesError
 
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),

@@ -1,20 +1,44 @@
-"""The EPP's own Prometheus metrics (one registry per EPP, served on ``--metrics-port``)."""
+"""The EPP's own Prometheus metrics (one registry per EPP, served on ``--metrics-port``).
+
+Every part of the EPP reports here (the data layer's collectors included), so this module
+sits below them all: what it reads of the datastore, the saturation detector and the
+plugins it names by the small protocols below, not by importing those parts.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from infergate.epp.datalayer.datastore import Datastore
-    from infergate.epp.flowcontrol.saturation import SaturationDetector
-    from infergate.epp.scheduling.plugins.base import Plugin
     from infergate.epp.types import EndpointState
+
+
+class Endpoints(Protocol):
+    """The datastore, as the per-endpoint gauges read it."""
+
+    def all(self) -> Sequence[EndpointState]: ...
+
+
+class Staleness(Protocol):
+    """The saturation detector's view of whether an endpoint's metrics are too old."""
+
+    def is_stale(self, state: EndpointState, now: float | None = None) -> bool: ...
+
+
+class Named(Protocol):
+    """A plugin, as the per-plugin latency histogram labels it."""
+
+    @property
+    def type_name(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
 
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
@@ -35,7 +59,7 @@ class _EndpointGauges(Collector):
     """Per-endpoint gauges read from the datastore at scrape time (no per-update cost)."""
 
     def __init__(
-        self, datastore: Datastore, saturation: SaturationDetector, pool_name: str = ""
+        self, datastore: Endpoints, saturation: Staleness, pool_name: str = ""
     ) -> None:
         self.datastore = datastore
         self.saturation = saturation
@@ -113,7 +137,7 @@ class _EndpointGauges(Collector):
 
 class EppMetrics:
     def __init__(
-        self, datastore: Datastore, saturation: SaturationDetector, pool_name: str = "local"
+        self, datastore: Endpoints, saturation: Staleness, pool_name: str = "local"
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -167,7 +191,7 @@ class EppMetrics:
         r.register(_EndpointGauges(datastore, saturation, pool_name))
         self._plugin_children: dict[tuple[int, str], Histogram] = {}
 
-    def plugin_timer(self, plugin: Plugin, point: str, seconds: float) -> None:
+    def plugin_timer(self, plugin: Named, point: str, seconds: float) -> None:
         key = (id(plugin), point)
         child = self._plugin_children.get(key)
         if child is None:

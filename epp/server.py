@@ -36,16 +36,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from infergate.engine.completion_events import CompletionRecord
+from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
-from infergate.epp.scheduling.plugins.base import ResponseInfo
-from infergate.epp.scheduling.plugins.profile_handlers import PREFILL_HEADER
 from infergate.epp.types import InferenceRequest
 
-from infergate.envoy.names import (
+from infergate.wire.completions import CompletionRecord
+from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    PREFILL_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
     SUBSET_KEY,

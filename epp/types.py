@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from infergate.epp.datalayer.prefill_cost import PrefillCost
+from infergate.epp.prefill_cost import PrefillCost
 
 
 @dataclass(frozen=True, slots=True)

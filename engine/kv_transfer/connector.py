@@ -28,7 +28,7 @@ class TransferError(Exception):
 class KVPayload:
     transfer_id: str
     engine_id: str
-    #: Hashes (engine/block_hash.py) of the transferred blocks, in order.
+    #: Hashes (infergate/wire/block_hash.py) of the transferred blocks, in order.
     block_hashes: list[int]
     #: Tensor layout of ``data`` (``dtype``, ``shape`` = layers × blocks × 2 × block size ×
     #: KV heads × head dim); empty when the runner has no tensors (simulated mode).

@@ -33,10 +33,10 @@ from infergate.engine.kv_transfer.connector import (
     TransferError,
 )
 
+from infergate.wire.names import PREFILL_HEADER
+
 log = logging.getLogger(__name__)
 
-#: llm-d's header: the prefill engine the EPP picked, ``host:port`` of its HTTP server.
-PREFILL_HEADER = "x-prefiller-host-port"
 #: Fields that make no sense for (or would break) a one-token prefill request.
 _DROPPED = ("stream_options", "logprobs", "top_logprobs", "prompt_logprobs", "echo",
             "best_of", "min_tokens", "max_completion_tokens")  # fmt: skip

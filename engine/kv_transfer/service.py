@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 from infergate.engine.kv_transfer.blocks import EngineHooks, KVTransfer
 from infergate.engine.kv_transfer.config import KVTransferConfig
 from infergate.engine.kv_transfer.connector import KVConnector, KVPayload, RemoteParams
-from infergate.engine.kv_transfer.remote_prefill import PREFILL_HEADER, RemotePrefiller
+from infergate.engine.kv_transfer.remote_prefill import RemotePrefiller
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from infergate.wire.names import PREFILL_HEADER
 
 if TYPE_CHECKING:
     from infergate.engine.async_engine import AsyncEngine

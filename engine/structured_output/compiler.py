@@ -21,6 +21,10 @@ from infergate.engine.tokenizer import Tokenizer
 from .spec import GrammarSpec, GrammarSpecError
 
 CACHE_SIZE = 256
+#: ``json_object`` means "a JSON object" (OpenAI's JSON mode, LangChain's ``json_mode``):
+#: xgrammar's built-in JSON grammar would also admit an array, a string or a number at the
+#: top level, so it is compiled as the schema of any object, as vLLM does.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[12:00:00] /path/x.cc:83: "
 
 
@@ -74,7 +78,9 @@ class GrammarCompiler:
             if spec.kind == "json":
                 return self._compiler.compile_json_schema(spec.value, any_whitespace=False)
             if spec.kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+                return self._compiler.compile_json_schema(
+                    JSON_OBJECT_SCHEMA, any_whitespace=False
+                )
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.value)
             if spec.kind == "choice":

@@ -4,6 +4,13 @@ Per mode (see :mod:`.choice`): ``named`` streams the forced text as the one call
 ``arguments``; ``required`` parses the forced JSON array at the end; ``auto`` streams
 content until the parser's markup may begin (holding back a partial marker) and parses
 what follows at the end; ``none`` passes text through.
+
+``required`` with parallel calls allowed: the grammar does not bound the array (as in
+vLLM), and a small model may keep adding calls until ``max_tokens`` without closing it.
+Then the answer stops at the first complete call: that call is returned, the calls after
+it and the cut one are dropped (``finish_reason`` stays ``length``). A model that does not
+close its array is usually repeating itself, and one call is what the request asked for
+at least. No complete call at all (cut inside the first) leaves the text as content.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ class ToolCallState:
             try:
                 items = json.loads(text)
             except json.JSONDecodeError:
-                return text, []  # cut short by max_tokens: no valid calls
+                items = _first_complete_item(text)  # the array was not closed
             calls = (
                 [call_from_json(i, "parameters") for i in items] if isinstance(items, list) else []
             )
@@ -100,3 +107,16 @@ class ToolCallState:
 
     def called(self, calls: list[Any]) -> bool:
         return bool(calls) and self.plan.mode in ("auto", "required")
+
+
+def _first_complete_item(text: str) -> list[Any] | None:
+    """``[first]`` when ``text`` is an unclosed JSON array whose first item is complete."""
+    start = text.lstrip()
+    if not start.startswith("["):
+        return None
+    rest = start[1:]
+    try:
+        item, _ = json.JSONDecoder().raw_decode(rest, len(rest) - len(rest.lstrip()))
+    except json.JSONDecodeError:
+        return None
+    return [item]

@@ -2,7 +2,7 @@
 
 An engine started with ``--completion-events-port`` publishes one record per request the
 EPP routed (key, HTTP status, prompt/completion/cached tokens, finish time; the format is
-:mod:`infergate.engine.completion_events`). With them the EPP learns the end of a
+:mod:`infergate.wire.completions`). With them the EPP learns the end of a
 response and its usage without seeing the response body, so its cost per request does
 not grow with the response's length and Envoy can send it no response body at all
 (``response_accounting="engine"`` in the Envoy bootstrap).
@@ -20,10 +20,11 @@ import logging
 from collections.abc import Callable
 
 import msgspec
-from infergate.engine.completion_events import CompletionBatch, CompletionRecord
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.endpoint_tasks import ZmqSubscriptions
 from infergate.epp.types import Endpoint
+
+from infergate.wire.completions import CompletionBatch, CompletionRecord
 
 log = logging.getLogger("infergate.epp.completions")
 

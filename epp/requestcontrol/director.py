@@ -1,5 +1,9 @@
 """The request director: body → rewrite → objective → admission → candidates → schedule.
 
+Scheduling here is one cycle of GIE's director: the data preparers, the scheduler's
+profiles, then the pre-request hooks (:mod:`infergate.epp.requestcontrol.hooks`); the
+response hooks run from ``response_headers`` and ``finish``.
+
 Admission is shed-or-pass (sheddable requests get 429 while the pool is saturated) unless
 flow control is configured; then a request with a body waits in the flow controller
 until it is dispatched, is scheduled against the candidates as they are at that moment,
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.objectives import OBJECTIVE_HEADER, ObjectiveStore
 from infergate.epp.flowcontrol.controller import (
     FlowController,
     FlowRejected,
@@ -25,10 +30,11 @@ from infergate.epp.flowcontrol.controller import (
     fairness_id,
 )
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.framework.requestcontrol import ResponseInfo
+from infergate.epp.framework.scheduling import SchedulingResult
 from infergate.epp.observability import EppMetrics
-from infergate.epp.requestcontrol.objectives import OBJECTIVE_HEADER, ObjectiveStore
+from infergate.epp.requestcontrol.hooks import Hooks
 from infergate.epp.requestcontrol.requests import BadRequest, parse_body
-from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import EndpointState, InferenceRequest
 
@@ -84,6 +90,9 @@ class Director:
         #: None: admission is shed-or-pass (sheddable requests get 429 when the pool is
         #: saturated). Set: every request waits in flow control until it is dispatched.
         self.flow = flow
+        #: Every configured plugin that implements a request-control hook, timed like the
+        #: scheduler's own plugins.
+        self.hooks = Hooks(scheduler.plugins.values(), scheduler.timer)
 
     def _candidates(self, subset: list[str] | None) -> list[EndpointState]:
         candidates = self.datastore.all()
@@ -152,7 +161,7 @@ class Director:
             raise Rejected(429, "the pool is saturated; sheddable request dropped")
 
         try:
-            result = await self.scheduler.schedule(request, candidates)
+            result = await self.schedule(request, candidates)
             if not result.targets:
                 raise Rejected(503, "no endpoint passed the scheduling filters")
         except BaseException:
@@ -182,6 +191,17 @@ class Director:
             self.metrics.gie_prefix_hit_bytes.observe(result.prefix_hit_bytes)
         return Decision(request, result, body_out, rewritten, arrived, ticket)
 
+    async def schedule(
+        self, request: InferenceRequest, candidates: list[EndpointState]
+    ) -> SchedulingResult:
+        """One scheduling cycle: data preparers → the scheduler → pre-request hooks (on a
+        result with a target). No admission, no accounting: ``route`` does those."""
+        cycle = await self.hooks.prepare(request, candidates)
+        result = await self.scheduler.schedule(request, candidates, cycle)
+        if result.targets:
+            self.hooks.pre_request(request, result)
+        return result
+
     def finish(self, decision: Decision, response: ResponseInfo) -> None:
         """Release per-request accounting and run response-complete hooks (exactly once)."""
         primary = decision.result.primary
@@ -208,19 +228,9 @@ class Director:
             response.prompt_tokens,
             response.completion_tokens,
         )
-        for hook in self.scheduler.response_complete_hooks:
-            try:
-                hook.response_complete(decision.request, decision.result, response)
-            except Exception:
-                log.exception("response-complete hook %s failed", hook)
+        self.hooks.response_complete(decision.request, decision.result, response)
 
     def response_headers(self, decision: Decision | None, response: ResponseInfo) -> dict[str, str]:
-        headers: dict[str, str] = {}
         request = decision.request if decision else InferenceRequest("", {})
         result = decision.result if decision else None
-        for hook in self.scheduler.response_header_hooks:
-            try:
-                headers.update(hook.response_headers(request, result, response))
-            except Exception:
-                log.exception("response-header hook %s failed", hook)
-        return headers
+        return self.hooks.response_headers(request, result, response)

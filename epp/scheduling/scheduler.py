@@ -1,43 +1,46 @@
-"""Scheduling: profile handler → profiles (filters → weighted scorers → picker) → pre-request.
+"""Scheduling: profile handler → profiles (filters → weighted scorers → picker).
 
 A profile handler (GIE's ``ProfileHandler``; ``single-profile-handler`` unless the config
 names another among its plugins) decides which profiles run, given the results so far,
 and combines them (``pd-profile-handler``: decode, then prefill for long uncached
-prompts). Each profile runs on its own copy of the cycle state the data preparers filled,
-so one profile's scorers cannot see another's scratch values; the pre-request hooks then
-run once per profile result, the primary's last. Per-plugin timing throughout.
+prompts). Each profile runs on its own copy of the cycle state the Director's data
+preparers filled, so one profile's scorers cannot see another's scratch values; each
+result keeps its copy (``SchedulingResult.cycle``) for the pre-request hooks, which the
+Director runs (:mod:`infergate.epp.requestcontrol.hooks`). Per-plugin timing throughout.
 
-Built from a validated EndpointPickerConfig. Plugins that are referenced by no profile
-but implement request-lifecycle hooks (prepare data, pre-request, response) still run,
-as in GIE. A profile without a picker gets ``max-score-picker``.
+Built from a validated EndpointPickerConfig, which names every plugin of the EPP: the
+scheduler instantiates them all and owns their start and stop, including plugins that are
+referenced by no profile and only implement request-control hooks (they still run, as in
+GIE). A profile without a picker gets ``max-score-picker``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infergate.epp.config import ConfigError, EndpointPickerConfig, validate_parameters
-from infergate.epp.scheduling.plugins import REGISTRY, Plugin, PluginContext
-from infergate.epp.scheduling.plugins.base import (
-    Filter,
-    Picker,
+from infergate.epp.framework.plugin import Plugin, PluginContext, PluginTimer
+from infergate.epp.framework.requestcontrol import (
     PrepareData,
     PreRequest,
-    ProfileHandler,
     ResponseComplete,
     ResponseHeaders,
+)
+from infergate.epp.framework.scheduling import (
+    Filter,
+    Picker,
+    ProfileHandler,
     SchedulingResult,
     Scorer,
 )
+from infergate.epp.scheduling.plugins import REGISTRY
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel
 
 log = logging.getLogger("infergate.epp.scheduling.scheduler")
-
-PluginTimer = Callable[[Plugin, str, float], None]
 
 
 @dataclass
@@ -71,10 +74,6 @@ class Scheduler:
             raise ConfigError("no profile handler")
         handler.validate(self.profile_names)
         self.handler = handler
-        self.preparers = [p for p in ordered if isinstance(p, PrepareData)]
-        self.pre_request_hooks = [p for p in ordered if isinstance(p, PreRequest)]
-        self.response_header_hooks = [p for p in ordered if isinstance(p, ResponseHeaders)]
-        self.response_complete_hooks = [p for p in ordered if isinstance(p, ResponseComplete)]
 
     @classmethod
     def from_config(
@@ -144,18 +143,21 @@ class Scheduler:
             self.timer(plugin, point, time.perf_counter() - started)
 
     async def schedule(
-        self, request: InferenceRequest, candidates: Sequence[EndpointState]
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[EndpointState],
+        cycle: CycleState | None = None,
     ) -> SchedulingResult:
         """Run the profiles the handler picks; an empty primary ``targets`` means nothing
-        can serve."""
-        cycle = CycleState()
+        can serve.
+
+        ``cycle`` holds what the data preparers computed for this request (empty when
+        None). When several profiles ran, the primary result's ``profile_results`` lists
+        them all, so the Director can run the pre-request hooks on each.
+        """
+        cycle = CycleState() if cycle is None else cycle
         perf = time.perf_counter
-        for preparer in self.preparers:
-            t = perf()
-            await preparer.prepare(cycle, request, candidates)
-            self._time(preparer, "prepare", t)
         results: dict[str, SchedulingResult] = {}
-        cycles: dict[str, CycleState] = {}
         for _ in range(len(self.profiles)):  # each profile runs at most once
             t = perf()
             names = self.handler.pick(cycle, request, self.profile_names, results)
@@ -164,24 +166,14 @@ class Scheduler:
             if not names:
                 break
             for name in names:
-                cycles[name] = CycleState(cycle)
                 results[name] = self._run_profile(
-                    self.by_name[name], cycles[name], request, candidates
+                    self.by_name[name], CycleState(cycle), request, candidates
                 )
         t = perf()
         result = self.handler.process_results(cycle, request, results)
         self._time(self.handler, "process_results", t)
-        if not result.targets:
-            return result
-        # Secondary profiles' hooks first, so request notes end up describing the primary.
-        order = [n for n in results if results[n] is not result]
-        order += [n for n in results if results[n] is result]
-        for name in order:
-            if results[name].targets:
-                self._pre_request(cycles[name], request, results[name])
-        primary_cycle = cycles.get(result.profile, cycle)
-        result.prefix_hit_ratio = primary_cycle.get("prefix.hit_ratio")
-        result.prefix_hit_bytes = primary_cycle.get("prefix.hit_bytes")
+        if len(results) > 1 and not result.profile_results:
+            result.profile_results = dict(results)
         return result
 
     def _run_profile(
@@ -198,7 +190,7 @@ class Scheduler:
             endpoints = f.filter(cycle, request, endpoints)
             self._time(f, "filter", t)
             if not endpoints:
-                return SchedulingResult(profile.name, [])
+                return SchedulingResult(profile.name, [], cycle=cycle)
         totals = [0.0] * len(endpoints)
         per_scorer: dict[str, dict[str, float]] = {}
         for scorer, weight in profile.scorers:
@@ -218,19 +210,8 @@ class Scheduler:
             targets,
             per_scorer,
             {e.key: s for e, s in zip(endpoints, totals, strict=True)},
+            cycle=cycle,
         )
-
-    def _pre_request(
-        self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
-    ) -> None:
-        perf = time.perf_counter
-        for hook in self.pre_request_hooks:
-            t = perf()
-            try:
-                hook.pre_request(cycle, request, result)
-            except Exception:
-                log.exception("pre-request hook %s failed", hook)
-            self._time(hook, "pre_request", t)
 
     async def start(self) -> None:
         for plugin in self.plugins.values():

@@ -7,7 +7,8 @@
   ``infergate up``, the operator's standalone sidecar, the conformance driver and the
   benchmarks all run;
 * :mod:`~infergate.envoy.process` validates a config with the binary and starts Envoy;
-* :mod:`~infergate.envoy.names` holds GIE's header and metadata names, shared with the EPP.
+* the header and metadata names it shares with the EPP and the engines are in
+  :mod:`infergate.wire.names`.
 """
 
 from infergate.envoy.binary import EnvoyNotFound, find_envoy

@@ -51,7 +51,7 @@ from typing import Any
 
 import yaml
 
-from infergate.envoy.names import (
+from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     REQUEST_ID_HEADER,
@@ -467,7 +467,7 @@ def build_envoy_config(
 
     * ``engine`` (default): the routing filter sees response headers only, no body, and
       Envoy closes its stream then; the engines publish a completion record per request
-      (``--completion-events-port``, :mod:`infergate.engine.completion_events`). The
+      (``--completion-events-port``, :mod:`infergate.wire.completions`). The
       EPP's cost is independent of the response's length and its death cuts no stream.
     * ``observer``: for engines that cannot report (vLLM): a second ext_proc filter in
       observability mode receives every response chunk, unanswered

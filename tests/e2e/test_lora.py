@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.stack.envoy_config import UPSTREAM_HOST_HEADER
+from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
 from infergate.stack.local import LocalStack, StackSpec
 from infergate.stack.probes import scrape, wait_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from infergate.engine.block_hash import ROOT_HASH, block_hashes, hash_block
+from infergate.wire.block_hash import ROOT_HASH, block_hashes, hash_block
 
 
 def test_chain_covers_parent_and_only_full_blocks() -> None:
@@ -30,7 +30,7 @@ def test_salt_changes_every_block_and_continuation_matches() -> None:
 
 def test_hashes_are_stable_across_processes() -> None:
     code = (
-        "from infergate.engine.block_hash import block_hashes;"
+        "from infergate.wire.block_hash import block_hashes;"
         "print(block_hashes(list(range(32)), 16, cache_salt='s'))"
     )
     runs = {

@@ -15,15 +15,13 @@ import pytest
 import zmq
 from infergate.engine.completion_events import (
     CURRENT,
-    TOPIC,
     CompletionPublisher,
-    CompletionRecord,
     CompletionReporter,
     Usage,
-    decode_batch,
 )
 
 from infergate.procs import free_port
+from infergate.wire.completions import TOPIC, CompletionRecord, decode_batch
 
 
 def test_n_choices_of_one_prompt_count_the_prompt_once() -> None:

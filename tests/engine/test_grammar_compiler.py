@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import xgrammar as xgr
 from infergate.engine.protocol import ChatCompletionRequest, CompletionRequest
 from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, spec_from_request
 from infergate.engine.structured_output.compiler import GrammarCompiler
@@ -60,3 +61,23 @@ def test_same_schema_from_different_fields_shares_a_key() -> None:
     one, two = spec_from_request(chat), spec_from_request(completion)
     assert one is not None and two is not None and one.key == two.key
     assert (one.param, two.param) == ("response_format", "guided_json")
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}],
+)
+def test_json_object_admits_an_object_and_nothing_else(
+    compiler: GrammarCompiler, field: dict[str, object]
+) -> None:
+    """OpenAI's JSON mode promises an object; an array, a string or a number at the top
+    level is refused by the grammar itself (one rejected character is enough)."""
+    spec = spec_from_request(ChatCompletionRequest.model_validate({"messages": [], **field}))
+    assert spec is not None and spec.kind == "json_object"
+    grammar = compiler.compile_sync(spec)
+    for refused in ("[", '"', "1", "t", "n"):
+        assert not xgr.GrammarMatcher(grammar).accept_string(refused), refused
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_string('{"a": [1, {"b": null}], "c": "d"}')
+    assert matcher.is_completed()  # the object may end here
+    compiler.shutdown()

@@ -4,7 +4,6 @@ keyed by adapter, KV events naming the adapter, and the slot/CPU-pool LRU."""
 from __future__ import annotations
 
 import pytest
-from infergate.engine.block_hash import block_hashes
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.kv_events import BlockStored
@@ -12,6 +11,8 @@ from infergate.engine.lora.errors import LoRAError
 from infergate.engine.lora.manager import LoRAManager, LoRARequest, SlotTable
 from infergate.engine.request import Request
 from infergate.engine.scheduler import Scheduler, SchedulerConfig
+
+from infergate.wire.block_hash import block_hashes
 
 from .test_scheduler import BS, drain, step
 

@@ -51,3 +51,41 @@ def test_streamed_pieces_match_whole(parser: str, text: str, content: str | None
 def test_unknown_parser_is_named() -> None:
     with pytest.raises(ValueError, match="mistral"):
         get_parser("mistral")
+
+
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "g", "parameters": {}}}]
+REQUIRED_CASES = [
+    # A closed array: every call, in order.
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]',
+     None, [("f", {"a": 1}), ("g", {})]),
+    # Not closed before max_tokens: stop at the first complete call, drop the rest.
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}, {"name": "f", '
+     '"parameters": {"a": 2', None, [("f", {"a": 1})]),
+    ('[{"name": "g", "parameters": {}}, ', None, [("g", {})]),
+    # Cut inside the first call: no call, the text is the content.
+    ('[{"name": "f", "parameters": {"a"', '[{"name": "f", "parameters": {"a"', []),
+    ("[", "[", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), REQUIRED_CASES)
+def test_required_with_parallel_calls_stops_at_the_first_complete_call_when_not_closed(
+    text: str, content: str | None, calls: list
+) -> None:
+    plan = plan_tools(TWO_TOOLS, "required", None, True)
+    assert plan.parallel and "maxItems" not in (plan.schema() or {})  # not bounded up front
+    got_content, got = ToolCallState(plan, None).split(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    # Streamed, the same answer arrives once the output ends.
+    state = ToolCallState(plan, None)
+    pieces = [text[i : i + 5] for i in range(0, len(text), 5)]
+    streamed: list = []
+    streamed_content = ""
+    for i, piece in enumerate(pieces):
+        c, d = state.feed(piece, i == len(pieces) - 1)
+        streamed_content += c or ""
+        streamed += d
+    assert (streamed_content or None) == content
+    functions = [d["function"] for d in streamed]
+    assert [(f["name"], json.loads(f["arguments"])) for f in functions] == calls

@@ -13,6 +13,7 @@ from infergate.epp.config import (
 )
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.requestcontrol.hooks import Hooks
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
 
@@ -30,8 +31,9 @@ def test_default_profile_is_predicted_latency_fed_by_the_prefix_index() -> None:
     assert weights == {"predicted-latency-scorer": 1, "lora-affinity-scorer": 2}
     assert [f.type_name for f in profile.filters] == ["bounded-load-filter"]
     # The prefix index is in no profile but still runs its lifecycle hooks.
-    assert [p.type_name for p in scheduler.preparers] == ["prefix-cache-scorer"]
-    assert "prefix-cache-scorer" in [p.type_name for p in scheduler.response_complete_hooks]
+    hooks = Hooks(scheduler.plugins.values())
+    assert [p.type_name for p in hooks.preparers] == ["prefix-cache-scorer"]
+    assert "prefix-cache-scorer" in [p.type_name for p in hooks.response_complete_hooks]
     assert profile.picker is not None and profile.picker.type_name == "max-score-picker"
 
 
@@ -67,7 +69,8 @@ schedulingProfiles:
     (profile,) = scheduler.profiles
     assert [f.type_name for f in profile.filters] == ["header-based-testing-filter"]
     assert profile.picker is not None and profile.picker.type_name == "max-score-picker"
-    assert [h.type_name for h in scheduler.response_header_hooks] == [
+    hooks = Hooks(scheduler.plugins.values())
+    assert [h.type_name for h in hooks.response_header_hooks] == [
         "destination-endpoint-served-verifier"
     ]
 

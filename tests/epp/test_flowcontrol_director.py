@@ -8,14 +8,14 @@ import json
 import pytest
 from infergate.epp.config import load_config, parse_config
 from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.objectives import ObjectiveStore
 from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.controller import FAIRNESS_HEADER
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.director import Director, Rejected
-from infergate.epp.requestcontrol.objectives import ObjectiveStore
 from infergate.epp.scheduling.plugins import PluginContext
-from infergate.epp.scheduling.plugins.base import ResponseInfo
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import Endpoint, InferenceRequest
 

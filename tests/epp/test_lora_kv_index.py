@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import msgspec
-from infergate.engine.block_hash import block_hashes
 from infergate.engine.kv_events import BlockStored, KVEventBatch
 from infergate.epp.datalayer.kv_events import KVBlockIndex, apply_batch
+
+from infergate.wire.block_hash import block_hashes
 
 TOKENS = list(range(1, 65))
 

@@ -7,12 +7,16 @@ import time
 import pytest
 from infergate.epp.config import BUILTIN_CONFIGS, ConfigError, parse_config
 from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.datalayer.objectives import ObjectiveStore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.observability import EppMetrics
+from infergate.epp.requestcontrol.director import Director
 from infergate.epp.scheduling.plugins import PluginContext
-from infergate.epp.scheduling.plugins.profile_handlers import PREFILL_HEADER
 from infergate.epp.scheduling.plugins.roles import role_of
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import Endpoint, EndpointState, InferenceRequest, Metrics
+
+from infergate.wire.names import PREFILL_HEADER
 
 PD_YAML = """\
 plugins:
@@ -42,6 +46,14 @@ def scheduler(yaml_text: str) -> Scheduler:
     return Scheduler.from_config(parse_config(yaml_text), context)
 
 
+def director(yaml_text: str) -> Director:
+    """A Director over the config's scheduler: ``schedule`` runs one cycle as a request
+    would (data preparers, profiles, pre-request hooks)."""
+    datastore, saturation = Datastore(), SaturationDetector(5, 0.8, 2.0)
+    s = Scheduler.from_config(parse_config(yaml_text), PluginContext(datastore, saturation))
+    return Director(datastore, s, saturation, ObjectiveStore(), EppMetrics(datastore, saturation))
+
+
 def request(prompt: str) -> InferenceRequest:
     r = InferenceRequest("r", {}, body={"model": "m", "prompt": prompt}, model="m")
     r.prompt_text = prompt
@@ -57,7 +69,7 @@ def test_roles_from_labels() -> None:
 
 
 async def test_long_uncached_prompt_is_disaggregated_short_is_not() -> None:
-    s = scheduler(PD_YAML % 100)
+    s = director(PD_YAML % 100)
     pool = [ep(1, "prefill"), ep(2, "prefill", waiting=3), ep(3, "decode"), ep(4, "both")]
     long = await s.schedule(request("word " * 400), pool)  # ~500 tokens at 4 chars/token
     assert long.profile == "decode"
@@ -74,7 +86,7 @@ async def test_long_uncached_prompt_is_disaggregated_short_is_not() -> None:
 
 async def test_cached_prompt_on_decode_pick_is_not_disaggregated() -> None:
     """The second time, the prefix index says the decode pick holds the prompt."""
-    s = scheduler(PD_YAML % 100)
+    s = director(PD_YAML % 100)
     pool = [ep(1, "prefill"), ep(3, "decode")]
     prompt = "the same long system prompt " * 80
     first = await s.schedule(request(prompt), pool)
@@ -85,7 +97,7 @@ async def test_cached_prompt_on_decode_pick_is_not_disaggregated() -> None:
 
 
 async def test_no_prefill_endpoint_means_local_prefill() -> None:
-    s = scheduler(PD_YAML % 0)
+    s = director(PD_YAML % 0)
     result = await s.schedule(request("x " * 1000), [ep(3, "decode"), ep(4, None)])
     assert result.primary is not None
     assert result.request_headers == {}
@@ -93,7 +105,7 @@ async def test_no_prefill_endpoint_means_local_prefill() -> None:
 
 
 async def test_only_prefill_endpoints_leaves_no_decode_target() -> None:
-    s = scheduler(PD_YAML % 0)
+    s = director(PD_YAML % 0)
     result = await s.schedule(request("x " * 1000), [ep(1, "prefill")])
     assert result.targets == []  # the director answers 503
 

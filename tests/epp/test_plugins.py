@@ -10,8 +10,9 @@ from collections import Counter
 import pytest
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.framework.requestcontrol import ResponseInfo
+from infergate.epp.framework.scheduling import SchedulingResult
 from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
-from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
 from infergate.epp.scheduling.plugins.prefix import PrefixIndex, block_hashes
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
 

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 import zmq.asyncio
-from infergate.engine.block_hash import block_hashes
 from infergate.epp.config import parse_config
 from infergate.epp.scheduling.plugins.precise_prefix import KV_EVENTS_PORT_LABEL
 from infergate.epp.types import CycleState, Endpoint, InferenceRequest
 
 from infergate.procs import free_port, http_ready
+from infergate.wire.block_hash import block_hashes
 
 from .conftest import Stream, body, eventually, headers, set_headers
 

@@ -11,11 +11,12 @@ from infergate.engine.metrics import EngineMetrics
 from infergate.epp.datalayer.calibration import TokenCalibration
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import VLLM, parse_metrics
-from infergate.epp.datalayer.prefill_cost import PRIOR_PER_TOKEN_S, PrefillCost
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.framework.requestcontrol import ResponseInfo
+from infergate.epp.framework.scheduling import SchedulingResult
 from infergate.epp.observability import EppMetrics
+from infergate.epp.prefill_cost import PRIOR_PER_TOKEN_S, PrefillCost
 from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
-from infergate.epp.scheduling.plugins.base import ResponseInfo, SchedulingResult
 from infergate.epp.scheduling.plugins.prefix import PrefixIndex
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
 

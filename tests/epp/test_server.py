@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
-from infergate.epp.requestcontrol.objectives import parse_object
+from infergate.epp.datalayer.objectives import parse_object
 from infergate.epp.types import Endpoint
 
 from .conftest import (

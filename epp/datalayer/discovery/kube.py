@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from infergate.epp.datalayer.datastore import Datastore
-from infergate.epp.requestcontrol.objectives import ObjectivesError, ObjectiveStore, parse_object
+from infergate.epp.datalayer.objectives import ObjectivesError, ObjectiveStore, parse_object
 from infergate.epp.types import Endpoint
 
 log = logging.getLogger("infergate.epp.kube")

@@ -14,7 +14,7 @@ token there (all times in seconds)::
   once they arrive, the approximate index covers the window before they do.
 * ``base(e)``, ``per_token(e)``: the endpoint's own prefill cost, fitted online from its
   ``vllm:request_prefill_time_seconds`` and prompt/hit token counters
-  (:mod:`infergate.epp.datalayer.prefill_cost`) — a slow engine learns a large
+  (:mod:`infergate.epp.prefill_cost`) — a slow engine learns a large
   ``per_token``.
 * ``wait(e)``: prefill work already queued there. The EPP keeps a virtual clock per
   endpoint: routing a request adds ``per_token × uncached`` seconds of work, and the work
@@ -68,16 +68,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from infergate.epp.datalayer.prefill_cost import PrefillCost
-from infergate.epp.scheduling.plugins.base import (
-    PluginContext,
-    PreRequest,
-    ResponseComplete,
-    ResponseInfo,
-    SchedulingResult,
-    Scorer,
-    register,
-)
+from infergate.epp.framework.requestcontrol import PreRequest, ResponseComplete, ResponseInfo
+from infergate.epp.prefill_cost import PrefillCost
+from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.scheduling.plugins.filters import endpoint_load
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field

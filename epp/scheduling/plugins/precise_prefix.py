@@ -8,7 +8,7 @@ index, and at pre-request adds the request's blocks to the chosen endpoint as
 ``BlockStored`` event confirms them or ``speculativeTTL`` passes. To score a request it tokenizes the prompt exactly as the engine would (the
 engine's ``POST /tokenize``, which also applies the chat template, or a local
 ``tokenizer.json`` for plain prompts) and hashes full blocks with the engine's recipe
-(:mod:`infergate.engine.block_hash`); the score is the fraction of the prompt's blocks an
+(:mod:`infergate.wire.block_hash`); the score is the fraction of the prompt's blocks an
 endpoint holds as a leading run. Unlike the approximate index, evictions are real.
 """
 
@@ -26,16 +26,12 @@ from infergate.epp.datalayer.kv_events import (
     KVBlockIndex,
     KVEventSubscriptions,
 )
-from infergate.epp.scheduling.plugins.base import (
-    PluginContext,
-    PrepareData,
-    PreRequest,
-    SchedulingResult,
-    Scorer,
-    register,
-)
+from infergate.epp.framework.requestcontrol import PrepareData, PreRequest
+from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
+
+from infergate.wire.block_hash import block_hashes
 
 log = logging.getLogger("infergate.epp.precise_prefix")
 
@@ -152,8 +148,6 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
     async def prepare(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> None:
-        from infergate.engine.block_hash import block_hashes
-
         tokens = await self._tokens(request, endpoints) if request.body else None
         if not tokens:
             cycle["precise.hashes"] = []

@@ -39,16 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
-from infergate.epp.scheduling.plugins.base import (
-    PluginContext,
+from infergate.epp.framework.requestcontrol import (
     PrepareData,
     PreRequest,
     ResponseComplete,
     ResponseInfo,
-    SchedulingResult,
-    Scorer,
-    register,
 )
+from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -35,10 +35,10 @@ from infergate.epp.scheduling.plugins.prefix import prompt_bytes
 from infergate.epp.types import CycleState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+from infergate.wire.names import PREFILL_HEADER
+
 log = logging.getLogger("infergate.epp.scheduling.pd")
 
-#: llm-d's header naming the prefill endpoint for the decode engine's sidecar/connector.
-PREFILL_HEADER = "x-prefiller-host-port"
 NOTE_PREFILL = "pd.prefill"
 
 

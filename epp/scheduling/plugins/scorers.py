@@ -7,12 +7,14 @@ import binascii
 import time
 from collections.abc import Sequence
 
-from infergate.epp.scheduling.plugins.base import (
-    PluginContext,
+from infergate.epp.framework.requestcontrol import (
     PreRequest,
     ResponseComplete,
     ResponseHeaders,
     ResponseInfo,
+)
+from infergate.epp.scheduling.plugins.base import (
+    PluginContext,
     SchedulingResult,
     Scorer,
     minmax_inverse,

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from infergate.epp.scheduling.plugins.base import (
-    ResponseHeaders,
-    ResponseInfo,
-    SchedulingResult,
-    register,
-)
+from infergate.epp.framework.requestcontrol import ResponseHeaders, ResponseInfo
+from infergate.epp.scheduling.plugins.base import SchedulingResult, register
 from infergate.epp.types import InferenceRequest
 
 CONFORMANCE_RESULT_HEADER = "x-conformance-test-served-endpoint"

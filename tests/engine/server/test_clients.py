@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jsonschema
+import openai
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
@@ -67,6 +68,22 @@ def test_langchain_with_structured_output_json_schema(real_server: Server) -> No
     model_out = _chat(real_server).with_structured_output(Person, method="json_schema")
     person = model_out.invoke("Describe a person.")
     assert isinstance(person, Person)
+
+
+def test_langchain_with_structured_output_json_mode_gets_an_object(real_server: Server) -> None:
+    """LangChain's json_mode sends ``response_format: {"type": "json_object"}`` and parses
+    the reply as JSON; the grammar makes it an object. Free JSON from the tiny model may
+    still be cut by the token limit, which the openai SDK raises (with the reply)."""
+    llm = _chat(real_server).with_structured_output(None, method="json_mode", include_raw=True)
+    for prompt in ("Answer in JSON.", "A JSON object, please.", "JSON:"):
+        try:
+            out = llm.invoke(prompt)
+        except openai.LengthFinishReasonError as cut:
+            content = cut.completion.choices[0].message.content or ""
+            assert content.startswith("{"), content[:40]
+            continue
+        assert out["raw"].content.startswith("{")
+        assert out["parsing_error"] is None and isinstance(out["parsed"], dict)
 
 
 def test_openai_sdk_parse_helper(real_server: Server) -> None:

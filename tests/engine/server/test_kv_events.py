@@ -11,10 +11,10 @@ import httpx
 import msgspec
 import pytest
 import zmq
-from infergate.engine.block_hash import block_hashes
 from infergate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 from infergate.procs import ProcessGroup, free_port, http_ready
+from infergate.wire.block_hash import block_hashes
 
 from .conftest import API_KEY, MODEL, Server
 

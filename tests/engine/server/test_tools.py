@@ -205,3 +205,25 @@ def test_simulated_mode_refuses_forced_tools(sim_server: Server) -> None:
             model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=5
         )
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_required_with_parallel_calls_always_answers_with_a_call(
+    real_server: Server, seed: int
+) -> None:
+    """Parallel calls allowed (the default): the tiny model may keep adding calls until
+    max_tokens without closing the array; the answer then stops at the first complete
+    call instead of returning none."""
+    res = real_server.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200,
+        seed=seed,
+    )  # fmt: skip
+    choice = res.choices[0]
+    calls = choice.message.tool_calls or []
+    assert calls and choice.message.content is None
+    for call in calls:
+        _check_call(call.function.name, call.function.arguments)
+    if choice.finish_reason == "length":
+        assert len(calls) == 1
+    else:
+        assert choice.finish_reason == "tool_calls"

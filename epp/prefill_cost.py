@@ -29,6 +29,10 @@ admission-time token counters and learned a per-token cost of ~0; the admission-
 hit ratio was unbiased but noisy enough to mislead routing on a tight-cache fleet).
 Because each engine has its own fit, a fleet where one engine is twice as slow learns
 that, and the predicted-latency scorer routes accordingly.
+
+Every ``EndpointState`` carries one (``state.cost``), so this module sits at the bottom of
+the EPP beside :mod:`infergate.epp.types` and imports nothing of the EPP: the data layer's
+collector feeds it, the predicted-latency scorer reads it.
 """
 
 from __future__ import annotations

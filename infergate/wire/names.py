@@ -1,4 +1,4 @@
-"""The names Envoy and the Endpoint Picker agree on, defined once.
+"""The header and metadata names Envoy, the Endpoint Picker and the engines agree on.
 
 GIE's Endpoint Picker Protocol: the EPP answers with the picked endpoint(s) in the
 ``x-gateway-destination-endpoint`` header and the same value as dynamic metadata under
@@ -7,6 +7,8 @@ GIE's Endpoint Picker Protocol: the EPP answers with the picked endpoint(s) in t
 ``x-gateway-destination-endpoint-served`` in ``envoy.lb``. ``x-infergate-request-id``
 is ours: the EPP's id for a routed request, which the observer filter's stream and the
 engines' completion records name (client copies are stripped by the bootstrap).
+``x-prefiller-host-port`` is llm-d's: the prefill engine the EPP picked for a
+disaggregated request, read by the decode engine.
 """
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -18,3 +20,5 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 REQUEST_ID_HEADER = "x-infergate-request-id"
 """The EPP's id for a routed request (observer stream, engines' completion records)."""
+PREFILL_HEADER = "x-prefiller-host-port"
+"""llm-d's header: the prefill engine the EPP picked, ``host:port`` of its HTTP server."""

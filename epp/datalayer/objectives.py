@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-log = logging.getLogger("infergate.epp.requestcontrol.objectives")
+log = logging.getLogger("infergate.epp.datalayer.objectives")
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
