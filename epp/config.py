@@ -93,21 +93,23 @@ class EndpointPickerConfig(BaseModel):
         return self
 
 
-#: GIE's default profile (its chart's default-plugins.yaml, plus the saturation filter that
-#: GIE applies as admission): queue 2, KV-cache utilisation 2, approximate prefix 3.
+#: GIE's default profile as llm-d-router's EPP runs it (its built-in default plugins): queue
+#: 2, KV-cache utilisation 2, approximate prefix 3, with the peer's prefix blocks of 64
+#: tokens (4 bytes each) matched up to 2,048 blocks. No filter: the peer's saturation
+#: detector only gates admission of sheddable requests, as infergate's admission does.
+#: (docs/benchmarks.md, "llm-d-router as a peer", lists how the two were compared.)
 GIE_DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
-- type: saturation-filter
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: prefix-cache-scorer
+  parameters: {blockSizeTokens: 64, maxPrefixBlocksToMatch: 2048}
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
-  - pluginRef: saturation-filter
   - pluginRef: queue-scorer
     weight: 2
   - pluginRef: kv-cache-utilization-scorer
@@ -118,8 +120,8 @@ schedulingProfiles:
 """
 
 #: infergate's default, chosen on the routing lab's workload matrix (docs/benchmarks.md,
-#: ``infergate bench routing --matrix all``): the bounded-load filter keeps every endpoint
-#: within 1.25x its fair share of the requests in flight; the predicted-latency scorer
+#: ``infergate bench routing --matrix standard``): the bounded-load filter keeps every endpoint
+#: within 1.25x its fair share of the requests in flight (+1); the predicted-latency scorer
 #: decides among the rest (the calibrated prefix index feeds it: it runs for its
 #: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
 #: only for requests to adapters on engines that report adapter slots.
@@ -146,8 +148,9 @@ schedulingProfiles:
 #: GIE's default profile with the precise (KV-event driven) prefix scorer in place of the
 #: approximate one: llm-d's "precise prefix-cache aware" routing.
 GIE_PRECISE_PREFIX_CONFIG_YAML = GIE_DEFAULT_CONFIG_YAML.replace(
-    "prefix-cache-scorer", "precise-prefix-cache-scorer"
-)
+    "- type: prefix-cache-scorer\n  parameters: {blockSizeTokens: 64, maxPrefixBlocksToMatch: 2048}\n",
+    "- type: precise-prefix-cache-scorer\n",
+).replace("pluginRef: prefix-cache-scorer", "pluginRef: precise-prefix-cache-scorer")
 
 #: infergate's default profile with flow control on (docs/epp.md, "Flow control"): requests
 #: wait in the EPP by priority band and tenant while each endpoint has 4 EPP-routed
