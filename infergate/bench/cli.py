@@ -359,3 +359,42 @@ def _lab_workloads(
             f"unknown workload {error.args[0]!r}; choose from {', '.join(WORKLOADS)} or all",
             param_hint="--workload",
         ) from None
+
+
+@app.command("regret")
+def regret(
+    results: list[Path] = typer.Argument(
+        ..., help="results.json files of `bench routing --matrix` runs (e.g. its parts)."
+    ),
+    output_dir: Path = typer.Option(
+        Path("routing-lab"), "--output-dir", help="Where routing-regret.png goes."
+    ),
+) -> None:
+    """Regret over several matrix runs: each router's TTFT p90/p99 ÷ the best router's in
+    each cell, worst and mean, and against the better of round robin and least request.
+
+    Run a long matrix in parts (`bench routing --matrix standard --cells 0-6`, then
+    `--cells 7-13`) and combine them here. Cells where not every router ran are left out.
+    """
+    from rich.console import Console
+
+    from infergate.bench.routing.report import (
+        plot_regret,
+        print_regret,
+        read_json,
+        regret_markdown,
+        regrets,
+    )
+
+    rows = []
+    for path in results:
+        try:
+            rows.extend(read_json(path))
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="RESULTS") from None
+    console = Console()
+    print_regret(rows, console)
+    typer.echo(regret_markdown(regrets(rows)))
+    heat = plot_regret(rows, output_dir)
+    if heat:
+        console.print(f"heat map: {heat}", markup=False)

@@ -4,6 +4,7 @@ writes what it measured; bad choices are refused with a reason."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -275,3 +276,30 @@ def test_cli_external_epp_with_a_bad_config_exits_2(
         infergate_cli, "--router", "external-epp", "--external-epp-config", str(tmp_path / "x.yaml")
     )
     assert result.returncode == 2 and "--external-epp-config" in result.stderr
+
+
+def test_regret_combines_matrix_parts(infergate_cli: list[str], tmp_path: Path) -> None:
+    from infergate.bench.routing.lab import RunResult
+    from infergate.bench.routing.report import write_json
+
+    def row(cell: str, router: str, p90: float) -> RunResult:
+        return RunResult(cell, router, 1.0, completed=10, ttft_p90_ms=p90, ttft_p99_ms=2 * p90)
+
+    write_json([row("a", "round-robin", 100), row("a", "epp", 50)], tmp_path / "1.json", {})
+    write_json([row("b", "round-robin", 100), row("b", "epp", 200)], tmp_path / "2.json", {})
+    done = subprocess.run(
+        [*infergate_cli, "bench", "regret", str(tmp_path / "1.json"), str(tmp_path / "2.json"),
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # epp: best in a (1.00), twice the best in b (2.00): worst 2.00, mean 1.50.
+    assert "| epp | 2 | 2.00 | 1.50 |" in done.stdout
+    assert (tmp_path / "routing-regret.png").stat().st_size > 0
+    (tmp_path / "bad.json").write_text("{}")
+    bad = subprocess.run(
+        [*infergate_cli, "bench", "regret", str(tmp_path / "bad.json")],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "COLUMNS": "400"},  # the error box must not wrap the message
+    )  # fmt: skip
+    assert bad.returncode == 2 and "not a routing-lab results.json" in bad.stderr

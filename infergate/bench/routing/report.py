@@ -88,6 +88,15 @@ def write_json(results: Sequence[RunResult], path: Path, meta: dict[str, object]
     path.write_text(json.dumps({**meta, "results": [asdict(r) for r in results]}, indent=2))
 
 
+def read_json(path: Path) -> list[RunResult]:
+    """The rows of a results.json the lab wrote (ValueError naming the file if it is not one)."""
+    try:
+        data = json.loads(path.read_text())
+        return [RunResult(**row) for row in data["results"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a routing-lab results.json ({error})") from None
+
+
 def plot(results: Sequence[RunResult], directory: Path) -> list[Path]:
     """One PNG per workload: TTFT p90 and output throughput against request rate."""
     import matplotlib
