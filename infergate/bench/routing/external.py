@@ -29,7 +29,7 @@ DISCOVERY_PLUGIN = "infergate-lab-endpoints"
 #: What ``--external-epp`` needs, said when it is missing.
 BUILD_HINT = (
     "external-epp needs an Endpoint Picker binary: build llm-d-router's by hand "
-    "(git clone https://github.com/llm-d/llm-d-router && cd llm-d-router && "
+    "(in a checkout of the llm-d/llm-d-router repository: "
     "go build -o ~/.cache/infergate/peers/llm-d-epp ./cmd/epp) and pass "
     "--external-epp ~/.cache/infergate/peers/llm-d-epp (docs/benchmarks.md, "
     "'llm-d-router as a peer')"
