@@ -317,7 +317,7 @@ def routing(
             console.print(f"bench routing: {error}", style="red", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
     print_summary(results, console)
-    meta = {
+    meta: dict[str, object] = {
         "engines": engines,
         "seed": seed,
         "matrix": matrix,

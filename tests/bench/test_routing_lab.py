@@ -161,7 +161,7 @@ def test_matrix_samples_follow_popularity_mix_turns_and_adapters() -> None:
     assert [len(s.messages or []) for s in session[:3]] == [2, 4, 6]
     assert len(session[3].messages or []) == 2
     lora = matrix.build_samples(matrix.Cell(adapters=4), tokens, 50, 3)
-    assert all(s.model == f"lora-{s.group % 4}" for s in lora)
+    assert all(s.group is not None and s.model == f"lora-{s.group % 4}" for s in lora)
 
 
 def test_regret_divides_by_the_best_router_in_each_cell() -> None:
