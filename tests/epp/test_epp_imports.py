@@ -1,20 +1,27 @@
-"""The EPP loads none of the engine's code or dependencies.
+"""The EPP loads none of the engine's code or dependencies, and its image installs none.
 
 The EPP image (docker/epp.Dockerfile) installs every runtime dependency except the
 engine-only ones it lists; an EPP module that imported one of them, or the engine's own
-code that pulls them in, would run here and fail at startup there. Each check runs in a
-fresh interpreter, so what other tests imported does not count.
+code that pulls them in, would run here and fail at startup there. Each import check runs
+in a fresh interpreter, so what other tests imported does not count. The list itself is
+checked too: what the image installs, with everything that requires in turn (read from
+the installed packages' metadata), must not bring an engine-only package back.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,3 +96,68 @@ def test_the_image_entry_point_serves_epp_help_without_engine_dependencies(
     assert "Endpoint Picker" in str(report["help"])
     leaked = top_level(report["after_cli"]) & engine_only_packages()
     assert not leaked, f"`infergate epp --help` loads {sorted(leaked)}, which the image lacks"
+
+
+def image_requirements() -> list[str]:
+    """pyproject's dependencies as the Dockerfile filters them (same rule, same list)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    left_out = engine_only_packages()
+    return [d for d in deps if re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0] not in left_out]
+
+
+def required_by(requirements: list[str]) -> dict[str, str]:
+    """Every distribution ``requirements`` pull in (extras and markers honoured), each
+    with the one that required it first."""
+    found: dict[str, str] = {}
+    todo = [(Requirement(r), "pyproject.toml") for r in requirements]
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    while todo:
+        req, parent = todo.pop()
+        key = (canonicalize_name(req.name), tuple(sorted(req.extras)))
+        if key in seen:
+            continue
+        seen.add(key)
+        found.setdefault(key[0], parent)
+        try:
+            nested = metadata.requires(req.name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        envs = [{"extra": e} for e in (*req.extras, "")]
+        for text in nested:
+            sub = Requirement(text)
+            if sub.marker is None or any(sub.marker.evaluate(env) for env in envs):
+                todo.append((sub, key[0]))
+    return found
+
+
+def test_the_image_installs_no_engine_only_package_through_another() -> None:
+    installed = required_by(image_requirements())
+    assert "grpcio" in installed and "pydantic" in installed  # the walk saw the EPP's own
+    brought = {
+        name: installed[name]
+        for name in map(canonicalize_name, engine_only_packages())
+        if name in installed
+    }
+    assert not brought, f"the EPP image would install {brought} (package: required by)"
+
+
+def test_no_epp_module_imports_a_package_the_image_leaves_out() -> None:
+    """Lazy imports included (the precise-prefix scorer loads ``tokenizers`` only when
+    given ``tokenizerPath``): each must come from a distribution the image installs."""
+    owners = metadata.packages_distributions()
+    left_out = {canonicalize_name(n) for n in engine_only_packages()}
+    problems = []
+    for path in sorted((ROOT / "epp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                dists = {canonicalize_name(d) for d in owners.get(top, [])}
+                if dists & left_out:
+                    rel = path.relative_to(ROOT)
+                    problems.append(f"{rel}:{node.lineno} imports {top} ({sorted(dists)})")
+    assert not problems, "\n".join(problems)

@@ -222,7 +222,8 @@ def test_required_with_parallel_calls_always_answers_with_a_call(
     calls = choice.message.tool_calls or []
     assert calls and choice.message.content is None
     for call in calls:
-        _check_call(call.function.name, call.function.arguments)  # type: ignore[union-attr]
+        assert call.type == "function"
+        _check_call(call.function.name, call.function.arguments)
     if choice.finish_reason == "length":
         assert len(calls) == 1
     else:
