@@ -457,3 +457,16 @@ async def test_the_eviction_charge_scales_with_how_often_evicted_tokens_are_reus
         scorer.response_complete(request, SchedulingResult("p", [empty]), response)
     assert scorer.reuse == pytest.approx(0.25, abs=0.01)
     assert await eviction_charge() == pytest.approx(charge * 0.25, rel=0.05)
+
+
+async def test_pinned_costs_replace_the_learned_ones() -> None:
+    states = fleet(1, blocks=10_000)
+    pinned(states)  # learned: 6 ms + 30 µs per token
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, secondsPerToken=1e-3, baseSeconds=0.5)
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)
+    _, _, cycle = await schedule(ctx, states, "p" * 4000, scorer)  # 1,000 tokens
+    (predicted,) = cycle["latency.predicted"].values()
+    assert predicted == pytest.approx(0.5 + 1000 * 1e-3, rel=0.02)
