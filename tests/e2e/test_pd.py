@@ -180,6 +180,16 @@ def test_hung_prefill_engine_leaves_the_prefill_profile(stack: LocalStack) -> No
         assert epp_decisions(stack, "local") == local_before + 3
     finally:
         os.killpg(prefill.pid, signal.SIGCONT)
+    # Awake again, it is back in the prefill profile once the EPP has fresh metrics.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        before = epp_decisions(stack, "disaggregated")
+        complete(stack.base_url, f"awake {time.monotonic()} {LONG}")
+        if epp_decisions(stack, "disaggregated") > before:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the resumed prefill engine never rejoined the prefill profile")
 
 
 def test_dead_prefill_engine_does_not_fail_requests(stack: LocalStack) -> None:
