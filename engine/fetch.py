@@ -50,9 +50,12 @@ MODELS: dict[str, PackagedModel] = {
 
 
 def cache_dir() -> Path:
-    """``$INFERGATE_CACHE_DIR``, else ``~/.cache/infergate`` (shared with other tools)."""
+    """``$INFERGATE_CACHE_DIR``, else ``infergate`` in ``$XDG_CACHE_HOME`` or ``~/.cache``
+    (where ``infergate up`` keeps its tiny model too)."""
     env = os.environ.get("INFERGATE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "infergate"
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infergate"
 
 
 def model_path(name: str, cache: Path | None = None) -> Path:
