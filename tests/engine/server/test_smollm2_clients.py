@@ -54,9 +54,9 @@ def smollm2_server(smollm2_gguf: Path, infergate_cli: list[str]) -> Iterator[Ser
         )  # fmt: skip
 
 
-def _chat(server: Server, **kw: object) -> ChatOpenAI:
+def _chat(server: Server) -> ChatOpenAI:
     return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY,  # type: ignore[arg-type]
-                      max_retries=0, max_completion_tokens=60, temperature=0, **kw)  # fmt: skip
+                      max_retries=0, max_completion_tokens=60, temperature=0)  # fmt: skip
 
 
 def test_openai_sdk_stream_answers(smollm2_server: Server) -> None:
