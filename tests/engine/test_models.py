@@ -89,6 +89,8 @@ def test_bad_dtype_and_format(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="dtype"):
         cpu_runner(tiny_model_dir, dtype="int3")
     with pytest.raises(ValueError, match="load format"):
+        cpu_runner(tiny_model_dir, load_format="pt")
+    with pytest.raises(FileNotFoundError, match=r"no \*\.gguf weights"):
         cpu_runner(tiny_model_dir, load_format="gguf")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         cpu_runner(tiny_model_dir, max_model_len=10**6)
