@@ -152,6 +152,11 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "--metrics-port", str(c.EPP_METRICS_PORT),
         # GIE's default: gateways (Istio, the sidecar below) reach ext-proc over TLS.
         "--secure-serving",
+        *(
+            ["--completion-events-port", str(pool.completion_events_port)]
+            if pool.completion_events_port is not None
+            else []
+        ),
         *settings.extra_epp_args,
     ]  # fmt: skip
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
@@ -329,8 +334,8 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
         admin_port=c.ENVOY_ADMIN_PORT,
         listen_address="0.0.0.0",
         epp_tls=True,  # the EPP container runs with --secure-serving
-        # The pool's engines may be vLLM, which publishes no completion records.
-        response_accounting="observer",
+        # `observer` unless the pool's engines publish completion records (parse_pool).
+        response_accounting=pool.response_accounting,
     )
 
 

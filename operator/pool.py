@@ -51,6 +51,10 @@ class PoolSpec:
     epp_config_key: str = c.EPP_CONFIG_KEY
     #: Prefill/decode disaggregation's threshold (None: the pool is not disaggregated).
     pd_threshold: int | None = None
+    #: Port the pool's engines publish completion records on (None: not declared).
+    completion_events_port: int | None = None
+    #: The standalone Envoy's response accounting (see :func:`_response_accounting`).
+    response_accounting: str = "observer"
     annotations: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -142,6 +146,8 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
 
     config_ref = annotations.get(c.ANNOTATION_EPP_CONFIG) or None
     pd_threshold = _pd_threshold(annotations, config_ref)
+    events_port = _completion_events_port(annotations)
+    accounting = _response_accounting(annotations, standalone, events_port)
     return PoolSpec(
         name=str(meta.get("name", "")),
         namespace=str(meta.get("namespace") or "default"),
@@ -160,6 +166,8 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
         epp_config_ref=config_ref,
         epp_config_key=annotations.get(c.ANNOTATION_EPP_CONFIG_KEY) or c.EPP_CONFIG_KEY,
         pd_threshold=pd_threshold,
+        completion_events_port=events_port,
+        response_accounting=accounting,
         annotations=annotations,
     )
 
@@ -198,3 +206,50 @@ def _pd_threshold(annotations: dict[str, str], config_ref: str | None) -> int | 
             f"annotation {c.ANNOTATION_PD_THRESHOLD}={raw!r} must be a whole number >= 0",
         )
     return threshold
+
+
+def _completion_events_port(annotations: dict[str, str]) -> int | None:
+    """The engines' completion-records port the pool declares, checked as a port."""
+    raw = annotations.get(c.ANNOTATION_COMPLETION_EVENTS_PORT)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_COMPLETION_EVENTS_PORT}={raw!r} must be a port 1-65535",
+        )
+    return port
+
+
+def _response_accounting(
+    annotations: dict[str, str], standalone: bool, events_port: int | None
+) -> str:
+    """The standalone Envoy's response accounting.
+
+    ``engine`` costs the EPP nothing per response chunk but needs completion records,
+    which only infergate engines publish; so it is the default only when the pool
+    declares their port, and ``observer`` (any engine, vLLM included) otherwise. An
+    explicit annotation wins. With a Gateway the Gateway's own ext-proc settings decide,
+    so the annotation is refused there rather than silently ignored.
+    """
+    raw = annotations.get(c.ANNOTATION_RESPONSE_ACCOUNTING)
+    if raw is None or not raw.strip():
+        return "engine" if events_port is not None else "observer"
+    mode = raw.strip().lower()
+    if mode not in c.RESPONSE_ACCOUNTING:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_RESPONSE_ACCOUNTING}={raw!r} must be one of "
+            f"{', '.join(c.RESPONSE_ACCOUNTING)}",
+        )
+    if not standalone:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_RESPONSE_ACCOUNTING} configures the standalone Envoy; "
+            f"it needs {c.ANNOTATION_STANDALONE_ENVOY}=true",
+        )
+    return mode
