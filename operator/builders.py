@@ -181,6 +181,7 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
             },
             {"name": "INFERGATE_LOG_LEVEL", "value": settings.epp_log_level},
+            *_engine_api_key_env(pool),
         ],
         "readinessProbe": {**readiness, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**liveness, "initialDelaySeconds": 5, "periodSeconds": 10},
@@ -194,6 +195,15 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+
+
+def _engine_api_key_env(pool: PoolSpec) -> list[Obj]:
+    """The engines' API key from the pool's Secret, never inlined in the Deployment."""
+    if pool.engine_api_key_secret is None:
+        return []
+    name, key = pool.engine_api_key_secret
+    ref = {"secretKeyRef": {"name": name, "key": key}}
+    return [{"name": c.EPP_ENGINE_API_KEY_ENV, "valueFrom": ref}]
 
 
 def build_envoy_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:

@@ -17,6 +17,8 @@ from infergate.operator.settings import OperatorSettings
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 MAX_EPP_REPLICAS = 16
 
 
@@ -55,6 +57,8 @@ class PoolSpec:
     completion_events_port: int | None = None
     #: The standalone Envoy's response accounting (see :func:`_response_accounting`).
     response_accounting: str = "observer"
+    #: (Secret name, key) holding the engines' --api-key, given to the EPP (None: none).
+    engine_api_key_secret: tuple[str, str] | None = None
     annotations: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -168,6 +172,7 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
         pd_threshold=pd_threshold,
         completion_events_port=events_port,
         response_accounting=accounting,
+        engine_api_key_secret=_engine_api_key_secret(annotations),
         annotations=annotations,
     )
 
@@ -253,3 +258,19 @@ def _response_accounting(
             f"it needs {c.ANNOTATION_STANDALONE_ENVOY}=true",
         )
     return mode
+
+
+def _engine_api_key_secret(annotations: dict[str, str]) -> tuple[str, str] | None:
+    """``NAME`` or ``NAME/KEY``: the Secret (pool namespace) with the engines' API key."""
+    raw = annotations.get(c.ANNOTATION_ENGINE_API_KEY_SECRET, "").strip()
+    if not raw:
+        return None
+    name, _, key = raw.partition("/")
+    key = key or c.ENGINE_API_KEY_SECRET_KEY
+    if len(name) > 253 or not _DNS_SUBDOMAIN.match(name) or not _SECRET_KEY.match(key):
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_ENGINE_API_KEY_SECRET}={raw!r} must be a Secret name, "
+            "optionally followed by /KEY",
+        )
+    return name, key

@@ -88,6 +88,7 @@ def test_values_schema_rejects_bad_values() -> None:
         {"sample": {"failureMode": "Sometimes"}},
         {"sample": {"responseAccounting": "full"}},
         {"sample": {"completionEventsPort": 70000}},
+        {"sample": {"engine": {"apiKeySecret": "Bad_Name"}}},
         {"unknownTopLevel": True},
     ):
         with pytest.raises(helm.HelmError):
@@ -285,3 +286,30 @@ def test_sample_engines_publish_records_and_the_operator_picks_engine_accounting
     assert parse_pool(pool, OperatorSettings()).response_accounting == "body"
     with pytest.raises(helm.HelmError, match="standaloneEnvoy"):
         sample({"responseAccounting": "engine", "standaloneEnvoy": False})
+
+
+def test_sample_api_key_secret_reaches_engines_and_the_epp() -> None:
+    """sample.engine.apiKeySecret: the engines read --api-key from the Secret and the pool
+    names it, so the operator gives the EPP the same Secret (for /tokenize)."""
+    from infergate.operator.builders import build_deployment
+
+    rendered = objects({"sample": {"enabled": True, "engine": {"apiKeySecret": "engine-key"}}})
+    pool = next(o for o in rendered if o["kind"] == "InferencePool")
+    engine = next(
+        o
+        for o in rendered
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+    )
+    (env,) = engine["spec"]["template"]["spec"]["containers"][0]["env"]
+    ref = {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    assert env == {"name": "INFERGATE_API_KEY", "valueFrom": ref}
+    spec = parse_pool(pool, OperatorSettings())
+    epp = build_deployment(spec, OperatorSettings(), "h")["spec"]["template"]["spec"]
+    epp_env = {e["name"]: e for e in epp["containers"][0]["env"]}
+    assert epp_env[c.EPP_ENGINE_API_KEY_ENV]["valueFrom"] == ref
+    plain = objects({"sample": {"enabled": True}})
+    assert all(
+        "env" not in o["spec"]["template"]["spec"]["containers"][0]
+        for o in plain
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+    )

@@ -107,6 +107,18 @@ def test_parse_reads_the_pool_and_defaults() -> None:
             ),
             "InvalidAnnotation",
         ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_ENGINE_API_KEY_SECRET: "Not_A_Name"}
+            ),
+            "InvalidAnnotation",
+        ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_ENGINE_API_KEY_SECRET: "keys/bad key"}
+            ),
+            "InvalidAnnotation",
+        ),
         (  # with a Gateway the Gateway's ext-proc settings decide: refused, not ignored
             lambda b: b["metadata"]["annotations"].update(
                 {c.ANNOTATION_RESPONSE_ACCOUNTING: "engine"}
@@ -275,6 +287,23 @@ def test_completion_port_reaches_the_epp_without_a_sidecar_too() -> None:
     pool = spec(**{c.ANNOTATION_COMPLETION_EVENTS_PORT: "5557"})
     container = build_deployment(pool, SETTINGS, "h")["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][container["args"].index("--completion-events-port") + 1] == "5557"
+
+
+@pytest.mark.parametrize(
+    ("annotation", "ref"),
+    [
+        ("engine-keys", {"name": "engine-keys", "key": "api-key"}),
+        ("engine-keys/token", {"name": "engine-keys", "key": "token"}),
+    ],
+)
+def test_engine_api_key_reaches_the_epp_from_a_secret(annotation: str, ref: dict[str, str]) -> None:
+    pool = spec(**{c.ANNOTATION_ENGINE_API_KEY_SECRET: annotation})
+    container = build_deployment(pool, SETTINGS, "h")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[c.EPP_ENGINE_API_KEY_ENV]["valueFrom"] == {"secretKeyRef": ref}
+    assert "value" not in env[c.EPP_ENGINE_API_KEY_ENV]  # never inlined
+    plain = build_deployment(spec(), SETTINGS, "h")["spec"]["template"]["spec"]["containers"][0]
+    assert c.EPP_ENGINE_API_KEY_ENV not in {e["name"] for e in plain["env"]}
 
 
 def test_operator_accounting_values_match_the_bootstrap() -> None:
