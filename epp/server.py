@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
@@ -704,6 +705,16 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                     for response in state.timed_out():
                         yield response
                     return
+                except DecodeError as error:
+                    # Not a ProcessingRequest: a broken or foreign client, not a fault
+                    # here. One line (gRPC would log a traceback per stream), and the
+                    # stream ends with INVALID_ARGUMENT; `finally` releases its state.
+                    log.warning(
+                        "ext-proc stream from %s: corrupt frame (%s)", context.peer(), error
+                    )
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "corrupt ProcessingRequest"
+                    )
                 if message.observability_mode and state.phase is Phase.HEADERS:
                     observer = ObserverState(self)  # never answered (Envoy does not wait)
                     observer.handle(message)
