@@ -669,7 +669,8 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         given up first: a count bound, so whichever is released the endpoint's in-flight
         count becomes right. A response is given up only once the counts have shown it
         finished for ``record_settle_s``: a record sent as its request finished, or a
-        request admitted just after the scrape was rendered, settles within that.
+        request admitted just after the scrape was rendered, settles within that. An
+        engine whose scrape lacks either gauge is not judged (its counts read 0).
         """
         by_endpoint: dict[str, list[StreamState]] = {}
         for state in self.awaiting.values():
@@ -679,7 +680,7 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
             endpoint = self.director.datastore.get(key)
             metrics = endpoint.metrics if endpoint is not None else None
             suspects: list[StreamState] = []
-            if metrics is not None and metrics.updated_at > 0.0:
+            if metrics is not None and metrics.updated_at > 0.0 and metrics.counts_reported:
                 before = sorted(
                     (s for s in states if s.awaiting_since < metrics.updated_at),
                     key=lambda s: s.awaiting_since,
