@@ -146,7 +146,7 @@ class ZmqPublisher:
         self._sock: Any = zmq.Context.instance().socket(zmq.PUB)
         self._sock.set_hwm(hwm)
         if "[" in endpoint:  # an IPv6 address ([::], [::1]): ZMQ needs IPv6 turned on
-            self._sock.ipv6 = True
+            self._sock.setsockopt(zmq.IPV6, 1)
         # bind=None is vLLM's rule: a wildcard host (or ipc/inproc) binds; a concrete
         # address connects (llm-d points engines at the Endpoint Picker's bound SUB socket
         # this way). A port option's endpoint (:func:`bind_endpoint`) always binds.
