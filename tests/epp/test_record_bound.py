@@ -90,3 +90,17 @@ async def test_a_lost_record_is_bounded_by_the_engines_counts(
     await eventually(lambda: key not in epp.ext_proc.awaiting, timeout=20)
     assert state.in_flight_requests == 0
     assert not epp.ext_proc.routed
+
+
+async def test_an_endpoint_without_counts_is_not_judged(epp_factory, channel_for) -> None:
+    """Never scraped (nothing serves its /metrics): no counts to bound by, so the awaited
+    response stays in flight (until the 330 s timeout or the endpoint leaving)."""
+    dark = Endpoint("127.0.0.1", free_port(), ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),))
+    epp = await epp_factory(static_endpoints=[dark])
+    state = epp.datastore.get(dark.key)
+    assert state is not None
+    key = await _awaited_response(epp, channel_for(epp))
+    for _ in range(35):  # three expiry sweeps or more
+        await asyncio.sleep(0.1)
+        assert key in epp.ext_proc.awaiting and state.in_flight_requests == 1
+    assert state.metrics.updated_at == 0.0
