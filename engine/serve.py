@@ -48,6 +48,7 @@ class ServeOptions:
     sim_default_max_tokens: int = 256
     generation_config: str = "auto"  # auto | vllm | DIR
     chat_template: str | None = None  # a path or the template itself
+    tokenizer: Path | None = None  # --tokenizer: a directory with tokenizer.json
     tensor_parallel_size: int = 1
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -127,6 +128,34 @@ def _model_config(model_dir: Path) -> dict[str, Any]:
     return data
 
 
+def resolve_model(opts: ServeOptions) -> Path:
+    """The directory to load for MODEL_DIR: itself, or for a GGUF (a .gguf file, a directory
+    holding one, or the name of a model `infergate engine fetch-model` fetched) the Hugging
+    Face-style directory derived from it (see gguf_model)."""
+    from infergate.engine.fetch import MODELS, cache_dir, fetched_model
+
+    path = opts.model_dir
+    if not path.exists() and str(path) in MODELS:
+        fetched = fetched_model(str(path))
+        if fetched is None:
+            raise ServeError(
+                f"model {path} has not been fetched; run `infergate engine fetch-model {path}`"
+            )
+        path = fetched
+    if not (path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf")))):
+        return path
+    from infergate.engine.gguf_model import GGUFError, find_gguf, prepare_model_dir
+
+    try:
+        gguf = find_gguf(path)
+        if gguf is None:
+            return path
+        log.info("serving GGUF %s", gguf)
+        return prepare_model_dir(gguf, cache_dir(), tokenizer=opts.tokenizer is None)
+    except (GGUFError, OSError) as error:
+        raise ServeError(f"cannot serve {path}: {error}") from None
+
+
 def filler_token_ids(tokenizer: Any) -> list[int]:
     """Ordinary tokens that read as plain text on their own: the simulator's output."""
     skip = tokenizer.special_token_ids | tokenizer.eos_token_ids
@@ -160,23 +189,24 @@ def build(opts: ServeOptions) -> Any:
 
     check_vllm_flags(opts)
     lora_modules = _lora_modules(opts)
-    model_dir = opts.model_dir
+    model_dir = resolve_model(opts)
     if not model_dir.is_dir():
         raise ServeError(
             f"model directory {model_dir} does not exist; point MODEL_DIR at a local Hugging "
             f"Face model, or create a test model with `infergate engine make-tiny-model {model_dir}`"
         )
     cfg = _model_config(model_dir)
+    tokenizer_dir = opts.tokenizer or model_dir
     try:
-        tokenizer = Tokenizer(model_dir)
+        tokenizer = Tokenizer(tokenizer_dir)
     except (TokenizerError, ValueError, OSError) as error:
-        raise ServeError(f"cannot load the tokenizer from {model_dir}: {error}") from None
+        raise ServeError(f"cannot load the tokenizer from {tokenizer_dir}: {error}") from None
     if opts.chat_template is not None:
         tokenizer.chat_template = read_chat_template(opts.chat_template)
     defaults = generation_defaults(opts.generation_config, model_dir)
     if defaults:
         log.info("request defaults from generation_config.json: %s", defaults)
-    names = opts.served_model_name or [str(model_dir)]
+    names = opts.served_model_name or [str(opts.model_dir)]
     config_len = int(cfg.get("max_position_embeddings") or 2048)
     if opts.max_model_len is not None and opts.max_model_len > config_len:
         raise ServeError(

@@ -1,4 +1,4 @@
-"""Build a model from a local Hugging Face directory: dtype, device, safetensors or dummy.
+"""Build a model from a local Hugging Face directory: dtype, device, safetensors, GGUF or dummy.
 
 The model is constructed on the meta device (no allocation, no random init), then
 materialized directly on the target device in the target dtype and filled from the
@@ -17,7 +17,7 @@ import torch
 
 from .models import LlamaForCausalLM, ModelConfig, model_class
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -83,6 +83,24 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                 yield name, f.get_tensor(name)
 
 
+def _gguf_weights(model_dir: str | Path) -> Path | None:
+    """The directory's GGUF (gguf_model.prepare_model_dir links one in) when it has no
+    safetensors."""
+    d = Path(model_dir)
+    if any(d.glob("*.safetensors")):
+        return None
+    return next(iter(sorted(d.glob("*.gguf"))), None)
+
+
+def _iter_gguf(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from .gguf_model import iter_gguf_weights
+
+    path = _gguf_weights(model_dir)
+    if path is None:
+        raise FileNotFoundError(f"no *.gguf weights in {model_dir}")
+    return iter_gguf_weights(path, cfg)
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
@@ -114,6 +132,8 @@ def load_model(
     with torch.no_grad():
         if load_format == "dummy":
             _dummy_init(model, seed)
+        elif load_format == "gguf" or (load_format == "auto" and _gguf_weights(model_dir)):
+            model.load_weights(_iter_gguf(model_dir, cfg))
         else:
             model.load_weights(iter_safetensors(model_dir))
     model.prepare_buffers(device)

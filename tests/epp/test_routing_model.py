@@ -236,16 +236,23 @@ async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloa
     assert states[picked] is other
 
 
-async def test_eviction_penalty_keeps_a_new_group_off_a_full_cache() -> None:
-    states = fleet(2, blocks=200)  # 3,200 tokens each
+def full_and_empty(**params: object):
+    """Two endpoints of 3,200 tokens at 4 characters per token, the first one's prefix
+    index nearly full; the prefix index and a predicted-latency scorer (``params``)."""
+    states = fleet(2, blocks=200)
     pinned(states)
     ctx = context(states)
     plugin("prefix-cache-scorer", ctx)
-    scorer = plugin("predicted-latency-scorer", ctx, evictionPenalty=1.0)
+    scorer = plugin("predicted-latency-scorer", ctx, **params)
     for _ in range(30):
         ctx.calibration.observe("m", 4000, 1000)
     full, empty = states
     ctx.extras["prefix_index"].index.add(full.key, list(range(10_000, 10_170)))  # ~full
+    return states, ctx, scorer, full, empty
+
+
+async def test_eviction_penalty_keeps_a_new_group_off_a_full_cache() -> None:
+    states, ctx, scorer, full, empty = full_and_empty(evictionPenalty=1.0)
     _, _, cycle = await schedule(ctx, states, "new group " * 600, scorer)
     predicted = cycle["latency.predicted"]
     assert predicted[full.key] > predicted[empty.key]  # same wait, but eviction costs
@@ -428,16 +435,8 @@ def test_lora_affinity_is_neutral_unless_the_request_is_for_an_adapter() -> None
 
 
 async def test_the_eviction_charge_scales_with_how_often_evicted_tokens_are_reused() -> None:
-    states = fleet(2, blocks=200)  # 3,200 tokens each
-    pinned(states)
-    ctx = context(states)
-    plugin("prefix-cache-scorer", ctx)
-    scorer = plugin("predicted-latency-scorer", ctx, evictionPenalty=1.0)
-    for _ in range(30):
-        ctx.calibration.observe("m", 4000, 1000)
-    full, empty = states
+    states, ctx, scorer, full, empty = full_and_empty(evictionPenalty=1.0)
     prefix = ctx.extras["prefix_index"]
-    prefix.index.add(full.key, list(range(10_000, 10_170)))  # ~full
 
     async def eviction_charge() -> float:
         """Predicted TTFT on the full cache minus on the empty one (scored, not routed)."""
@@ -458,3 +457,16 @@ async def test_the_eviction_charge_scales_with_how_often_evicted_tokens_are_reus
         scorer.response_complete(request, SchedulingResult("p", [empty]), response)
     assert scorer.reuse == pytest.approx(0.25, abs=0.01)
     assert await eviction_charge() == pytest.approx(charge * 0.25, rel=0.05)
+
+
+async def test_pinned_costs_replace_the_learned_ones() -> None:
+    states = fleet(1, blocks=10_000)
+    pinned(states)  # learned: 6 ms + 30 µs per token
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx)
+    scorer = plugin("predicted-latency-scorer", ctx, secondsPerToken=1e-3, baseSeconds=0.5)
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)
+    _, _, cycle = await schedule(ctx, states, "p" * 4000, scorer)  # 1,000 tokens
+    (predicted,) = cycle["latency.predicted"].values()
+    assert predicted == pytest.approx(0.5 + 1000 * 1e-3, rel=0.02)

@@ -116,6 +116,12 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         self.calibration = context.calibration
         self.clock = time.monotonic
         self._pinned: PrefillCost | None = None
+        if self.p.secondsPerToken is not None or self.p.baseSeconds is not None:
+            self._pinned = PrefillCost()
+            if self.p.secondsPerToken is not None:
+                self._pinned.per_token = self.p.secondsPerToken
+            if self.p.baseSeconds is not None:
+                self._pinned.base = self.p.baseSeconds
         #: Mean seconds from routing to completion, per endpoint key (``T(e)``).
         self._lifetime: dict[str, float] = {}
         #: Decayed cached and prompt tokens of completed responses (``reuse``).
@@ -128,12 +134,6 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         if self._reuse_prompt <= 0:
             return 1.0
         return min(1.0, self._reuse_cached / self._reuse_prompt)
-        if self.p.secondsPerToken is not None or self.p.baseSeconds is not None:
-            self._pinned = PrefillCost()
-            if self.p.secondsPerToken is not None:
-                self._pinned.per_token = self.p.secondsPerToken
-            if self.p.baseSeconds is not None:
-                self._pinned.base = self.p.baseSeconds
 
     def _prefix(self) -> Any:
         return self.context.extras.get("prefix_index")

@@ -13,6 +13,8 @@ prefills for itself).
 
 from __future__ import annotations
 
+import time
+
 from infergate.epp.scheduling.plugins.base import Filter, register
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
 
@@ -45,11 +47,21 @@ class DecodeFilter(Filter):
 
 @register
 class PrefillFilter(Filter):
-    """Keep endpoints dedicated to prefill (role ``prefill``)."""
+    """Keep endpoints dedicated to prefill (role ``prefill``) whose metrics are fresh.
+
+    A prefill engine whose metrics went stale (older than the staleness threshold: dead,
+    or accepting connections and never answering) leaves the prefill profile. Naming it to
+    the decode engine in ``x-prefiller-host-port`` would make that engine wait for a pull
+    that never comes (its KV-transfer timeout) where a refused connection fails at once;
+    with no fresh prefill engine the profile finds none and the decode engine prefills
+    itself.
+    """
 
     type_name = "prefill-filter"
 
     def filter(
         self, cycle: CycleState, request: InferenceRequest, endpoints: list[EndpointState]
     ) -> list[EndpointState]:
-        return [e for e in endpoints if role_of(e.endpoint) == PREFILL]
+        now = time.monotonic()
+        stale = self.context.saturation.is_stale
+        return [e for e in endpoints if role_of(e.endpoint) == PREFILL and not stale(e, now)]

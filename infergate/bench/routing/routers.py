@@ -182,7 +182,7 @@ ROUTERS: dict[str, Router] = {
         ),
         Router(
             "epp-lora",
-            "infergate EPP, default profile plus LoRA affinity (up --lora)",
+            "infergate EPP, builtin:lora (now a name for the default, which has LoRA affinity)",
             _epp("builtin:lora"),
         ),
         external_router(None),
