@@ -1,9 +1,9 @@
 # syntax=docker/dockerfile:1.7
-# The engine for NVIDIA GPUs: CUDA base image, PyPI's CUDA torch wheels, FlashInfer.
+# The engine for NVIDIA GPUs: CUDA base image and PyPI's CUDA torch wheels.
 #   docker build -f docker/engine-cuda.Dockerfile -t ghcr.io/infergate/engine:0.1.0-cuda .
-# devel: FlashInfer JIT-compiles its kernels with nvcc at first use. A -runtime base
-# is ~3 GB smaller and works when the engine runs the portable torch attention backend.
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
+# runtime, not devel: the engine's only attention backend is torch's SDPA, so nothing
+# compiles kernels at run time. Not built or run on a GPU in this repository's CI.
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
@@ -18,7 +18,7 @@ COPY epp epp
 COPY engine engine
 RUN python3 -m venv /opt/infergate \
  && /opt/infergate/bin/pip install "torch==${TORCH_VERSION}" \
- && /opt/infergate/bin/pip install ".[gpu]" \
+ && /opt/infergate/bin/pip install . \
  && find /opt/infergate -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${CUDA_IMAGE}
@@ -27,9 +27,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && (getent passwd 65532 || useradd --uid 65532 --user-group --no-create-home --home-dir /tmp nonroot)
 COPY --from=build /opt/infergate /opt/infergate
-# FlashInfer JIT-compiles kernels on first use; give it a writable cache on a volume.
-ENV PATH=/opt/infergate/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
-    FLASHINFER_WORKSPACE_BASE=/tmp
+ENV PATH=/opt/infergate/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 USER 65532:65532
 EXPOSE 8000 5557
 ENTRYPOINT ["infergate"]

@@ -64,7 +64,8 @@ class CompletionPublisher(ZmqPublisher):
     what = "completion records"
 
     def __init__(self, endpoint: str, *, hwm: int = 100_000) -> None:
-        super().__init__(endpoint, topic=TOPIC.decode(), hwm=hwm)
+        # Always bound: the EPP's subscribers connect to each engine (bind_endpoint).
+        super().__init__(endpoint, topic=TOPIC.decode(), hwm=hwm, bind=True)
 
     def publish(self, record: CompletionRecord) -> None:
         self._queue.put(record)

@@ -77,6 +77,29 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+#: Hosts that mean "every interface": the publisher binds ZMQ's wildcard for them.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
+
+
+def bind_endpoint(host: str, port: int) -> str:
+    """The ZMQ endpoint a publisher on ``port`` binds, on the engine's own ``--host``.
+
+    A publisher opened by a port option (``--completion-events-port``,
+    ``--kv-events-port``) listens where the HTTP server does: ``--host 127.0.0.1`` keeps
+    it on loopback. Only a wildcard host (0.0.0.0, ::) binds every interface; ``::``
+    gives ``tcp://[::]:PORT`` (IPv6, dual-stack where the kernel allows). An IPv6 literal
+    is bracketed.
+    """
+    host = host.strip()
+    if host == "::":
+        return f"tcp://[::]:{port}"
+    if host in WILDCARD_HOSTS:
+        return f"tcp://*:{port}"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
 class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     """vLLM's ``--kv-events-config`` JSON (the fields we honour; others are refused)."""
 
@@ -115,14 +138,19 @@ class ZmqPublisher:
     thread_name = "zmq-publisher"
     what = "events"  # for the log line when a send fails
 
-    def __init__(self, endpoint: str, *, topic: str = "", hwm: int = 100_000) -> None:
+    def __init__(
+        self, endpoint: str, *, topic: str = "", hwm: int = 100_000, bind: bool | None = None
+    ) -> None:
         import zmq
 
         self._sock: Any = zmq.Context.instance().socket(zmq.PUB)
         self._sock.set_hwm(hwm)
-        # vLLM's rule: a wildcard host (or ipc/inproc) binds; a concrete address connects
-        # (llm-d points engines at the Endpoint Picker's bound SUB socket this way).
-        if is_bind_endpoint(endpoint):
+        if "[" in endpoint:  # an IPv6 address ([::], [::1]): ZMQ needs IPv6 turned on
+            self._sock.setsockopt(zmq.IPV6, 1)
+        # bind=None is vLLM's rule: a wildcard host (or ipc/inproc) binds; a concrete
+        # address connects (llm-d points engines at the Endpoint Picker's bound SUB socket
+        # this way). A port option's endpoint (:func:`bind_endpoint`) always binds.
+        if bind if bind is not None else is_bind_endpoint(endpoint):
             self._sock.bind(endpoint)
         else:
             self._sock.connect(endpoint)

@@ -176,7 +176,12 @@ def build(opts: ServeOptions) -> Any:
     from infergate.engine.core import EngineCore
     from infergate.engine.entrypoints.api_server import build_app
     from infergate.engine.entrypoints.config import ServerConfig
-    from infergate.engine.kv_events import KVEventsConfig, ZmqEventPublisher, is_bind_endpoint
+    from infergate.engine.kv_events import (
+        KVEventsConfig,
+        ZmqEventPublisher,
+        bind_endpoint,
+        is_bind_endpoint,
+    )
     from infergate.engine.metrics import EngineMetrics, SimulatorCollector
     from infergate.engine.scheduler import SchedulerConfig
     from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
@@ -280,14 +285,15 @@ def build(opts: ServeOptions) -> Any:
             endpoint, topic, hwm = kv_config.endpoint, kv_config.topic, kv_config.hwm
         if kv_config.replay_endpoint is not None:
             log.warning("KV events replay_endpoint is not supported; ignored")
-    if opts.kv_events_port is not None:
-        endpoint = f"tcp://*:{opts.kv_events_port}"
+    bind = None  # --kv-events-config's endpoint: vLLM's rule (a wildcard binds)
+    if opts.kv_events_port is not None:  # on --host, like the HTTP server
+        endpoint, bind = bind_endpoint(opts.host, opts.kv_events_port), True
     if endpoint is not None:
         try:
-            events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm)
+            events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm, bind=bind)
         except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
             raise ServeError(f"cannot open KV events endpoint {endpoint}: {error}") from None
-        verb = "bound to" if is_bind_endpoint(endpoint) else "connected to"
+        verb = "bound to" if bind or is_bind_endpoint(endpoint) else "connected to"
         log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, topic)
     core = EngineCore(
         runner,
@@ -329,7 +335,7 @@ def build(opts: ServeOptions) -> Any:
     if opts.completion_events_port is not None:
         from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
 
-        endpoint = f"tcp://*:{opts.completion_events_port}"
+        endpoint = bind_endpoint(opts.host, opts.completion_events_port)  # on --host
         try:
             publisher = CompletionPublisher(endpoint)
         except Exception as error:  # zmq.ZMQError: address in use

@@ -20,6 +20,7 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.types import Endpoint
 
@@ -91,6 +92,8 @@ class EndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
             try:
                 async for request in request_iterator:
                     await requests.put(request)
+            except DecodeError as error:  # one line, not a task's traceback
+                log.warning("EDS stream from %s: corrupt frame (%s)", context.peer(), error)
             finally:
                 await requests.put(_END)
 

@@ -36,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
@@ -258,6 +259,9 @@ class StreamState:
         # Completion record from the engine (``infergate.epp.datalayer.completions``).
         self.record_received = False
         self.record_deadline = 0.0
+        self.awaiting_since = 0.0
+        #: When the engine's counts first showed this awaited response finished (0: not).
+        self.counted_out_since = 0.0
 
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request") or ""
@@ -610,6 +614,7 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         scores_header: bool = False,
         reports_completions: Callable[[str], bool] | None = None,
         record_timeout_s: float = 330.0,
+        record_settle_s: float = 1.0,
     ) -> None:
         self.director = director
         # An int is the old signature's max_body_bytes.
@@ -624,11 +629,16 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         #: (a record lost: PUB/SUB drops while disconnected) as incomplete.
         self.reports_completions = reports_completions
         self.record_timeout_s = record_timeout_s
+        #: How long the engine's counts must keep showing an awaited response finished
+        #: before its record is given up (see :meth:`_counted_out`).
+        self.record_settle_s = record_settle_s
         self.awaiting: dict[str, StreamState] = {}  # streams ended, record not yet in
 
     def await_record(self, state: StreamState) -> None:
         if state.key not in self.awaiting:
-            state.record_deadline = asyncio.get_running_loop().time() + self.record_timeout_s
+            now = asyncio.get_running_loop().time()
+            state.awaiting_since = now
+            state.record_deadline = now + self.record_timeout_s
             self.awaiting[state.key] = state
 
     def on_record(self, endpoint: str, record: CompletionRecord) -> None:
@@ -643,10 +653,47 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
             s for s in self.awaiting.values()
             if s.record_deadline <= now or (gone is not None and s.endpoint_key == gone)
         ]  # fmt: skip
+        expired += [s for s in self._counted_out(now) if s not in expired]
         for state in expired:
             self.count("record_lost")
             state.take_record(None)
         return len(expired)
+
+    def _counted_out(self, now: float) -> list[StreamState]:
+        """Awaited responses that their engine's own counts show finished.
+
+        A request whose response headers were sent stays in its engine's running (or,
+        preempted, waiting) count until it finishes. So of the responses awaited since
+        before an engine's latest scrape, at most running + waiting can still be live;
+        the rest finished and their records were lost (PUB/SUB drops). The oldest are
+        given up first: a count bound, so whichever is released the endpoint's in-flight
+        count becomes right. A response is given up only once the counts have shown it
+        finished for ``record_settle_s``: a record sent as its request finished, or a
+        request admitted just after the scrape was rendered, settles within that. An
+        engine whose scrape lacks either gauge is not judged (its counts read 0).
+        """
+        by_endpoint: dict[str, list[StreamState]] = {}
+        for state in self.awaiting.values():
+            by_endpoint.setdefault(state.endpoint_key, []).append(state)
+        out: list[StreamState] = []
+        for key, states in by_endpoint.items():
+            endpoint = self.director.datastore.get(key)
+            metrics = endpoint.metrics if endpoint is not None else None
+            suspects: list[StreamState] = []
+            if metrics is not None and metrics.updated_at > 0.0 and metrics.counts_reported:
+                before = sorted(
+                    (s for s in states if s.awaiting_since < metrics.updated_at),
+                    key=lambda s: s.awaiting_since,
+                )
+                suspects = before[: max(0, len(before) - metrics.running - metrics.waiting)]
+            for state in states:
+                if state not in suspects:
+                    state.counted_out_since = 0.0
+                elif not state.counted_out_since:
+                    state.counted_out_since = now
+                elif now - state.counted_out_since >= self.record_settle_s:
+                    out.append(state)
+        return out
 
     @property
     def max_body_bytes(self) -> int:
@@ -704,6 +751,16 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                     for response in state.timed_out():
                         yield response
                     return
+                except DecodeError as error:
+                    # Not a ProcessingRequest: a broken or foreign client, not a fault
+                    # here. One line (gRPC would log a traceback per stream), and the
+                    # stream ends with INVALID_ARGUMENT; `finally` releases its state.
+                    log.warning(
+                        "ext-proc stream from %s: corrupt frame (%s)", context.peer(), error
+                    )
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "corrupt ProcessingRequest"
+                    )
                 if message.observability_mode and state.phase is Phase.HEADERS:
                     observer = ObserverState(self)  # never answered (Envoy does not wait)
                     observer.handle(message)

@@ -40,6 +40,8 @@ class Metrics:
 
     waiting: int = 0
     running: int = 0
+    #: Whether the scrape had both the running and waiting gauges (else they read 0).
+    counts_reported: bool = False
     kv_usage: float = 0.0
     active_models: frozenset[str] = frozenset()
     waiting_models: frozenset[str] = frozenset()

@@ -152,6 +152,11 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "--metrics-port", str(c.EPP_METRICS_PORT),
         # GIE's default: gateways (Istio, the sidecar below) reach ext-proc over TLS.
         "--secure-serving",
+        *(
+            ["--completion-events-port", str(pool.completion_events_port)]
+            if pool.completion_events_port is not None
+            else []
+        ),
         *settings.extra_epp_args,
     ]  # fmt: skip
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
@@ -176,6 +181,7 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
             },
             {"name": "INFERGATE_LOG_LEVEL", "value": settings.epp_log_level},
+            *_engine_api_key_env(pool),
         ],
         "readinessProbe": {**readiness, "periodSeconds": 2, "failureThreshold": 3},
         "livenessProbe": {**liveness, "initialDelaySeconds": 5, "periodSeconds": 10},
@@ -189,6 +195,15 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+
+
+def _engine_api_key_env(pool: PoolSpec) -> list[Obj]:
+    """The engines' API key from the pool's Secret, never inlined in the Deployment."""
+    if pool.engine_api_key_secret is None:
+        return []
+    name, key = pool.engine_api_key_secret
+    ref = {"secretKeyRef": {"name": name, "key": key}}
+    return [{"name": c.EPP_ENGINE_API_KEY_ENV, "valueFrom": ref}]
 
 
 def build_envoy_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
@@ -329,8 +344,8 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
         admin_port=c.ENVOY_ADMIN_PORT,
         listen_address="0.0.0.0",
         epp_tls=True,  # the EPP container runs with --secure-serving
-        # The pool's engines may be vLLM, which publishes no completion records.
-        response_accounting="observer",
+        # `observer` unless the pool's engines publish completion records (parse_pool).
+        response_accounting=pool.response_accounting,
     )
 
 

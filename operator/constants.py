@@ -34,6 +34,22 @@ ANNOTATION_EPP_IMAGE = "infergate.io/epp-image"  # per-pool EPP image override
 ANNOTATION_DISAGGREGATION = "infergate.io/disaggregation"
 ANNOTATION_PD_THRESHOLD = "infergate.io/pd-threshold"
 DISAGGREGATION_PD = "prefill-decode"
+# The pool's engines publish completion records on this port (infergate engines run with
+# --completion-events-port): the EPP subscribes to it, and a standalone Envoy then
+# defaults to `engine` response accounting (no response body through the EPP).
+ANNOTATION_COMPLETION_EVENTS_PORT = "infergate.io/completion-events-port"
+# How the standalone Envoy lets the EPP learn a response's end and usage; one of
+# RESPONSE_ACCOUNTING (build_envoy_config's values). Default: `engine` when the pool
+# names a completion-events port, else `observer` (works with any engine, vLLM included).
+ANNOTATION_RESPONSE_ACCOUNTING = "infergate.io/response-accounting"
+RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
+# The engines' --api-key, for the EPP's calls to their /tokenize: "NAME" or "NAME/KEY",
+# a Secret in the pool's namespace (key default ENGINE_API_KEY_SECRET_KEY). The EPP gets it
+# as the environment variable EPP_ENGINE_API_KEY_ENV; the precise-prefix-cache-scorer reads
+# it with `apiKeyEnv: INFERGATE_ENGINE_API_KEY`.
+ANNOTATION_ENGINE_API_KEY_SECRET = "infergate.io/engine-api-key-secret"
+ENGINE_API_KEY_SECRET_KEY = "api-key"
+EPP_ENGINE_API_KEY_ENV = "INFERGATE_ENGINE_API_KEY"
 
 # Annotations and labels the operator puts on what it owns.
 ANNOTATION_SPEC_HASH = "infergate.io/spec-hash"  # hash of the desired object, for no-op resyncs

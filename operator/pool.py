@@ -17,6 +17,8 @@ from infergate.operator.settings import OperatorSettings
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_SECRET_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 MAX_EPP_REPLICAS = 16
 
 
@@ -51,6 +53,12 @@ class PoolSpec:
     epp_config_key: str = c.EPP_CONFIG_KEY
     #: Prefill/decode disaggregation's threshold (None: the pool is not disaggregated).
     pd_threshold: int | None = None
+    #: Port the pool's engines publish completion records on (None: not declared).
+    completion_events_port: int | None = None
+    #: The standalone Envoy's response accounting (see :func:`_response_accounting`).
+    response_accounting: str = "observer"
+    #: (Secret name, key) holding the engines' --api-key, given to the EPP (None: none).
+    engine_api_key_secret: tuple[str, str] | None = None
     annotations: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -142,6 +150,8 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
 
     config_ref = annotations.get(c.ANNOTATION_EPP_CONFIG) or None
     pd_threshold = _pd_threshold(annotations, config_ref)
+    events_port = _completion_events_port(annotations)
+    accounting = _response_accounting(annotations, standalone, events_port)
     return PoolSpec(
         name=str(meta.get("name", "")),
         namespace=str(meta.get("namespace") or "default"),
@@ -160,6 +170,9 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
         epp_config_ref=config_ref,
         epp_config_key=annotations.get(c.ANNOTATION_EPP_CONFIG_KEY) or c.EPP_CONFIG_KEY,
         pd_threshold=pd_threshold,
+        completion_events_port=events_port,
+        response_accounting=accounting,
+        engine_api_key_secret=_engine_api_key_secret(annotations),
         annotations=annotations,
     )
 
@@ -198,3 +211,66 @@ def _pd_threshold(annotations: dict[str, str], config_ref: str | None) -> int | 
             f"annotation {c.ANNOTATION_PD_THRESHOLD}={raw!r} must be a whole number >= 0",
         )
     return threshold
+
+
+def _completion_events_port(annotations: dict[str, str]) -> int | None:
+    """The engines' completion-records port the pool declares, checked as a port."""
+    raw = annotations.get(c.ANNOTATION_COMPLETION_EVENTS_PORT)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_COMPLETION_EVENTS_PORT}={raw!r} must be a port 1-65535",
+        )
+    return port
+
+
+def _response_accounting(
+    annotations: dict[str, str], standalone: bool, events_port: int | None
+) -> str:
+    """The standalone Envoy's response accounting.
+
+    ``engine`` costs the EPP nothing per response chunk but needs completion records,
+    which only infergate engines publish; so it is the default only when the pool
+    declares their port, and ``observer`` (any engine, vLLM included) otherwise. An
+    explicit annotation wins. With a Gateway the Gateway's own ext-proc settings decide,
+    so the annotation is refused there rather than silently ignored.
+    """
+    raw = annotations.get(c.ANNOTATION_RESPONSE_ACCOUNTING)
+    if raw is None or not raw.strip():
+        return "engine" if events_port is not None else "observer"
+    mode = raw.strip().lower()
+    if mode not in c.RESPONSE_ACCOUNTING:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_RESPONSE_ACCOUNTING}={raw!r} must be one of "
+            f"{', '.join(c.RESPONSE_ACCOUNTING)}",
+        )
+    if not standalone:
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_RESPONSE_ACCOUNTING} configures the standalone Envoy; "
+            f"it needs {c.ANNOTATION_STANDALONE_ENVOY}=true",
+        )
+    return mode
+
+
+def _engine_api_key_secret(annotations: dict[str, str]) -> tuple[str, str] | None:
+    """``NAME`` or ``NAME/KEY``: the Secret (pool namespace) with the engines' API key."""
+    raw = annotations.get(c.ANNOTATION_ENGINE_API_KEY_SECRET, "").strip()
+    if not raw:
+        return None
+    name, _, key = raw.partition("/")
+    key = key or c.ENGINE_API_KEY_SECRET_KEY
+    if len(name) > 253 or not _DNS_SUBDOMAIN.match(name) or not _SECRET_KEY.match(key):
+        raise InvalidPool(
+            "InvalidAnnotation",
+            f"annotation {c.ANNOTATION_ENGINE_API_KEY_SECRET}={raw!r} must be a Secret name, "
+            "optionally followed by /KEY",
+        )
+    return name, key

@@ -131,6 +131,7 @@ def parse_metrics(text: bytes, dialect: Dialect) -> Metrics:
     kv = first(dialect.kv_usage)
     metrics.waiting = int(waiting or 0)
     metrics.running = int(running or 0)
+    metrics.counts_reported = waiting is not None and running is not None
     metrics.kv_usage = float(kv or 0.0)
     if dialect.prefill_time:
         metrics.prefill_seconds_sum = values.get(dialect.prefill_time + "_sum", 0.0)

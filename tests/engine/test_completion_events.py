@@ -8,6 +8,7 @@ decodes what the publisher sends.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from infergate.engine.completion_events import (
     CompletionReporter,
     Usage,
 )
+from infergate.engine.kv_events import bind_endpoint
 
 from infergate.procs import free_port
 from infergate.wire.completions import TOPIC, CompletionRecord, decode_batch
@@ -90,3 +92,39 @@ def test_one_record_per_routed_request_with_its_usage_and_status(channel: Any) -
     assert (k1.status, k1.prompt_tokens, k1.completion_tokens, k1.cached_tokens) == (200, 7, 3, 5)
     assert k1.finished_at > 0
     assert records["k2"].status == 499  # the response never reached the client
+
+
+@pytest.mark.parametrize(
+    ("host", "endpoint"),
+    [
+        ("127.0.0.1", "tcp://127.0.0.1:5600"),
+        ("10.1.2.3", "tcp://10.1.2.3:5600"),
+        ("0.0.0.0", "tcp://*:5600"),
+        ("", "tcp://*:5600"),
+        ("::", "tcp://[::]:5600"),
+        ("::1", "tcp://[::1]:5600"),
+        ("[::1]", "tcp://[::1]:5600"),
+    ],
+)
+def test_publishers_bind_the_engines_host(host: str, endpoint: str) -> None:
+    assert bind_endpoint(host, 5600) == endpoint
+
+
+def test_a_concrete_address_is_bound_not_connected() -> None:
+    """vLLM's rule would connect a PUB to a concrete address; completion records are
+    always served (bound) by the engine, on its own host."""
+    port = free_port()
+    publisher = CompletionPublisher(bind_endpoint("127.0.0.1", port))
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.3)  # PUB drops what is sent before the SUB joins
+        record = CompletionRecord("k", 200, 1, 2, 0, 1.0)
+        publisher.publish(record)
+        assert _records(sub, 1) == [record]
+    finally:
+        sub.close(0)
+        context.term()
+        publisher.close()

@@ -100,3 +100,11 @@ def test_stale_snapshot_is_saturated() -> None:
     state.metrics.updated_at = time.monotonic()
     assert not detector.is_saturated(state)
     assert Datastore().all() == []
+
+
+def test_counts_reported_needs_both_gauges() -> None:
+    """The lost-record bound trusts running + waiting only when the scrape had both."""
+    both = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+    assert parse_metrics(both, VLLM).counts_reported
+    assert not parse_metrics(b"vllm:num_requests_running 2\n", VLLM).counts_reported
+    assert not parse_metrics(b"", VLLM).counts_reported

@@ -296,3 +296,66 @@ def test_rss_under_a_slow_upload_flood_stays_under_the_documented_bound(
     assert set(answers) <= {"503", "408"}, answers
     assert answers["503"] > 0, answers
     assert flood_epp.process.poll() is None
+
+
+# --- corrupt protobuf frames ----------------------------------------------------------
+
+_CORRUPT = b"\xff\xff\xff\xff\x0f"  # a field tag with no valid wire type: not any message
+
+
+async def _raw_call(channel: grpc.aio.Channel, method: str, frames: list[bytes]) -> str:
+    """Send raw frames (serialized by hand) on ``method``; the stream's gRPC status."""
+    call = channel.stream_stream(
+        method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )()
+    try:
+        for frame in frames:
+            await call.write(frame)
+        await call.done_writing()
+        while await asyncio.wait_for(call.read(), 30) is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+    except grpc.aio.UsageError:  # the server ended the stream while we still wrote
+        pass
+    return (await call.code()).name
+
+
+def test_corrupt_frames_log_one_line_each_and_no_traceback(fuzz_epp: EppProcess) -> None:
+    """A frame that is not a protobuf message ends its stream with INVALID_ARGUMENT and
+    one warning; gRPC's own handler would log a traceback per stream. EDS too, and one
+    mid-request (headers seen, part of a body buffered). Routing goes on."""
+    process = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    eds = "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"
+    post = [(":method", b"POST"), (":path", b"/v1/completions")]
+    held = [
+        _raw_headers(post).SerializeToString(),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model":')).SerializeToString(),
+        _CORRUPT,
+    ]
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{fuzz_epp.grpc_port}") as channel:
+            codes = [await _raw_call(channel, process, [_CORRUPT]) for _ in range(3)]
+            codes.append(await _raw_call(channel, process, held))
+            codes.append(await _raw_call(channel, eds, [_CORRUPT]))
+            return codes
+
+    codes = asyncio.run(run())
+    assert codes[:4] == ["INVALID_ARGUMENT"] * 4, codes
+    ok: collections.Counter[str] = collections.Counter()
+
+    async def one_good() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{fuzz_epp.grpc_port}") as channel:
+            await _drive(pb_grpc.ExternalProcessorStub(channel), [_raw_headers(post), _BODY],
+                         False, ok)  # fmt: skip
+
+    asyncio.run(one_good())
+    assert ok == {"routed": 1}
+    time.sleep(0.5)  # let the EDS reader's line reach the log
+    log = fuzz_epp.log.read_text(errors="replace")
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if "corrupt frame" in line]
+    assert len(lines) == 5, lines
+    assert sum("ext-proc stream" in line for line in lines) == 4
+    assert all("WARNING" in line for line in lines)

@@ -153,3 +153,50 @@ async def test_real_engine_metrics_events_and_tokenize(
         await stream.send(headers({":method": "POST", ":path": "/v1/completions"}), body(payload))
         header_response, _ = await stream.recv(2)
         assert set_headers(header_response)["x-gateway-destination-endpoint"] == engine.key
+
+
+async def test_tokenize_carries_the_engines_api_key(
+    processes, infergate_cli, tiny_model, epp_factory, monkeypatch
+) -> None:
+    """An engine started with --api-key refuses /tokenize without the key; the scorer's
+    ``apiKeyEnv`` (the operator fills it from a Secret) makes the EPP send it."""
+    import httpx
+
+    port = free_port()
+    processes.start(
+        "engine-keyed",
+        [
+            *infergate_cli, "engine", "serve", str(tiny_model), "--port", str(port),
+            "--served-model-name", "tiny", "--simulate", "--api-key", "s3cret-key",
+            "--num-gpu-blocks-override", "256", "--max-model-len", "1024",
+        ],
+        ready=http_ready(f"http://127.0.0.1:{port}/health"),
+        timeout=120,
+    )  # fmt: skip
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12
+    async with httpx.AsyncClient(timeout=30) as client:  # the engine really needs the key
+        refused = await client.post(
+            f"http://127.0.0.1:{port}/tokenize", json={"model": "tiny", "prompt": prompt}
+        )
+    assert refused.status_code == 401
+
+    engine = Endpoint("127.0.0.1", port, ((KV_EVENTS_PORT_LABEL, str(free_port())),))
+    request = InferenceRequest(
+        "r", {}, body={"model": "tiny", "prompt": prompt}, target_model="tiny"
+    )
+
+    async def hashes(params: str) -> list[int]:
+        config = parse_config(CONFIG.replace("{blockSize: 4}", params))
+        epp = await epp_factory(static_endpoints=[engine], config=config)
+        state = epp.datastore.get(engine.key)
+        assert state is not None
+        cycle = CycleState()
+        await epp.scheduler.plugins["precise-prefix-cache-scorer"].prepare(cycle, request, [state])
+        return list(cycle["precise.hashes"])
+
+    assert await hashes("{blockSize: 16}") == []  # no key: refused, no precise score
+    monkeypatch.setenv("ENGINE_KEY", "wrong")
+    assert await hashes("{blockSize: 16, apiKeyEnv: ENGINE_KEY}") == []
+    monkeypatch.setenv("ENGINE_KEY", "s3cret-key")
+    got = await hashes("{blockSize: 16, apiKeyEnv: ENGINE_KEY}")
+    assert len(got) >= 5  # ~100 tokens: every full 16-token block hashed

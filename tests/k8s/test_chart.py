@@ -86,6 +86,9 @@ def test_values_schema_rejects_bad_values() -> None:
         {"operator": {"replicas": 0}},
         {"operator": {"logFormat": "xml"}},
         {"sample": {"failureMode": "Sometimes"}},
+        {"sample": {"responseAccounting": "full"}},
+        {"sample": {"completionEventsPort": 70000}},
+        {"sample": {"engine": {"apiKeySecret": "Bad_Name"}}},
         {"unknownTopLevel": True},
     ):
         with pytest.raises(helm.HelmError):
@@ -255,3 +258,58 @@ def test_sample_pd_pool_declares_roles_and_gets_the_pd_config() -> None:
     assert spec.pd_threshold == 512
     text = resolve_epp_config(None, spec)  # type: ignore[arg-type]
     assert any(p.type == "pd-profile-handler" for p in parse_config(text).plugins)
+
+
+def test_sample_engines_publish_records_and_the_operator_picks_engine_accounting() -> None:
+    """The sample engines run with --completion-events-port and the pool declares it, so
+    the operator passes it to the EPP and its standalone Envoy skips the observer filter;
+    without records the operator falls back to `observer`; an explicit choice wins."""
+
+    def sample(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        rendered = objects({"sample": {"enabled": True, **values}})
+        pool = next(o for o in rendered if o["kind"] == "InferencePool")
+        engine = next(
+            o
+            for o in rendered
+            if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+        )
+        return pool, engine["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    pool, args = sample({})
+    assert "--completion-events-port=5600" in args
+    spec = parse_pool(pool, OperatorSettings())
+    assert (spec.completion_events_port, spec.response_accounting) == (5600, "engine")
+    pool, args = sample({"completionEventsPort": 0})
+    assert not any(a.startswith("--completion-events-port") for a in args)
+    assert parse_pool(pool, OperatorSettings()).response_accounting == "observer"
+    pool, _ = sample({"responseAccounting": "body"})
+    assert parse_pool(pool, OperatorSettings()).response_accounting == "body"
+    with pytest.raises(helm.HelmError, match="standaloneEnvoy"):
+        sample({"responseAccounting": "engine", "standaloneEnvoy": False})
+
+
+def test_sample_api_key_secret_reaches_engines_and_the_epp() -> None:
+    """sample.engine.apiKeySecret: the engines read --api-key from the Secret and the pool
+    names it, so the operator gives the EPP the same Secret (for /tokenize)."""
+    from infergate.operator.builders import build_deployment
+
+    rendered = objects({"sample": {"enabled": True, "engine": {"apiKeySecret": "engine-key"}}})
+    pool = next(o for o in rendered if o["kind"] == "InferencePool")
+    engine = next(
+        o
+        for o in rendered
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+    )
+    (env,) = engine["spec"]["template"]["spec"]["containers"][0]["env"]
+    ref = {"secretKeyRef": {"name": "engine-key", "key": "api-key"}}
+    assert env == {"name": "INFERGATE_API_KEY", "valueFrom": ref}
+    spec = parse_pool(pool, OperatorSettings())
+    epp = build_deployment(spec, OperatorSettings(), "h")["spec"]["template"]["spec"]
+    epp_env = {e["name"]: e for e in epp["containers"][0]["env"]}
+    assert epp_env[c.EPP_ENGINE_API_KEY_ENV]["valueFrom"] == ref
+    plain = objects({"sample": {"enabled": True}})
+    assert all(
+        "env" not in o["spec"]["template"]["spec"]["containers"][0]
+        for o in plain
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
+    )

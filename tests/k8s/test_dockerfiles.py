@@ -43,4 +43,6 @@ def test_torch_builds_match_the_variant() -> None:
     assert "torch" not in operator.lower().replace("no torch", "")
     assert '"torch"' in epp  # filtered out of the EPP's requirements
     assert "download.pytorch.org/whl/cpu" in cpu
-    assert "whl/cpu" not in cuda and ".[gpu]" in cuda and "nvidia/cuda" in cuda
+    assert "whl/cpu" not in cuda and "nvidia/cuda" in cuda
+    # no code uses FlashInfer: the image must not install or configure it
+    assert "flashinfer" not in cuda.lower() and ".[gpu]" not in cuda

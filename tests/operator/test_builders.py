@@ -89,6 +89,42 @@ def test_parse_reads_the_pool_and_defaults() -> None:
             lambda b: b["metadata"]["annotations"].update({c.ANNOTATION_STANDALONE_ENVOY: "maybe"}),
             "InvalidAnnotation",
         ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_COMPLETION_EVENTS_PORT: "70000"}
+            ),
+            "InvalidAnnotation",
+        ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_COMPLETION_EVENTS_PORT: "zmq"}
+            ),
+            "InvalidAnnotation",
+        ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_STANDALONE_ENVOY: "true", c.ANNOTATION_RESPONSE_ACCOUNTING: "full"}
+            ),
+            "InvalidAnnotation",
+        ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_ENGINE_API_KEY_SECRET: "Not_A_Name"}
+            ),
+            "InvalidAnnotation",
+        ),
+        (
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_ENGINE_API_KEY_SECRET: "keys/bad key"}
+            ),
+            "InvalidAnnotation",
+        ),
+        (  # with a Gateway the Gateway's ext-proc settings decide: refused, not ignored
+            lambda b: b["metadata"]["annotations"].update(
+                {c.ANNOTATION_RESPONSE_ACCOUNTING: "engine"}
+            ),
+            "InvalidAnnotation",
+        ),
     ],
 )
 def test_parse_rejects_with_a_reason(mutate: Any, reason: str) -> None:
@@ -204,6 +240,75 @@ def test_standalone_envoy_adds_sidecar_config_and_port() -> None:
     assert containers[1]["securityContext"]["readOnlyRootFilesystem"] is True
     ports = objects[("Service", "qwen-pool-epp")]["spec"]["ports"]
     assert 8081 in [p["port"] for p in ports]
+
+
+def _sidecar(pool: PoolSpec) -> tuple[list[str], list[str]]:
+    """The EPP container's args and the sidecar Envoy's HTTP filter names."""
+    objects = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in desired_objects(pool, SETTINGS, DEFAULT_EPP_CONFIG)
+    }
+    bootstrap = yaml.safe_load(objects[("ConfigMap", "qwen-pool-epp-envoy")]["data"]["envoy.yaml"])
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    containers = objects[("Deployment", "qwen-pool-epp")]["spec"]["template"]["spec"]["containers"]
+    return containers[0]["args"], [f["name"] for f in hcm["http_filters"]]
+
+
+def test_response_accounting_is_observer_unless_engines_publish_records() -> None:
+    pytest.importorskip("infergate.envoy.bootstrap")
+    standalone = {c.ANNOTATION_STANDALONE_ENVOY: "true"}
+    # Engines unknown (vLLM publishes no completion records): the observer filter.
+    args, filters = _sidecar(spec(**standalone))
+    assert "infergate.ext_proc.observer" in filters
+    assert "--completion-events-port" not in args
+    # The pool declares its engines' records port: engine accounting, EPP subscribed.
+    pool = spec(**standalone, **{c.ANNOTATION_COMPLETION_EVENTS_PORT: "5557"})
+    assert pool.response_accounting == "engine"
+    args, filters = _sidecar(pool)
+    assert "infergate.ext_proc.observer" not in filters
+    assert filters.count("envoy.filters.http.ext_proc") == 1
+    assert args[args.index("--completion-events-port") + 1] == "5557"
+    # An explicit choice wins over the default, either way.
+    pool = spec(
+        **standalone,
+        **{
+            c.ANNOTATION_COMPLETION_EVENTS_PORT: "5557",
+            c.ANNOTATION_RESPONSE_ACCOUNTING: "Observer",
+        },
+    )
+    assert pool.response_accounting == "observer"
+    assert "infergate.ext_proc.observer" in _sidecar(pool)[1]
+    pool = spec(**standalone, **{c.ANNOTATION_RESPONSE_ACCOUNTING: "engine"})
+    assert "infergate.ext_proc.observer" not in _sidecar(pool)[1]
+
+
+def test_completion_port_reaches_the_epp_without_a_sidecar_too() -> None:
+    pool = spec(**{c.ANNOTATION_COMPLETION_EVENTS_PORT: "5557"})
+    container = build_deployment(pool, SETTINGS, "h")["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--completion-events-port") + 1] == "5557"
+
+
+@pytest.mark.parametrize(
+    ("annotation", "ref"),
+    [
+        ("engine-keys", {"name": "engine-keys", "key": "api-key"}),
+        ("engine-keys/token", {"name": "engine-keys", "key": "token"}),
+    ],
+)
+def test_engine_api_key_reaches_the_epp_from_a_secret(annotation: str, ref: dict[str, str]) -> None:
+    pool = spec(**{c.ANNOTATION_ENGINE_API_KEY_SECRET: annotation})
+    container = build_deployment(pool, SETTINGS, "h")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env[c.EPP_ENGINE_API_KEY_ENV]["valueFrom"] == {"secretKeyRef": ref}
+    assert "value" not in env[c.EPP_ENGINE_API_KEY_ENV]  # never inlined
+    plain = build_deployment(spec(), SETTINGS, "h")["spec"]["template"]["spec"]["containers"][0]
+    assert c.EPP_ENGINE_API_KEY_ENV not in {e["name"] for e in plain["env"]}
+
+
+def test_operator_accounting_values_match_the_bootstrap() -> None:
+    bootstrap = pytest.importorskip("infergate.envoy.bootstrap")
+    assert set(c.RESPONSE_ACCOUNTING) == set(bootstrap.RESPONSE_ACCOUNTING)
 
 
 @pytest.mark.parametrize("replicas", ["1", "2"])

@@ -139,3 +139,52 @@ def test_vllm_kv_events_config_connects_to_a_bound_subscriber(
         assert any(isinstance(e, BlockStored) for e in decode_batch(payload).events)
     finally:
         sock.close(linger=0)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the process listens on."""
+    import psutil
+
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_event_publishers_listen_on_the_engines_host(
+    processes: ProcessGroup, infergate_cli: list[str], tiny_model_dir: Path, host: str
+) -> None:
+    """--completion-events-port and --kv-events-port bind where the HTTP server does:
+    loopback stays loopback; only a wildcard --host listens on every interface. The
+    completion records still reach a subscriber on loopback."""
+    from infergate.wire.completions import TOPIC
+
+    port, kv_port, records_port = free_port(), free_port(), free_port()
+    engine = processes.start(
+        f"engine-host-{host}",
+        [*infergate_cli, "engine", "serve", str(tiny_model_dir), "--simulate",
+         "--host", host, "--port", str(port), "--served-model-name", MODEL,
+         "--kv-events-port", str(kv_port), "--completion-events-port", str(records_port)],
+        ready=http_ready(f"http://127.0.0.1:{port}/health"),
+        timeout=120,
+    )  # fmt: skip
+    listening = _listening(engine.pid)
+    for p in (port, kv_port, records_port):
+        assert (host, p) in listening, (host, p, listening)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        sock.connect(f"tcp://127.0.0.1:{records_port}")
+        time.sleep(0.3)  # PUB drops what is sent before the SUB joins
+        res = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            headers={"x-infergate-request-id": "r-1"},
+            json={"model": MODEL, "prompt": "hello there", "max_tokens": 2},
+            timeout=60,
+        )
+        assert res.status_code == 200
+        assert sock.poll(10_000), "no completion record arrived"
+    finally:
+        sock.close(0)

@@ -1,0 +1,106 @@
+"""A 2xx response whose completion record never arrives: the endpoint's in-flight count
+follows the engine's own running + waiting counts, not a 330 s timeout.
+
+A real simulated engine serves ``/metrics``; the ext-proc stream is driven by hand, so
+the routed request never reaches the engine and its record never comes (as when PUB/SUB
+drops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
+from infergate.epp.types import Endpoint
+
+from infergate.procs import free_port, http_ready
+
+from .conftest import Stream, body, eventually, headers, response_headers
+
+POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+
+
+async def _awaited_response(epp, channel) -> str:
+    """Route one request, answer 200 and end the stream (engine accounting): its key."""
+    stream = Stream(channel)
+    await stream.send(headers(POST), body(b'{"model":"tiny","prompt":"hi"}'))
+    header_response, _ = await stream.recv(2)
+    key = {
+        h.header.key: h.header.raw_value.decode()
+        for h in header_response.request_headers.response.header_mutation.set_headers
+    }["x-infergate-request-id"]
+    await stream.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
+    await stream.recv(1)
+    await stream.close()
+    await eventually(lambda: key in epp.ext_proc.awaiting, timeout=10)
+    return key
+
+
+async def test_a_lost_record_is_bounded_by_the_engines_counts(
+    processes, infergate_cli, tiny_model: Path, epp_factory, channel_for
+) -> None:
+    port = free_port()
+    processes.start(
+        "engine-counts",
+        [
+            *infergate_cli, "engine", "serve", str(tiny_model), "--port", str(port),
+            "--served-model-name", "tiny", "--simulate", "--max-model-len", "4096",
+            "--num-gpu-blocks-override", "512",
+        ],
+        ready=http_ready(f"http://127.0.0.1:{port}/health"),
+        timeout=120,
+    )  # fmt: skip
+    # Labelled as reporting completions on a port where nothing publishes.
+    engine = Endpoint("127.0.0.1", port, ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),))
+    epp = await epp_factory(static_endpoints=[engine])
+    state = epp.datastore.get(engine.key)
+    assert state is not None
+    await eventually(lambda: state.metrics.updated_at > 0, timeout=30)
+    lost = epp.metrics.requests.labels("record_lost")
+    lost_before = lost._value.get()
+
+    # 1. While the engine really runs one request, one awaited response may be live: kept.
+    long = {"model": "tiny", "prompt": "go", "max_tokens": 3000, "ignore_eos": True}
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        client.stream("POST", url, json={**long, "stream": True}) as running,
+    ):
+        assert running.status_code == 200
+        await eventually(lambda: state.metrics.running >= 1, timeout=30)
+        key = await _awaited_response(epp, channel_for(epp))
+        assert state.in_flight_requests == 1
+        checks = 0
+        for _ in range(30):  # several expiry sweeps (1 s apart) while it runs
+            await asyncio.sleep(0.1)
+            if state.metrics.running >= 1 and state.metrics.updated_at > 0:
+                checks += 1
+            assert key in epp.ext_proc.awaiting
+        assert checks > 0 and state.metrics.running >= 1, "the generation ended too soon"
+    # 2. The client hangs up; the engine's counts drop to zero: given up, in seconds.
+    await eventually(lambda: key not in epp.ext_proc.awaiting, timeout=20)
+    assert state.in_flight_requests == 0
+    assert lost._value.get() == lost_before + 1
+
+    # 3. An idle engine: a fresh awaited response is given up too (no 330 s wait).
+    key = await _awaited_response(epp, channel_for(epp))
+    assert state.in_flight_requests == 1
+    await eventually(lambda: key not in epp.ext_proc.awaiting, timeout=20)
+    assert state.in_flight_requests == 0
+    assert not epp.ext_proc.routed
+
+
+async def test_an_endpoint_without_counts_is_not_judged(epp_factory, channel_for) -> None:
+    """Never scraped (nothing serves its /metrics): no counts to bound by, so the awaited
+    response stays in flight (until the 330 s timeout or the endpoint leaving)."""
+    dark = Endpoint("127.0.0.1", free_port(), ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),))
+    epp = await epp_factory(static_endpoints=[dark])
+    state = epp.datastore.get(dark.key)
+    assert state is not None
+    key = await _awaited_response(epp, channel_for(epp))
+    for _ in range(35):  # three expiry sweeps or more
+        await asyncio.sleep(0.1)
+        assert key in epp.ext_proc.awaiting and state.in_flight_requests == 1
+    assert state.metrics.updated_at == 0.0
