@@ -118,13 +118,12 @@ class BoundedLoadFilter(Filter):
 
     ``bound = ceil(loadFactor × (Σ load + 1) ÷ N) + loadSlack`` over the N candidates, the
     ``+ 1`` counting the request being placed; an endpoint with ``load ≤ bound`` stays. The
-    least
-    loaded endpoint always stays (its load is at most the mean), so the filter never
+    least loaded endpoint always stays (its load is at most the mean), so the filter never
     empties the list. This is consistent hashing with bounded loads (Mirrokni, Thorup and
     Zadimoghaddam, 2018) applied to affinity routing: the scorers may still prefer the
     endpoint that holds a prefix, but no endpoint gets more than ``loadFactor`` × its share
-    of the requests in flight, so however sticky the scoring, the busiest engine's queue
-    is bounded by a constant factor of round robin's. Affinity is kept where it is cheap
+    of the requests in flight (+ ``loadSlack``), so however sticky the scoring, the
+    busiest engine's queue is bounded by a constant factor of round robin's. Affinity is kept where it is cheap
     (the holder is not overloaded) and given up exactly where it would build a queue.
     """
 

@@ -229,11 +229,10 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             keep = 1.0 - REUSE_DECAY
             self._reuse_prompt = self._reuse_prompt * keep + response.prompt_tokens
             self._reuse_cached = self._reuse_cached * keep + (response.cached_tokens or 0)
+        key = response.served_endpoint or primary.key  # Envoy may have used a fallback
         seconds = self.clock() - routed_at
-        old = self._lifetime.get(primary.key)
-        self._lifetime[primary.key] = (
-            seconds if old is None else old + LIFETIME_EWMA * (seconds - old)
-        )
+        old = self._lifetime.get(key)
+        self._lifetime[key] = seconds if old is None else old + LIFETIME_EWMA * (seconds - old)
         if len(self._lifetime) > 4 * max(1, len(self.context.datastore)):
             live = {s.key for s in self.context.datastore.all()}
             self._lifetime = {k: v for k, v in self._lifetime.items() if k in live}
@@ -244,8 +243,8 @@ def queue_seconds(e: EndpointState, need_tokens: float, lifetime: float) -> floa
 
     ``(waiting + k) × T ÷ n`` (module docstring): ``n`` requests on ``e`` complete at
     ``n ÷ T`` per second; the request waits for the ``waiting`` ahead of it, then for the
-    ``k`` completions that free the cache it needs. Zero when nothing is queued and the
-    cache has room, or when the engine reports no cache size."""
+    ``k`` completions that free the cache it needs (``k`` is 0 when the engine reports no
+    cache size or runs nothing). Zero when nothing is queued and the cache has room."""
     m = e.metrics
     n = endpoint_load(e)
     if n == 0:
