@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from infergate.bench.datasets import SampleRequest, Tokens
 from infergate.bench.routing.workloads import Workload
+from infergate.engine.sim_runner import TimingModel
 
 #: The matrix fleet: KV blocks per engine (16 tokens each) and the group prefix length.
 KV_BLOCKS = 400
@@ -49,12 +50,13 @@ MAX_PROMPTS = 300
 #: half the steps per second, so this 2-core machine keeps the modelled pace (at the
 #: normal pace, 4 engines at 35 req/s ran their steps 13-45 % late here).
 TIME_SCALE = 2.0
+_MODEL = TimingModel()
 #: The timing model at that scale, in seconds.
-STEP_FLOOR_S = 6e-3 * TIME_SCALE
-PER_TOKEN_S = 30e-6 * TIME_SCALE
-PER_KV_TOKEN_S = 0.05e-6 * TIME_SCALE
-PER_SEQ_S = 15e-6 * TIME_SCALE
-PER_PAIR_S = 1e-9 * TIME_SCALE
+STEP_FLOOR_S = _MODEL.base_ms * 1e-3 * TIME_SCALE
+PER_TOKEN_S = _MODEL.us_per_token * 1e-6 * TIME_SCALE
+PER_KV_TOKEN_S = _MODEL.us_per_kv_token * 1e-6 * TIME_SCALE
+PER_SEQ_S = _MODEL.us_per_seq * 1e-6 * TIME_SCALE
+PER_PAIR_S = _MODEL.ns_per_attention_pair * 1e-9 * TIME_SCALE
 #: The engine flags that set it.
 SIM_ARGS = (
     f"--sim-base-ms={STEP_FLOOR_S * 1e3:g}",
