@@ -208,16 +208,24 @@ async def schedule(ctx: PluginContext, states: list[EndpointState], text: str, s
     return best, scores, cycle
 
 
-async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloaded() -> None:
-    states = fleet(2, blocks=10_000)
+def latency_fleet(n: int, blocks: int, **params: object):
+    """``n`` endpoints of ``blocks`` × 16 tokens with pinned prefill costs, the prefix index,
+    a predicted-latency scorer (``params``) on a clock the test moves (``now[0]``), and 4
+    characters per token learned. Returns (states, context, scorer, now)."""
+    states = fleet(n, blocks=blocks)
     pinned(states)
     ctx = context(states)
     plugin("prefix-cache-scorer", ctx)
-    scorer = plugin("predicted-latency-scorer", ctx, decodeSecondsPerRequest=0.0)
+    scorer = plugin("predicted-latency-scorer", ctx, **params)
     now = [100.0]
     scorer.clock = lambda: now[0]
     for _ in range(30):
-        ctx.calibration.observe("m", 4000, 1000)  # 4 chars/token: 2,000 tokens of prefix
+        ctx.calibration.observe("m", 4000, 1000)  # 4 chars/token
+    return states, ctx, scorer, now
+
+
+async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloaded() -> None:
+    states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.0)
     group = "g" * 8000
     first, _, _ = await schedule(ctx, states, group + " q0", scorer)
     holder, other = states[first], states[1 - first]
@@ -239,13 +247,7 @@ async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloa
 def full_and_empty(**params: object):
     """Two endpoints of 3,200 tokens at 4 characters per token, the first one's prefix
     index nearly full; the prefix index and a predicted-latency scorer (``params``)."""
-    states = fleet(2, blocks=200)
-    pinned(states)
-    ctx = context(states)
-    plugin("prefix-cache-scorer", ctx)
-    scorer = plugin("predicted-latency-scorer", ctx, **params)
-    for _ in range(30):
-        ctx.calibration.observe("m", 4000, 1000)
+    states, ctx, scorer, _ = latency_fleet(2, 200, **params)
     full, empty = states
     ctx.extras["prefix_index"].index.add(full.key, list(range(10_000, 10_170)))  # ~full
     return states, ctx, scorer, full, empty
@@ -330,15 +332,7 @@ async def _sticky_and_cold(lifetime: float, sticky_load: tuple[int, int, float])
     """Two endpoints with 6,400-token caches: ``sticky`` holds the 2,000-token group prefix
     and carries ``sticky_load`` (running, waiting, KV usage); ``cold`` holds nothing and is
     idle. Returns the pick for the group's next request and the predictions."""
-    states = fleet(2, blocks=400)
-    pinned(states)
-    ctx = context(states)
-    plugin("prefix-cache-scorer", ctx)
-    scorer = plugin("predicted-latency-scorer", ctx, decodeSecondsPerRequest=0.0)
-    now = [100.0]
-    scorer.clock = lambda: now[0]
-    for _ in range(30):
-        ctx.calibration.observe("m", 4000, 1000)  # 4 chars/token
+    states, ctx, scorer, now = latency_fleet(2, 400, decodeSecondsPerRequest=0.0)
     group = "g" * 8000  # 2,000 tokens
     first, _, _ = await schedule(ctx, states, group + " q0", scorer)
     sticky, cold = states[first], states[1 - first]
@@ -460,13 +454,8 @@ async def test_the_eviction_charge_scales_with_how_often_evicted_tokens_are_reus
 
 
 async def test_pinned_costs_replace_the_learned_ones() -> None:
-    states = fleet(1, blocks=10_000)
-    pinned(states)  # learned: 6 ms + 30 µs per token
-    ctx = context(states)
-    plugin("prefix-cache-scorer", ctx)
-    scorer = plugin("predicted-latency-scorer", ctx, secondsPerToken=1e-3, baseSeconds=0.5)
-    for _ in range(30):
-        ctx.calibration.observe("m", 4000, 1000)
+    # Learned: 6 ms + 30 µs per token; pinned: 0.5 s + 1 ms per token.
+    states, ctx, scorer, _ = latency_fleet(1, 10_000, secondsPerToken=1e-3, baseSeconds=0.5)
     _, _, cycle = await schedule(ctx, states, "p" * 4000, scorer)  # 1,000 tokens
     (predicted,) = cycle["latency.predicted"].values()
     assert predicted == pytest.approx(0.5 + 1000 * 1e-3, rel=0.02)
