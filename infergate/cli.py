@@ -4,6 +4,8 @@ Each component owns its subcommands in its own ``cli`` module; this file only mo
 them. Those modules import nothing heavy at import time, so ``--help`` stays instant.
 """
 
+import sys
+
 import typer
 
 from infergate import __version__
@@ -53,7 +55,25 @@ def _root(
 
 
 def main() -> None:
-    app()
+    argv = sys.argv[1:]
+    if argv[:2] == ["engine", "serve"] and not {"-h", "--help"} & set(argv):
+        argv = argv[:2] + _vllm_serve_args(argv[2:])
+    app(args=argv)
+
+
+def _vllm_serve_args(args: list[str]) -> list[str]:
+    """``vllm serve``'s spellings (--model, prefixes, several --lora-modules values, flags
+    with no meaning here) rewritten for ``engine serve`` (engine/vllm_args.py)."""
+    from infergate.engine.vllm_args import VllmArgsError, normalize, serve_options
+
+    try:
+        rewritten, notes = normalize(args, serve_options())
+    except VllmArgsError as error:
+        typer.echo(f"infergate engine serve: {error}", err=True)
+        raise SystemExit(2) from None
+    for note in notes:
+        typer.echo(f"infergate engine serve: {note}", err=True)
+    return rewritten
 
 
 if __name__ == "__main__":
