@@ -175,6 +175,20 @@ async def _drive(
         statuses["closed by the server"] += 1
 
 
+def _one_good_request(grpc_port: int) -> collections.Counter[str]:
+    """Send one well-formed completion request to the EPP; the outcomes it got."""
+    ok: collections.Counter[str] = collections.Counter()
+    post = [(":method", b"POST"), (":path", b"/v1/completions")]
+
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            await _drive(pb_grpc.ExternalProcessorStub(channel), [_raw_headers(post), _BODY],
+                         False, ok)  # fmt: skip
+
+    asyncio.run(run())
+    return ok
+
+
 def _metric(url: str, name: str, label: str) -> float:
     for line in httpx.get(url, timeout=10).text.splitlines():
         if line.startswith(name) and label in line:
@@ -209,16 +223,7 @@ def test_ten_thousand_malformed_grpc_streams_give_no_500_and_no_traceback(
     assert statuses["400"] > 5_000, statuses  # most are malformed bodies
     assert kinds["truncated"] > 500 and kinds["headers"] > 1000, kinds
     # Still serving: a well-formed request is routed.
-    ok: collections.Counter[str] = collections.Counter()
-    post = [(":method", b"POST"), (":path", b"/v1/completions")]
-
-    async def one_good() -> None:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{fuzz_epp.grpc_port}") as channel:
-            await _drive(pb_grpc.ExternalProcessorStub(channel), [_raw_headers(post), _BODY],
-                         False, ok)  # fmt: skip
-
-    asyncio.run(one_good())
-    assert ok == {"routed": 1}
+    assert _one_good_request(fuzz_epp.grpc_port) == {"routed": 1}
     assert _metric(fuzz_epp.metrics_url, "infergate_epp_requests_total", 'outcome="error"') == 0
     log = fuzz_epp.log.read_text(errors="replace")
     assert "Traceback" not in log
@@ -343,15 +348,7 @@ def test_corrupt_frames_log_one_line_each_and_no_traceback(fuzz_epp: EppProcess)
 
     codes = asyncio.run(run())
     assert codes[:4] == ["INVALID_ARGUMENT"] * 4, codes
-    ok: collections.Counter[str] = collections.Counter()
-
-    async def one_good() -> None:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{fuzz_epp.grpc_port}") as channel:
-            await _drive(pb_grpc.ExternalProcessorStub(channel), [_raw_headers(post), _BODY],
-                         False, ok)  # fmt: skip
-
-    asyncio.run(one_good())
-    assert ok == {"routed": 1}
+    assert _one_good_request(fuzz_epp.grpc_port) == {"routed": 1}
     time.sleep(0.5)  # let the EDS reader's line reach the log
     log = fuzz_epp.log.read_text(errors="replace")
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
