@@ -653,7 +653,8 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
             s for s in self.awaiting.values()
             if s.record_deadline <= now or (gone is not None and s.endpoint_key == gone)
         ]  # fmt: skip
-        expired += [s for s in self._counted_out(now) if s not in expired]
+        seen = set(expired)
+        expired += [s for s in self._counted_out(now) if s not in seen]
         for state in expired:
             self.count("record_lost")
             state.take_record(None)
@@ -679,13 +680,13 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         for key, states in by_endpoint.items():
             endpoint = self.director.datastore.get(key)
             metrics = endpoint.metrics if endpoint is not None else None
-            suspects: list[StreamState] = []
+            suspects: set[StreamState] = set()
             if metrics is not None and metrics.updated_at > 0.0 and metrics.counts_reported:
                 before = sorted(
                     (s for s in states if s.awaiting_since < metrics.updated_at),
                     key=lambda s: s.awaiting_since,
                 )
-                suspects = before[: max(0, len(before) - metrics.running - metrics.waiting)]
+                suspects = set(before[: max(0, len(before) - metrics.running - metrics.waiting)])
             for state in states:
                 if state not in suspects:
                     state.counted_out_since = 0.0
