@@ -8,7 +8,9 @@ engine code (and with it torch), and the engine never loads Envoy or EPP code:
 * :mod:`~infergate.wire.completions` — the completion records an engine publishes and the
   EPP subscribes to;
 * :mod:`~infergate.wire.block_hash` — the chained KV-block hash the engine's KV events
-  carry and the EPP's precise-prefix index recomputes.
+  carry and the EPP's precise-prefix index recomputes;
+* :mod:`~infergate.wire.responses` — Responses API ids that carry the route tag of the
+  engine that holds a conversation, for ``previous_response_id`` affinity.
 
 Dependencies stay light on purpose (the standard library, ``msgspec``, ``xxhash``): the
 EPP's image installs neither torch nor the engine's other requirements.
