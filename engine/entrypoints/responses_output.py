@@ -54,7 +54,7 @@ class OutputBuilder:
         return events
 
     def _open_message(self) -> list[Event]:
-        item = {"id": _item_id("msg"), "type": "message", "status": "in_progress",
+        item: dict[str, Any] = {"id": _item_id("msg"), "type": "message", "status": "in_progress",
                 "role": "assistant", "content": []}  # fmt: skip
         self._message = len(self.items)
         self.items.append(item)

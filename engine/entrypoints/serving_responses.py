@@ -123,13 +123,19 @@ class OpenAIServingResponses(OpenAIServing):
         if entry is None:
             raise APIError(404, f"Previous response with id '{rid}' not found.",
                            "previous_response_id")  # fmt: skip
-        if entry.model != model:
+        if entry.model != self.identity(model):
             raise APIError(400, f"Previous response '{rid}' was made by model "
                            f"'{entry.model}', not '{model}'.", "previous_response_id")  # fmt: skip
         if entry.status in ("in_progress", "queued"):
             raise APIError(400, f"Previous response '{rid}' is still in progress.",
                            "previous_response_id")  # fmt: skip
         return entry
+
+    def identity(self, model: str) -> str:
+        """What a model name means: aliases of the base model (``--served-model-name``
+        given twice) are one model, each LoRA adapter another."""
+        lora = self.models.lora_request(model)
+        return model if lora is not None else self.config.served_model_names[0]
 
     def tool_plan(self, req: ResponsesRequest) -> ToolPlan:
         try:
@@ -179,7 +185,7 @@ class OpenAIServingResponses(OpenAIServing):
         """Store the running response (GET and cancel see it), when ``store`` asks."""
         if self.store is None or not req.store:
             return None
-        entry = StoredResponse(model, run.snapshot(), history)
+        entry = StoredResponse(self.identity(model), run.snapshot(), history)
         self.store.put(rid, entry)
         return entry
 
