@@ -1,7 +1,8 @@
 """``/v1/responses`` through the real `openai` SDK on real engine processes (tiny model).
 
 One engine serves the tiny model with a LoRA adapter (a second model, for the
-``previous_response_id`` model check) and the auto tool choice; a second engine has a
+``previous_response_id`` model check) and the auto tool choice (``responses_server`` in
+conftest, shared with the LangChain tests); a second engine has a
 store of 2 entries kept 2 s, for the store's bounds over HTTP. Random weights write
 gibberish, so text checks are structural (the stream's deltas add up to the final text,
 usage adds up); grammars (``text.format``, forced tool calls) give checkable output.
@@ -19,7 +20,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from infergate.engine.lora.tiny import make_tiny_lora
 
 from infergate.procs import ProcessGroup
 from infergate.wire.responses import ROUTE_TAG_HEADER, route_tag, route_tag_of
@@ -39,17 +39,9 @@ TOOLS: Any = [{"type": "function", "name": "get_weather", "description": "Foreca
 LONG = "Tell me about the weather in Paris and Oslo over the next few days, briefly. " * 3
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, infergate_cli: list[str],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # fmt: skip
-    lora = make_tiny_lora(tiny_model_dir, tmp_path_factory.mktemp("resp-lora") / "a", seed=1)
-    with ProcessGroup() as group:
-        yield _start(
-            group, infergate_cli, "engine-responses", tiny_model_dir,
-            "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "256",
-            "--enable-lora", "--lora-modules", f"adapter={lora}",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        )  # fmt: skip
+@pytest.fixture
+def server(responses_server: Server) -> Server:
+    return responses_server
 
 
 @pytest.fixture(scope="module")
