@@ -9,7 +9,7 @@ from typing import Literal
 import httpx
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from .conftest import API_KEY, MODEL, Server
 
@@ -21,10 +21,10 @@ class get_weather(BaseModel):
     days: int = Field(ge=1, le=7)
 
 
-def _llm(server: Server, max_tokens: int, **kwargs: object) -> ChatOpenAI:
-    return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY,  # type: ignore[arg-type]
-                      use_responses_api=True, max_tokens=max_tokens, max_retries=0,
-                      **kwargs)  # fmt: skip
+def _llm(server: Server, max_tokens: int, chained: bool = False) -> ChatOpenAI:
+    return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=SecretStr(API_KEY),
+                      use_responses_api=True, max_completion_tokens=max_tokens, max_retries=0,
+                      use_previous_response_id=chained)  # fmt: skip
 
 
 def _stored(server: Server, response_id: str) -> dict[str, object]:
@@ -47,7 +47,7 @@ def test_invoke_and_stream(responses_server: Server) -> None:
 
 
 def test_tool_loop_chained_by_previous_response_id(responses_server: Server) -> None:
-    llm = _llm(responses_server, 200, use_previous_response_id=True)
+    llm = _llm(responses_server, 200, chained=True)
     messages: list[BaseMessage] = [HumanMessage("Weather in Oslo?")]
     called = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
     assert isinstance(called, AIMessage) and len(called.tool_calls) == 1
@@ -55,7 +55,7 @@ def test_tool_loop_chained_by_previous_response_id(responses_server: Server) -> 
     assert call["name"] == "get_weather"
     get_weather.model_validate(call["args"])
     messages += [called, ToolMessage("sunny", tool_call_id=call["id"])]
-    answer = _llm(responses_server, 4, use_previous_response_id=True).invoke(messages)
+    answer = _llm(responses_server, 4, chained=True).invoke(messages)
     assert answer.id is not None and called.id is not None
     # LangChain sent only the tool output, chained to the call's response.
     assert _stored(responses_server, answer.id)["previous_response_id"] == called.id
