@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -52,7 +53,7 @@ def test_create_and_chain_through_the_gateway(one_engine: LocalStack) -> None:
 
 
 def test_stream_through_the_gateway(one_engine: LocalStack) -> None:
-    events = list(_client(one_engine).responses.create(
+    events: list[Any] = list(_client(one_engine).responses.create(
         model="tiny", input="Hello", max_output_tokens=8, stream=True))  # fmt: skip
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
