@@ -53,6 +53,15 @@ def small_store(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Serv
         )  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def no_store(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Server]:
+    with ProcessGroup() as group:
+        yield _start(
+            group, infergate_cli, "engine-no-store", tiny_model_dir, "--simulate",
+            "--no-enable-responses-api-store",
+        )  # fmt: skip
+
+
 def _events(stream: Any) -> list[Any]:
     return list(stream)
 
@@ -278,6 +287,9 @@ def test_cancel_stops_a_running_response(server: Server) -> None:
     assert created.type == "response.created"
     rid = created.response.id
     assert client.responses.retrieve(rid).status == "in_progress"
+    with pytest.raises(openai.BadRequestError) as error:  # no continuing a running one
+        client.responses.create(model=MODEL, input="x", previous_response_id=rid)
+    assert error.value.body["param"] == "previous_response_id"  # type: ignore[index]
     cancelled = client.responses.cancel(rid)
     assert cancelled.status == "cancelled"
     rest = list(events)
@@ -309,6 +321,19 @@ def test_store_forgets_after_its_ttl(small_store: Server) -> None:
     time.sleep(2.5)  # the engine was started with --responses-api-store-ttl 2
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(rid)
+
+
+def test_without_a_store(no_store: Server) -> None:
+    client = no_store.client()
+    res = client.responses.create(model=MODEL, input="hi", max_output_tokens=1)
+    assert res.to_dict()["store"] is False  # the default true cannot be honoured: off
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(res.id)
+    with pytest.raises(openai.BadRequestError) as error:  # asked for explicitly: refused
+        client.responses.create(model=MODEL, input="hi", store=True)
+    assert error.value.body["param"] == "store"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", previous_response_id=res.id)
 
 
 # -- bad input ---------------------------------------------------------------------------------------
