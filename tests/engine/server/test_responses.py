@@ -300,6 +300,18 @@ def test_cancel_stops_a_running_response(server: Server) -> None:
     server.wait_idle()  # the engine request was aborted and its KV blocks freed
 
 
+def test_a_client_leaving_a_stream_aborts_it(server: Server) -> None:
+    server.wait_idle()
+    body = {"model": MODEL, "input": "Go on", "max_output_tokens": 3000, "stream": True}
+    with server.http() as http, http.stream("POST", "/v1/responses", json=body) as res:
+        lines = res.iter_lines()
+        created = next(json.loads(line[6:]) for line in lines if line.startswith("data: "))
+        next(line for line in lines if "response.output_text.delta" in line)
+    server.wait_idle()  # the engine request was aborted and its KV blocks freed
+    with pytest.raises(openai.NotFoundError):  # nothing to continue from
+        server.client().responses.retrieve(created["response"]["id"])
+
+
 # -- the store's bounds ----------------------------------------------------------------------------
 
 
