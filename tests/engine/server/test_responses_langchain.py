@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Literal
 
 import httpx
+import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field, SecretStr
@@ -46,8 +47,12 @@ def test_invoke_and_stream(responses_server: Server) -> None:
     assert text and chunks[-1].usage_metadata is not None
 
 
-def test_tool_loop_chained_by_previous_response_id(responses_server: Server) -> None:
-    llm = _llm(responses_server, 200, chained=True)
+@pytest.mark.parametrize("chained", [True, False])
+def test_tool_loop(responses_server: Server, chained: bool) -> None:
+    """Chained: LangChain sends only the tool output with ``previous_response_id``;
+    not chained: the whole history as items (the call's ``function_call`` included).
+    Both prompts are the same conversation."""
+    llm = _llm(responses_server, 200, chained=chained)
     messages: list[BaseMessage] = [HumanMessage("Weather in Oslo?")]
     called = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
     assert isinstance(called, AIMessage) and len(called.tool_calls) == 1
@@ -55,10 +60,22 @@ def test_tool_loop_chained_by_previous_response_id(responses_server: Server) -> 
     assert call["name"] == "get_weather"
     get_weather.model_validate(call["args"])
     messages += [called, ToolMessage("sunny", tool_call_id=call["id"])]
-    answer = _llm(responses_server, 4, chained=True).invoke(messages)
+    answer = _llm(responses_server, 4, chained=chained).invoke(messages)
     assert answer.id is not None and called.id is not None
-    # LangChain sent only the tool output, chained to the call's response.
-    assert _stored(responses_server, answer.id)["previous_response_id"] == called.id
+    stored = _stored(responses_server, answer.id)
+    assert stored["previous_response_id"] == (called.id if chained else None)
+    usage = stored["usage"]
+    assert isinstance(usage, dict)
+    prompt = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": ""},
+              {"role": "tool", "content": "sunny"}]  # fmt: skip
+    assert usage["input_tokens"] == _prompt_len(responses_server, prompt)
+
+
+def _prompt_len(server: Server, messages: list[dict[str, str]]) -> int:
+    body = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
+    res = httpx.post(f"{server.url}/tokenize", json=body,
+                     headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)  # fmt: skip
+    return int(res.json()["count"])
 
 
 def test_structured_output(responses_server: Server) -> None:
