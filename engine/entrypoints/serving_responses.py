@@ -16,13 +16,14 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from infergate.engine.interfaces import SamplingParams
-from infergate.engine.protocol import _Sampling
+from infergate.engine.protocol import ChatMessage, _Sampling
 from infergate.engine.protocol_responses import (
     Item,
     ItemError,
@@ -45,7 +46,7 @@ from .responses_run import ResponseRun
 from .serving_engine import OpenAIServing, run_to_end
 
 #: Errors of the shared sampling checks, renamed to the Responses field they concern.
-_PARAM_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input"}
+_PARAM_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
 
 
 class OpenAIServingResponses(OpenAIServing):
@@ -69,10 +70,7 @@ class OpenAIServingResponses(OpenAIServing):
         previous = self.previous(req, model)
         items, history = self.items(req, previous)
         plan = self.tool_plan(req)
-        messages = to_messages(req.instructions, [*history, *items])
-        ids = await self.encode(
-            self.chat_text(messages, True, plan.template_tools()), add_special_tokens=False
-        )
+        ids = await self.render(to_messages(req.instructions, [*history, *items]), plan)
         sampling = _Sampling.model_construct(model=req.model, temperature=req.temperature,
                                              top_p=req.top_p, user=req.user)  # fmt: skip
         params = self.params(sampling, len(ids), req.max_output_tokens)
@@ -100,15 +98,17 @@ class OpenAIServingResponses(OpenAIServing):
         except ItemError as error:
             raise APIError(400, error.message, error.param) from None
 
+    async def render(self, messages: list[ChatMessage], plan: ToolPlan) -> list[int]:
+        """The prompt's token ids (the chat template over the conversation)."""
+        with _responses_params():
+            text = self.chat_text(messages, True, plan.template_tools())
+            return await self.encode(text, add_special_tokens=False)
+
     def params(
         self, sampling: _Sampling, prompt_len: int, max_output: int | None
     ) -> SamplingParams:
-        """The shared sampling checks, their errors naming the Responses fields."""
-        try:
+        with _responses_params():
             return self.sampling_params(sampling, prompt_len, max_output, None)
-        except APIError as error:
-            error.param = _PARAM_NAMES.get(error.param or "", error.param)
-            raise
 
     def check_fields(self, req: ResponsesRequest) -> None:
         """Known fields the engine cannot honour, and ``store`` on an engine without one."""
@@ -237,6 +237,16 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses) -> None:
 
 def items_dump(items: list[Any]) -> list[dict[str, Any]]:
     return [item.model_dump(mode="json") for item in items]
+
+
+@contextmanager
+def _responses_params() -> Iterator[None]:
+    """The shared chat checks' errors, naming the Responses field they concern."""
+    try:
+        yield
+    except APIError as error:
+        error.param = _PARAM_NAMES.get(error.param or "", error.param)
+        raise
 
 
 async def _whole(request: Request, run: ResponseRun,

@@ -367,6 +367,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": "x", "max_output_tokens": "5"}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"input": "many words " * 3000}, "input"),
     ({"input": "x", "temperature": -1}, "temperature"),
     ({"input": "x", "top_p": 2}, "top_p"),
     ({"input": "x", "background": True}, "background"),
