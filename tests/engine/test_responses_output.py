@@ -71,6 +71,16 @@ def test_auto_tool_call_after_text() -> None:
     assert run.response["status"] == "completed"
 
 
+def test_an_empty_answer_is_an_empty_message() -> None:
+    _, events = _run([""])
+    assert [e["type"] for e in events][2:] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
 def test_a_cut_answer_is_incomplete_and_stored() -> None:
     store = ResponseStore()
     run, events = _run(["a", "b"], reason="length", store=store)
