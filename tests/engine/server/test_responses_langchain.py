@@ -25,7 +25,7 @@ class get_weather(BaseModel):
 def _llm(server: Server, max_tokens: int, chained: bool = False) -> ChatOpenAI:
     return ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key=SecretStr(API_KEY),
                       use_responses_api=True, max_completion_tokens=max_tokens, max_retries=0,
-                      use_previous_response_id=chained)  # fmt: skip
+                      use_previous_response_id=chained, temperature=0)  # fmt: skip
 
 
 def _stored(server: Server, response_id: str) -> dict[str, object]:
