@@ -114,6 +114,10 @@ class OpenAIServingChat(OpenAIServing):
         spec = self.grammar_spec(req)
         schema = plan.schema()
         if schema is None:
+            parser = self.tool_parser()
+            tag = plan.auto_structural_tag(parser) if parser is not None else None
+            if spec is None and tag is not None:
+                return GrammarSpec("structural_tag", json.dumps(tag, sort_keys=True), "tools")
             return spec
         if spec is not None:
             raise APIError(
