@@ -153,13 +153,14 @@ class Scheduler:
             if not self._lora_fits(request, loras) or self._fork_pending(request):
                 skipped.append(self.waiting.pop())
                 continue
-            if self._forkable(request):
-                assert request.fork_parent is not None
-                copy = self.kv.fork(request, request.fork_parent)
+            parent = request.fork_parent
+            if parent is not None and self._forkable(request, parent):
+                copy = self.kv.fork(request, parent)
                 if copy is None:
                     break
                 copies.append(copy)
-                num_cached = request.num_computed_tokens
+                # Not a prefix-cache lookup: the sibling reports its prompt's hit.
+                local_hit = max(parent.num_cached_tokens, 0)
                 n = 1
             else:
                 cached = self.kv.find_cached_prefix(request)
@@ -169,10 +170,10 @@ class Scheduler:
                 if not self.kv.allocate(request, n, cached):
                     request.num_computed_tokens = 0
                     break
+                # Tokens a P/D transfer provided are not local prefix-cache hits.
+                local_hit = max(0, num_cached - request.num_external_tokens)
+                self.kv.record_lookup(request.num_tokens, local_hit)
             self.waiting.pop()
-            # Tokens a P/D transfer provided are not local prefix-cache hits.
-            local_hit = max(0, num_cached - request.num_external_tokens)
-            self.kv.record_lookup(request.num_tokens, local_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = local_hit
                 request.scheduled_time = time.monotonic()
@@ -201,13 +202,11 @@ class Scheduler:
         live = self.requests.get(parent.request_id) is parent
         return live and parent.num_computed_tokens < parent.num_prompt_tokens
 
-    def _forkable(self, request: Request) -> bool:
+    def _forkable(self, request: Request, parent: Request) -> bool:
         """Share the parent's prompt blocks: it is running with its prompt computed and
         this sibling never ran (after a preemption the prefix cache does the sharing)."""
-        parent = request.fork_parent
         return (
-            parent is not None
-            and parent.status is RequestStatus.RUNNING
+            parent.status is RequestStatus.RUNNING
             and parent.num_computed_tokens >= parent.num_prompt_tokens
             and request.num_computed_tokens == 0
             and request.num_preemptions == 0

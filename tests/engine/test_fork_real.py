@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from infergate.engine.core import EngineCore
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
 from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
+from infergate.engine.scheduler import SchedulerConfig, SchedulerOutput
 from infergate.engine.tokenizer import Tokenizer
 
 BS = 8
@@ -47,17 +48,27 @@ def samples(prompt: list[int], n: int, forked: bool) -> list[Request]:
     return reqs
 
 
-def run(core: EngineCore, reqs: list[Request]) -> int:
-    """Run to the end; the peak number of KV blocks in use."""
+def run(core: EngineCore, reqs: list[Request]) -> tuple[int, int]:
+    """Run to the end; the peak number of KV blocks in use, and the tokens computed."""
     for r in reqs:
         core.add_request(r)
     pool = core.kv.pool
-    peak = 0
+    peak = computed = 0
     while core.has_work():
+        before = core.scheduler.schedule
+
+        def counted(schedule: Any = before) -> SchedulerOutput:
+            nonlocal computed
+            out = schedule()
+            computed += out.batch.num_tokens
+            return out
+
+        core.scheduler.schedule = counted  # type: ignore[method-assign]
         core.step()
+        core.scheduler.schedule = before  # type: ignore[method-assign]
         peak = max(peak, pool.num_blocks - pool.num_free_blocks)
     assert pool.num_free_blocks == pool.num_blocks
-    return peak
+    return peak, computed
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -68,7 +79,7 @@ def test_n4_forked_matches_one_by_one_and_holds_the_prompt_once(
     assert len(prompt) % BS, "the last prompt block must be partial (the copied one)"
     core = make_core(tiny_model_dir, prefix_caching)
     forked = samples(prompt, 4, forked=True)
-    peak = run(core, forked)
+    peak, computed = run(core, forked)
 
     for j, alone in enumerate(samples(prompt, 4, forked=False)):
         run(make_core(tiny_model_dir, prefix_caching), [alone])
@@ -80,5 +91,8 @@ def test_n4_forked_matches_one_by_one_and_holds_the_prompt_once(
     shared = (len(prompt) - 1) // BS
     assert peak == shared + 4 * (per_sequence - shared)
     assert peak < 4 * prompt_blocks  # less than the prompt four times, outputs included
-    # Only the first sample computed the prompt; each sibling its last token.
-    assert all(r.num_cached_tokens == len(prompt) - 1 for r in forked[1:])
+    # Only the first sample computed the prompt; each sibling its last token, then all
+    # decode (the last output token is sampled, never computed).
+    assert computed == len(prompt) + 3 + 4 * (NEW - 1)
+    # The siblings report the prompt's own prefix-cache hit (none here), not the fork.
+    assert all(r.num_cached_tokens == 0 for r in forked)
