@@ -87,8 +87,9 @@ def test_a_late_important_request_runs_before_the_queued_background(
 ) -> None:
     priority_server.wait_idle()
     # bg0 runs long enough (400 simulated steps) for the others to queue behind it.
-    background = [(f"bg{i}", {"priority": 5, "max_tokens": 400 if i == 0 else 30}, {})
-                  for i in range(4)]  # fmt: skip
+    background: list[tuple[str, dict[str, Any], dict[str, str]]] = [
+        (f"bg{i}", {"priority": 5, "max_tokens": 400 if i == 0 else 30}, {}) for i in range(4)
+    ]
     calls = [
         *background,
         ("header", {}, {HEADER: "-5"}),  # the EPP's hint, no body priority: -5
