@@ -1,15 +1,16 @@
 """Continuous batching with a per-step token budget (vLLM V1's scheduling, simplified).
 
 Every step, running requests go first — a decode costs one token, a partly prefilled
-prompt continues with its next chunk — then waiting requests are admitted FCFS while the
-token budget, ``max_num_seqs`` and free KV blocks allow; a prompt longer than what is left
-of the budget is prefilled in chunks over several steps. There is no separate prefill
-phase: "tokens to compute" is simply ``num_tokens - num_computed_tokens``. When a
-running request cannot get a block, the most recently admitted request is preempted: its
-blocks are freed (their cached hashes survive, so its recompute usually hits the prefix
-cache) and it goes back to the waiting queue.
+prompt continues with its next chunk — then waiting requests are admitted in queue order
+while the token budget, ``max_num_seqs`` and free KV blocks allow; a prompt longer than
+what is left of the budget is prefilled in chunks over several steps. There is no
+separate prefill phase: "tokens to compute" is simply ``num_tokens -
+num_computed_tokens``. When a running request cannot get a block, a running request is
+preempted (the policy picks which, below): its blocks are freed (their cached hashes
+survive, so its recompute usually hits the prefix cache) and it goes back to the waiting
+queue.
 
-``--scheduling-policy`` (vLLM's flag) orders the waiting queue (engine/waiting_queue.py)
+``--scheduling-policy`` (vLLM's flag) orders the waiting queue (waiting_queue.py)
 and picks the preemption victim: under ``fcfs`` the most recently admitted request, under
 ``priority`` the running request with the highest ``(priority, arrival_time)``, i.e. the
 least important and, among equals, the latest.

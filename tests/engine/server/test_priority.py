@@ -35,17 +35,22 @@ def priority_server(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[
 
 
 def _first_token_times(
-    server: Server, calls: list[tuple[str, dict[str, Any], dict[str, str]]], queued_before: int
+    server: Server, calls: list[tuple[str, dict[str, Any], dict[str, str]]]
 ) -> dict[str, float]:
     """Send ``calls`` (name, extra body, headers) in order, each once the engine holds
-    the earlier ones (the first ``queued_before`` are already in); the time of each
-    stream's first token, by name."""
+    the earlier ones; the time of each stream's first token, by name.
+
+    The first call holds the only running slot until every call is queued: its client
+    then goes away, which aborts it, so the queue's order alone decides what follows
+    (however slowly a loaded machine queues the calls).
+    """
     times: dict[str, float] = {}
     errors: list[BaseException] = []
+    all_queued = threading.Event()
 
-    def one(name: str, extra: dict[str, Any], headers: dict[str, str]) -> None:
-        body = {"model": MODEL, "prompt": f"request {name}", "max_tokens": 30, "stream": True,
-                **extra}  # fmt: skip
+    def one(name: str, extra: dict[str, Any], headers: dict[str, str], hold: bool) -> None:
+        body = {"model": MODEL, "prompt": f"request {name}", "stream": True,
+                "max_tokens": 1000 if hold else 30, **extra}  # fmt: skip
         try:
             with (
                 server.http() as http,
@@ -55,15 +60,18 @@ def _first_token_times(
                 for line in response.iter_lines():
                     if name not in times and line.startswith("data: ") and '"text"' in line:
                         times[name] = time.monotonic()
+                    if hold and all_queued.is_set():
+                        break  # leaving the stream aborts the request
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 
     threads = []
     for k, (name, extra, headers) in enumerate(calls):
-        thread = threading.Thread(target=one, args=(name, extra, headers))
+        thread = threading.Thread(target=one, args=(name, extra, headers, k == 0))
         thread.start()
         threads.append(thread)
-        _wait_held(server, queued_before + k + 1, errors)
+        _wait_held(server, k + 1, errors)
+    all_queued.set()
     for thread in threads:
         thread.join(timeout=60)
     assert not errors, errors
@@ -72,10 +80,14 @@ def _first_token_times(
 
 def _wait_held(server: Server, count: int, errors: list[BaseException]) -> None:
     """Until the engine holds ``count`` requests (running + waiting)."""
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while True:
         assert not errors, errors
-        held = server.gauge("vllm:num_requests_running") + server.gauge("vllm:num_requests_waiting")
+        metrics = server.metrics()
+        held = sum(
+            metrics[f"vllm:num_requests_{kind}{{model_name={MODEL}}}"]
+            for kind in ("running", "waiting")
+        )
         if held >= count:
             return
         assert time.monotonic() < deadline, f"engine holds {held}, expected {count}"
@@ -86,9 +98,8 @@ def test_a_late_important_request_runs_before_the_queued_background(
     priority_server: Server,
 ) -> None:
     priority_server.wait_idle()
-    # bg0 runs long enough (400 simulated steps) for the others to queue behind it.
     background: list[tuple[str, dict[str, Any], dict[str, str]]] = [
-        (f"bg{i}", {"priority": 5, "max_tokens": 400 if i == 0 else 30}, {}) for i in range(4)
+        (f"bg{i}", {"priority": 5}, {}) for i in range(4)
     ]
     calls = [
         *background,
@@ -96,9 +107,9 @@ def test_a_late_important_request_runs_before_the_queued_background(
         ("body-wins", {"priority": 3}, {HEADER: "-100"}),  # the body's 3, not -100
         ("urgent", {"priority": -10}, {}),
     ]
-    times = _first_token_times(priority_server, calls, 0)
+    times = _first_token_times(priority_server, calls)
     order = sorted(times, key=times.__getitem__)
-    # bg0 took the only slot before the others arrived; the rest run by priority, the
+    # bg0 held the only slot while the others arrived; the rest run by priority, the
     # background (equal priority) in arrival order.
     assert order == ["bg0", "urgent", "header", "body-wins", "bg1", "bg2", "bg3"]
 
