@@ -3,7 +3,11 @@ scheduler and KV cache manager with a deterministic stand-in for the model."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.request import Request
@@ -208,3 +212,55 @@ def test_forked_siblings_survive_preemption() -> None:
     assert all(r.num_output_tokens == 60 for r in reqs)
     assert all(r.output_token_ids == reqs[0].output_token_ids for r in reqs)
     assert all_free(s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=60), min_size=1, max_size=6),
+    priorities=st.lists(st.integers(-3, 3), min_size=6, max_size=6),
+    n=st.integers(1, 4),
+    budget=st.integers(1, 64),
+    num_blocks=st.integers(5, 24),
+    max_tokens=st.integers(1, 20),
+    abort_at=st.integers(0, 30),
+)
+def test_random_priority_and_fork_workloads_finish_and_free_every_block(
+    prompts: list[list[int]],
+    priorities: list[int],
+    n: int,
+    budget: int,
+    num_blocks: int,
+    max_tokens: int,
+    abort_at: int,
+) -> None:
+    config = SchedulerConfig(max_num_batched_tokens=budget, policy="priority")
+    s = Scheduler(config, KVCacheManager(num_blocks, BS))
+    requests: list[Request] = []
+    for i, prompt in enumerate(prompts):
+        siblings = [req(f"{i}-{j}", prompt, max_tokens, priorities[i]) for j in range(n)]
+        for sibling in siblings[1:]:
+            sibling.fork_parent = siblings[0]
+        requests += siblings
+    for r in requests:
+        s.add(r)
+    for k in range(5000):
+        if not s.has_work():
+            break
+        if k == abort_at:
+            s.abort("0-0")  # a parent: its siblings fall back to their own prefill
+        out = step(s)
+        assert out.batch.num_tokens <= budget
+        held = sum(1 for b in s.kv.pool.blocks if b.ref_cnt > 0)
+        assert held == s.kv.pool.num_blocks - s.kv.pool.num_free_blocks
+        tables = [s.kv.block_ids(r.request_id) for r in s.running]
+        refs = collections.Counter(b for table in tables for b in table)
+        assert all(s.kv.pool.blocks[b].ref_cnt == c for b, c in refs.items())
+    assert not s.has_work()
+    assert all_free(s)
+    done = [r for r in requests if r.request_id != "0-0"]
+    assert all(r.num_output_tokens == max_tokens for r in done)
+    # Every sample of a prompt got the stand-in model's tokens for that prompt.
+    for r in done:
+        assert r.output_token_ids == [
+            1000 + (len(r.prompt_token_ids) + t) % 1000 for t in range(max_tokens)
+        ]
