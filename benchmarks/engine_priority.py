@@ -9,6 +9,10 @@ Under fcfs the engine ignores that header, so the important class queues behind 
 background; under ``--scheduling-policy priority`` it is admitted at the next free slot.
 TTFT is measured at the client (first streamed token); the first ``--warmup`` seconds are
 not counted. Prints (never asserts) p50 / p90 per class and policy, and the ratio.
+
+``--gateway`` runs the same load through real Envoy and the EPP (``infergate``'s local
+stack, one engine, no flow control): the important class then names an InferenceObjective
+of priority 1 (``x-gateway-inference-objective``) and the EPP sets the engine header.
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from pathlib import Path
 import httpx
 
 from infergate.procs import ProcessGroup, free_port, http_ready
+from infergate.stack.local import LocalStack, StackSpec
 from infergate.wire.names import PRIORITY_HEADER
+
+OBJECTIVE = """\
+apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceObjective
+metadata: {name: important}
+spec: {priority: 1, poolRef: {name: local}}
+"""
 
 
 def start_engine(group: ProcessGroup, model_dir: Path, policy: str, max_num_seqs: int) -> str:
@@ -57,10 +69,38 @@ async def ttft(
     return first
 
 
+def start_stack(model_dir: Path, policy: str, args: argparse.Namespace, work: Path) -> LocalStack:
+    """Envoy + EPP + one simulated engine (the caller enters and leaves it)."""
+    work.mkdir(parents=True)
+    (work / "objectives.yaml").write_text(OBJECTIVE)
+    spec = StackSpec.on_free_ports(
+        engines=1,
+        model=model_dir,
+        served_model_name="sim",
+        simulate=True,
+        objectives_file=work / "objectives.yaml",
+        engine_args=[
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--max-model-len",
+            "4096",
+            "--scheduling-policy",
+            policy,
+        ],
+        access_log=False,
+        workdir=work,
+        start_timeout=180.0,
+    )
+    return LocalStack(spec)
+
+
 async def run_load(url: str, args: argparse.Namespace) -> dict[str, list[float]]:
     """Background clients + the periodic important class; TTFTs after the warm-up."""
     words = " word" * args.prompt_tokens
     results: dict[str, list[float]] = {"important": [], "background": []}
+    important_headers = (
+        {"x-gateway-inference-objective": "important"} if args.gateway else {PRIORITY_HEADER: "-1"}
+    )
     begin = time.monotonic()
     stop = begin + args.warmup + args.duration
 
@@ -86,7 +126,7 @@ async def run_load(url: str, args: argparse.Namespace) -> dict[str, list[float]]
 
             async def one(body: dict[str, object] = body) -> None:
                 started = time.monotonic()
-                keep("important", await ttft(client, body, {PRIORITY_HEADER: "-1"}), started)
+                keep("important", await ttft(client, body, important_headers), started)
 
             tasks.append(asyncio.create_task(one()))
             i += 1
@@ -116,6 +156,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.25, help="s between important requests")
     ap.add_argument("--duration", type=float, default=20.0, help="measured seconds per policy")
     ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--gateway", action="store_true", help="through Envoy + the EPP")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,14 +167,19 @@ def main() -> None:
             model_dir = make_tiny_model(Path(tmp) / "tiny", arch="llama", seed=0)
         table: dict[str, dict[str, list[float]]] = {}
         for policy in ("fcfs", "priority"):
+            if args.gateway:
+                with start_stack(model_dir, policy, args, Path(tmp) / policy) as stack:
+                    table[policy] = asyncio.run(run_load(stack.base_url, args))
+                continue
             with ProcessGroup() as group:
                 url = start_engine(group, model_dir, policy, args.max_num_seqs)
                 table[policy] = asyncio.run(run_load(url, args))
 
-    print(f"== engine-side priority: simulated engine, --max-num-seqs {args.max_num_seqs}, "
+    how = "through Envoy + EPP, objective priority 1" if args.gateway else "direct"
+    print(f"== engine-side priority ({how}): simulated engine, --max-num-seqs {args.max_num_seqs}, "
           f"{args.background} background clients ({args.background_tokens} tokens out), "
           f"important class every {args.interval:g} s ({args.important_tokens} tokens out, "
-          f"{PRIORITY_HEADER}: -1), prompts ~{args.prompt_tokens} tokens, "
+          f"engine priority -1), prompts ~{args.prompt_tokens} tokens, "
           f"{args.duration:g} s measured per policy")  # fmt: skip
     print(f"{'policy':<9} {'class':<11} {'n':>5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12}")
     for policy, classes in table.items():
