@@ -71,6 +71,12 @@ def serve(
     enable_prefix_caching: bool = typer.Option(
         True, "--enable-prefix-caching/--no-enable-prefix-caching"
     ),
+    scheduling_policy: str = typer.Option(
+        "fcfs",
+        "--scheduling-policy",
+        help="fcfs (arrival order) or priority (the request's priority field, lower first; "
+        "ties by arrival), as vLLM's flag.",
+    ),
     sim_base_ms: float = typer.Option(
         6.0, "--sim-base-ms", help="Simulated step floor: streaming the weights once (ms)."
     ),
@@ -195,6 +201,7 @@ def serve(
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,
+        scheduling_policy=scheduling_policy,
         timing=TimingModel(
             sim_base_ms,
             sim_us_per_token,

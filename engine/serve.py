@@ -13,6 +13,7 @@ from typing import Any
 
 from infergate.engine.sim_runner import TimingModel
 from infergate.engine.tool_parsers import PARSERS
+from infergate.engine.waiting_queue import POLICIES, SchedulingPolicy
 
 log = logging.getLogger("infergate.engine")
 
@@ -44,6 +45,7 @@ class ServeOptions:
     api_key: str | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # --scheduling-policy: fcfs | priority
     timing: TimingModel = field(default_factory=TimingModel)
     sim_default_max_tokens: int = 256
     generation_config: str = "auto"  # auto | vllm | DIR
@@ -103,6 +105,15 @@ def check_vllm_flags(opts: ServeOptions) -> None:
         )
     if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice requires --tool-call-parser to be set")
+    _policy(opts.scheduling_policy)
+
+
+def _policy(value: str) -> SchedulingPolicy:
+    """--scheduling-policy, checked (vLLM's two values)."""
+    for policy in POLICIES:
+        if value == policy:
+            return policy
+    raise ServeError(f"--scheduling-policy {value}: choose one of {', '.join(POLICIES)}")
 
 
 def read_chat_template(value: str) -> str:
@@ -305,6 +316,7 @@ def build(opts: ServeOptions) -> Any:
             max_num_batched_tokens=opts.max_num_batched_tokens,
             max_model_len=max_model_len,
             max_loras=opts.max_loras if lora is not None else 0,
+            policy=_policy(opts.scheduling_policy),
         ),
         tokenizer=tokenizer,
         enable_prefix_caching=opts.enable_prefix_caching,
@@ -330,6 +342,7 @@ def build(opts: ServeOptions) -> Any:
         responses_store=opts.enable_responses_api_store,
         responses_store_max_entries=opts.responses_api_store_max_entries,
         responses_store_ttl_s=opts.responses_api_store_ttl,
+        scheduling_policy=opts.scheduling_policy,
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "
@@ -345,7 +358,9 @@ def build(opts: ServeOptions) -> Any:
         try:
             publisher = CompletionPublisher(endpoint)
         except Exception as error:  # zmq.ZMQError: address in use
-            raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
+            raise ServeError(
+                f"cannot open completion events endpoint {endpoint}: {error}"
+            ) from None
         app.add_middleware(CompletionReporter, publisher=publisher)
         log.info("publishing completion records on %s", endpoint)
     return app

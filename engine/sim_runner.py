@@ -133,6 +133,8 @@ class SimulatedRunner:
         self._step_start = self._deadline if back_to_back else now
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        # batch.block_copies (n > 1 copy-on-write) has no KV to copy here; a one-block
+        # device copy is also far below the step time the model describes.
         duration = self.timing.step_seconds(batch) + self._lora_seconds(batch)
         self.steps += 1
         self.simulated_seconds += duration

@@ -71,14 +71,14 @@ class OpenAIServingResponses(OpenAIServing):
         items, history = self.items(req, previous)
         plan = self.tool_plan(req)
         ids = await self.render(to_messages(req.instructions, [*history, *items]), plan)
-        sampling = _Sampling.model_construct(model=req.model, temperature=req.temperature,
-                                             top_p=req.top_p, user=req.user)  # fmt: skip
+        sampling = _sampling(req)
+        priority = self.priority(request, sampling)
         params = self.params(sampling, len(ids), req.max_output_tokens)
         grammar = await self.compile_grammar(self.tool_grammar(req, plan))
         rid = make_response_id(self.tag_for(request))
         if self.metrics is not None:
             self.metrics.request_accepted(1, params.max_tokens)
-        engine_request = self.new_request(rid, ids, params, sampling, grammar)
+        engine_request = self.new_request(rid, ids, params, sampling, grammar, priority)
         run = ResponseRun(self.base_object(rid, req, model, params.temperature, params.top_p),
                           ToolCallState(plan, self.tool_parser()), len(ids))  # fmt: skip
         stored = [*(previous.conversation() if previous else []), *items_dump(items)]
@@ -233,6 +233,15 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses) -> None:
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> dict[str, Any]:
         return serving.cancel(response_id)
+
+
+def _sampling(req: ResponsesRequest) -> _Sampling:
+    """The chat path's sampling fields of a Responses request (the others at defaults)."""
+    fields: dict[str, Any] = {"model": req.model, "temperature": req.temperature,
+                              "top_p": req.top_p, "user": req.user}  # fmt: skip
+    if "priority" in req.model_fields_set:  # only a priority given wins over the header's
+        fields["priority"] = req.priority
+    return _Sampling.model_construct(**fields)
 
 
 def items_dump(items: list[Any]) -> list[dict[str, Any]]:

@@ -394,6 +394,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": "x", "store": "yes"}, "store"),
     ({"input": "x", "previous_response_id": 5}, "previous_response_id"),
+    ({"input": "x", "priority": 1}, "priority"),  # the engine runs --scheduling-policy fcfs
+    ({"input": "x", "priority": "high"}, "priority"),
 ]  # fmt: skip
 
 
