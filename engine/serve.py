@@ -7,12 +7,14 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from infergate.engine.sim_runner import TimingModel
 from infergate.engine.tool_parsers import PARSERS
+
+from infergate.options import argument, option, options_group
 
 log = logging.getLogger("infergate.engine")
 
@@ -23,43 +25,179 @@ class ServeError(RuntimeError):
 
 @dataclass
 class ServeOptions:
-    model_dir: Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: list[str] = field(default_factory=list)
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    simulate: bool = False
-    kv_events_port: int | None = None
-    kv_events_config: str | None = None  # vLLM's JSON form (endpoint, topic, …)
-    kv_transfer_config: str | None = None  # vLLM's JSON form (engine/kv_transfer/config.py)
-    kv_transfer_bandwidth_gbps: float | None = None
-    completion_events_port: int | None = None  # ZMQ PUB of completion records (ours)
-    api_key: str | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    timing: TimingModel = field(default_factory=TimingModel)
-    sim_default_max_tokens: int = 256
-    generation_config: str = "auto"  # auto | vllm | DIR
-    chat_template: str | None = None  # a path or the template itself
-    tokenizer: Path | None = None  # --tokenizer: a directory with tokenizer.json
-    tensor_parallel_size: int = 1
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    dev_mode: bool = False  # --enable-dev-endpoints (or VLLM_SERVER_DEV_MODE=1)
-    enable_lora: bool = False
-    lora_modules: list[str] = field(default_factory=list)  # name=path or vLLM's JSON
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    sim_lora_load_ms: float = 25.0
-    log_level: str = "info"
+    """``infergate engine serve``'s options: each field is one flag (infergate.options).
+
+    Adding a flag is adding a field here with :func:`option`; ``engine/cli.py`` generates
+    the command from these fields, and ``vllm_args`` reads the flags from that command.
+    """
+
+    model_dir: Path = argument(
+        metavar="MODEL_DIR",
+        help="A local Hugging Face model directory, a .gguf file (or a directory holding "
+        "one), or the name of a fetched model (smollm2).",
+    )
+    host: str = option("--host", default="127.0.0.1", help="Address to listen on.")
+    port: int = option("--port", default=8000, help="HTTP port.")
+    served_model_name: list[str] = option(
+        "--served-model-name",
+        default_factory=list,
+        help="Name(s) clients use; default: MODEL_DIR.",
+    )
+    block_size: int = option("--block-size", default=16, min=1, help="Tokens per KV block.")
+    max_num_seqs: int = option(
+        "--max-num-seqs", default=256, min=1, help="Sequences in one batch at most."
+    )
+    max_num_batched_tokens: int = option(
+        "--max-num-batched-tokens", default=2048, min=1, help="Tokens in one step at most."
+    )
+    max_model_len: int | None = option(
+        "--max-model-len", default=None, help="Context length; default: the model's."
+    )
+    gpu_memory_utilization: float = option(
+        "--gpu-memory-utilization",
+        default=0.9,
+        help="Share of the device's memory for weights and KV cache.",
+    )
+    load_format: str = option(
+        "--load-format", default="auto", help="auto, safetensors, gguf or dummy."
+    )
+    dtype: str = option(
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's on CUDA, float32 on CPU), float32, float16 or bfloat16.",
+    )
+    device: str = option("--device", default="auto", help="auto, cpu or cuda.")
+    simulate: bool = option(
+        "--simulate",
+        default=False,
+        help="Timing model instead of a forward pass (no GPU needed).",
+    )
+    kv_events_port: int | None = option(
+        "--kv-events-port",
+        default=None,
+        help="Publish KV events (vLLM's format) on this ZMQ PUB port.",
+    )
+    kv_events_config: str | None = option(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://epp:5557", "topic": "kv@pod@model"}\' '
+        "(a concrete host connects, a * binds).",
+    )
+    kv_transfer_config: str | None = option(
+        "--kv-transfer-config",
+        default=None,
+        help="vLLM's KV transfer JSON for prefill/decode disaggregation, e.g. "
+        '\'{"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": 14579}\' '
+        "(engine/kv_transfer/config.py).",
+    )
+    kv_transfer_bandwidth_gbps: float | None = option(
+        "--kv-transfer-bandwidth-gbps",
+        default=None,
+        min=0,
+        help="Model a KV transfer link of this bandwidth (a pull lasts at least "
+        "bytes x 8 / bandwidth); how simulated mode prices a transfer.",
+    )
+    completion_events_port: int | None = option(
+        "--completion-events-port",
+        default=None,
+        help="Publish one completion record per EPP-routed request (ZMQ PUB on this port; "
+        "the Endpoint Picker's response accounting without response bodies).",
+    )
+    api_key: str | None = option(
+        "--api-key",
+        default=None,
+        envvar="INFERGATE_API_KEY",
+        help="Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and "
+        "/reset_prefix_cache (/health, /metrics and /version stay open); a decode engine "
+        "also sends it to its prefill engine.",
+    )
+    num_gpu_blocks_override: int | None = option(
+        "--num-gpu-blocks-override", default=None, min=1, help="KV cache size in blocks."
+    )
+    enable_prefix_caching: bool = option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        default=True,
+        help="Reuse the KV of a cached prompt prefix.",
+    )
+    timing: TimingModel = options_group(TimingModel)
+    """Simulated mode's step time (the ``--sim-*`` options)."""
+    sim_default_max_tokens: int = option(
+        "--sim-default-max-tokens",
+        default=256,
+        min=1,
+        help="Simulated mode: output length when a request gives no max_tokens (no EOS).",
+    )
+    generation_config: str = option(
+        "--generation-config",
+        default="auto",
+        help="Request defaults: auto (MODEL_DIR's generation_config.json), vllm (none), "
+        "or a directory holding a generation_config.json.",
+    )
+    chat_template: str | None = option(
+        "--chat-template",
+        default=None,
+        help="A Jinja chat template: a file path or the template.",
+    )
+    tokenizer: Path | None = option(
+        "--tokenizer",
+        default=None,
+        help="A directory with tokenizer.json (and tokenizer_config.json) to use instead of "
+        "MODEL_DIR's, or of the one a GGUF carries.",
+    )
+    tensor_parallel_size: int = option(
+        "--tensor-parallel-size",
+        "-tp",
+        default=1,
+        min=1,
+        help="Only 1 (one device) is supported.",
+    )
+    trust_remote_code: bool = option(
+        "--trust-remote-code",
+        default=False,
+        help="Accepted for vLLM parity; no remote code is run.",
+    )
+    disable_log_requests: bool = option(
+        "--disable-log-requests",
+        default=False,
+        help="Accepted for vLLM parity (requests are not logged).",
+    )
+    enable_auto_tool_choice: bool = option(
+        "--enable-auto-tool-choice",
+        default=False,
+        help="Let the model choose to call tools (tool_choice auto); needs --tool-call-parser.",
+    )
+    tool_call_parser: str | None = option(
+        "--tool-call-parser",
+        default=None,
+        help="How tool calls appear in the model's text: hermes (Hermes/Qwen) or llama3_json.",
+    )
+    dev_mode: bool = option(
+        "--enable-dev-endpoints",
+        default=False,
+        help="Development routes (/reset_prefix_cache), as vLLM's VLLM_SERVER_DEV_MODE=1.",
+    )
+    enable_lora: bool = option("--enable-lora", default=False, help="Serve LoRA adapters.")
+    lora_modules: list[str] = option(
+        "--lora-modules",
+        default_factory=list,
+        help='Adapters to serve: name=path, or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; repeatable, or several after one flag.',
+    )
+    max_loras: int = option("--max-loras", default=1, help="Adapters resident in one batch.")
+    max_lora_rank: int = option("--max-lora-rank", default=16, help="Highest adapter rank.")
+    max_cpu_loras: int | None = option(
+        "--max-cpu-loras",
+        default=None,
+        help="Adapters kept loaded in CPU memory (default: --max-loras).",
+    )
+    sim_lora_load_ms: float = option(
+        "--sim-lora-load-ms",
+        default=25.0,
+        help="Simulated time to load an adapter into a slot (ms).",
+    )
+    log_level: str = option("--log-level", default="info", help="debug, info, warning or error.")
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -339,7 +477,9 @@ def build(opts: ServeOptions) -> Any:
         try:
             publisher = CompletionPublisher(endpoint)
         except Exception as error:  # zmq.ZMQError: address in use
-            raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
+            raise ServeError(
+                f"cannot open completion events endpoint {endpoint}: {error}"
+            ) from None
         app.add_middleware(CompletionReporter, publisher=publisher)
         log.info("publishing completion records on %s", endpoint)
     return app
