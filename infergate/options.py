@@ -48,6 +48,9 @@ class CliSpec:
     """Parsed command-line value → field value; ``ValueError`` is a usage error."""
     group: type | None = None
     """A nested options dataclass (see :func:`options_group`)."""
+    cli_default: Any = field(default_factory=lambda: MISSING)
+    """The command line's default when it is not the field's (``up`` serves TLS by
+    default; a :class:`StackSpec` built in code does not)."""
 
     @property
     def is_argument(self) -> bool:
@@ -61,10 +64,11 @@ def option(
     help: str | None = None,
     cli_type: Any = None,
     convert: Callable[[Any], Any] | None = None,
+    cli_default: Any = MISSING,
     **settings: Any,
 ) -> Any:
     """A dataclass field that is also the option ``decls``."""
-    spec = CliSpec(decls, help, settings, cli_type, convert)
+    spec = CliSpec(decls, help, settings, cli_type, convert, cli_default=cli_default)
     return field(default=default, default_factory=default_factory, metadata={_KEY: spec})
 
 
@@ -91,6 +95,7 @@ def inherit(source: type, name: str, *decls: str, help: str | None = None, **cha
         "default_factory": original.default_factory,
         "cli_type": spec.cli_type,
         "convert": spec.convert,
+        "cli_default": spec.cli_default,
         **spec.settings,
     }
     if "default" in changes:
@@ -118,7 +123,9 @@ def _parameters(cls: type, prefix: str = "") -> list[inspect.Parameter]:
         if spec.group is not None:
             params += _parameters(spec.group, f"{prefix}{f.name}__")
             continue
-        if f.default is not MISSING:
+        if spec.cli_default is not MISSING:
+            default = spec.cli_default
+        elif f.default is not MISSING:
             default = f.default
         elif f.default_factory is not MISSING:
             default = f.default_factory()
