@@ -309,21 +309,11 @@ def filler_token_ids(tokenizer: Any) -> list[int]:
 
 def build(opts: ServeOptions) -> Any:
     """Load tokenizer and runner, build core + async engine + FastAPI app; return the app."""
-    import prometheus_client
     from infergate.engine.async_engine import AsyncEngine
     from infergate.engine.core import EngineCore
     from infergate.engine.entrypoints.api_server import build_app
     from infergate.engine.entrypoints.config import ServerConfig
-    from infergate.engine.kv_events import (
-        KVEventsConfig,
-        ZmqEventPublisher,
-        bind_endpoint,
-        is_bind_endpoint,
-    )
-    from infergate.engine.metrics import EngineMetrics, SimulatorCollector
     from infergate.engine.scheduler import SchedulerConfig
-    from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
-    from infergate.engine.tokenizer import Tokenizer, TokenizerError
 
     check_vllm_flags(opts)
     lora_modules = _lora_modules(opts)
@@ -334,13 +324,7 @@ def build(opts: ServeOptions) -> Any:
             f"Face model, or create a test model with `infergate engine make-tiny-model {model_dir}`"
         )
     cfg = _model_config(model_dir)
-    tokenizer_dir = opts.tokenizer or model_dir
-    try:
-        tokenizer = Tokenizer(tokenizer_dir)
-    except (TokenizerError, ValueError, OSError) as error:
-        raise ServeError(f"cannot load the tokenizer from {tokenizer_dir}: {error}") from None
-    if opts.chat_template is not None:
-        tokenizer.chat_template = read_chat_template(opts.chat_template)
+    tokenizer = _load_tokenizer(opts, model_dir)
     defaults = generation_defaults(opts.generation_config, model_dir)
     if defaults:
         log.info("request defaults from generation_config.json: %s", defaults)
@@ -351,88 +335,11 @@ def build(opts: ServeOptions) -> Any:
             f"--max-model-len {opts.max_model_len} exceeds the model's "
             f"max_position_embeddings ({config_len})"
         )
-    vocab_size = max(int(cfg.get("vocab_size") or 0), tokenizer.vocab_size)
-
-    runner: Any
-    if opts.simulate:
-        num_blocks = opts.num_gpu_blocks_override or default_num_blocks(
-            opts.block_size, opts.gpu_memory_utilization
-        )
-        filler = filler_token_ids(tokenizer)
-        runner = SimulatedRunner(
-            block_size=opts.block_size,
-            num_blocks=num_blocks,
-            filler_token_ids=filler,
-            timing=opts.timing,
-        )
-        max_model_len = opts.max_model_len or config_len
-        log.info("simulated mode: %s, %d KV blocks of %d tokens", opts.timing, num_blocks,
-                 opts.block_size)  # fmt: skip
-    else:
-        try:
-            from infergate.engine.model_runner import TorchModelRunner
-        except ImportError as error:
-            raise ServeError(f"the model runner is not available: {error}") from None
-        log.info("loading %s (device=%s, dtype=%s, load_format=%s)", model_dir, opts.device,
-                 opts.dtype, opts.load_format)  # fmt: skip
-        try:
-            runner = TorchModelRunner.from_model_dir(
-                model_dir,
-                block_size=opts.block_size,
-                num_blocks=opts.num_gpu_blocks_override,
-                dtype=opts.dtype,
-                device=opts.device,
-                load_format=opts.load_format,
-                max_model_len=opts.max_model_len,
-                max_num_batched_tokens=opts.max_num_batched_tokens,
-                gpu_memory_utilization=opts.gpu_memory_utilization,
-            )
-        except (ValueError, KeyError, OSError, RuntimeError) as error:
-            raise ServeError(f"cannot load {model_dir}: {error}") from None
-        max_model_len = int(runner.max_model_len)
-        tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(runner.eos_token_ids)
-
+    runner, max_model_len = _runner(opts, model_dir, tokenizer, config_len)
     lora = _attach_lora(opts, runner, lora_modules)
-    capacity = runner.num_blocks * runner.block_size
-    if max_model_len > capacity:
-        if opts.max_model_len is not None:
-            raise ServeError(
-                f"--max-model-len {max_model_len} does not fit in the KV cache "
-                f"({runner.num_blocks} blocks x {runner.block_size} = {capacity} tokens)"
-            )
-        log.warning("max_model_len lowered from %d to the KV capacity %d", max_model_len,
-                    capacity)  # fmt: skip
-        max_model_len = capacity
+    max_model_len = _fit_in_kv_cache(opts, runner, max_model_len)
 
-    # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
-    prometheus_client.disable_created_metrics()
-    metrics = EngineMetrics(
-        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks,
-        max_model_len=max_model_len,
-    )  # fmt: skip
-    if opts.simulate:
-        metrics.registry.register(SimulatorCollector(runner))
-    events = None
-    endpoint, topic, hwm = None, "", 100_000
-    if opts.kv_events_config is not None:
-        try:
-            kv_config = KVEventsConfig.parse(opts.kv_events_config)
-        except ValueError as error:
-            raise ServeError(str(error)) from None
-        if kv_config.active:
-            endpoint, topic, hwm = kv_config.endpoint, kv_config.topic, kv_config.hwm
-        if kv_config.replay_endpoint is not None:
-            log.warning("KV events replay_endpoint is not supported; ignored")
-    bind = None  # --kv-events-config's endpoint: vLLM's rule (a wildcard binds)
-    if opts.kv_events_port is not None:  # on --host, like the HTTP server
-        endpoint, bind = bind_endpoint(opts.host, opts.kv_events_port), True
-    if endpoint is not None:
-        try:
-            events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm, bind=bind)
-        except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
-            raise ServeError(f"cannot open KV events endpoint {endpoint}: {error}") from None
-        verb = "bound to" if bind or is_bind_endpoint(endpoint) else "connected to"
-        log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, topic)
+    metrics = _engine_metrics(opts, names[0], runner, max_model_len)
     core = EngineCore(
         runner,
         SchedulerConfig(
@@ -444,7 +351,7 @@ def build(opts: ServeOptions) -> Any:
         tokenizer=tokenizer,
         enable_prefix_caching=opts.enable_prefix_caching,
         metrics=metrics,
-        kv_events=events,
+        kv_events=_kv_events_publisher(opts),
         lora=lora,
     )
     engine = AsyncEngine(core)
@@ -453,7 +360,7 @@ def build(opts: ServeOptions) -> Any:
         served_model_names=names,
         model_dir=str(model_dir),
         max_model_len=max_model_len,
-        vocab_size=vocab_size,
+        vocab_size=max(int(cfg.get("vocab_size") or 0), tokenizer.vocab_size),
         api_key=opts.api_key,
         default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
         supports_logprobs=not opts.simulate,
@@ -470,19 +377,146 @@ def build(opts: ServeOptions) -> Any:
         opts.max_num_seqs, opts.max_num_batched_tokens,
     )  # fmt: skip
     app = build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
-    if opts.completion_events_port is not None:
-        from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
-
-        endpoint = bind_endpoint(opts.host, opts.completion_events_port)  # on --host
-        try:
-            publisher = CompletionPublisher(endpoint)
-        except Exception as error:  # zmq.ZMQError: address in use
-            raise ServeError(
-                f"cannot open completion events endpoint {endpoint}: {error}"
-            ) from None
-        app.add_middleware(CompletionReporter, publisher=publisher)
-        log.info("publishing completion records on %s", endpoint)
+    _report_completions(opts, app)
     return app
+
+
+def _engine_metrics(opts: ServeOptions, model_name: str, runner: Any, max_model_len: int) -> Any:
+    """vLLM's Prometheus series (plus the simulator's own in simulated mode)."""
+    import prometheus_client
+    from infergate.engine.metrics import EngineMetrics, SimulatorCollector
+
+    # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
+    prometheus_client.disable_created_metrics()
+    metrics = EngineMetrics(
+        model_name, block_size=runner.block_size, num_gpu_blocks=runner.num_blocks,
+        max_model_len=max_model_len,
+    )  # fmt: skip
+    if opts.simulate:
+        metrics.registry.register(SimulatorCollector(runner))
+    return metrics
+
+
+def _load_tokenizer(opts: ServeOptions, model_dir: Path) -> Any:
+    """``--tokenizer`` (else MODEL_DIR's), with ``--chat-template`` applied."""
+    from infergate.engine.tokenizer import Tokenizer, TokenizerError
+
+    tokenizer_dir = opts.tokenizer or model_dir
+    try:
+        tokenizer = Tokenizer(tokenizer_dir)
+    except (TokenizerError, ValueError, OSError) as error:
+        raise ServeError(f"cannot load the tokenizer from {tokenizer_dir}: {error}") from None
+    if opts.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(opts.chat_template)
+    return tokenizer
+
+
+def _runner(
+    opts: ServeOptions, model_dir: Path, tokenizer: Any, config_len: int
+) -> tuple[Any, int]:
+    """The model runner (simulated, or torch on ``--device``) and its max_model_len."""
+    if opts.simulate:
+        from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
+
+        num_blocks = opts.num_gpu_blocks_override or default_num_blocks(
+            opts.block_size, opts.gpu_memory_utilization
+        )
+        runner = SimulatedRunner(
+            block_size=opts.block_size,
+            num_blocks=num_blocks,
+            filler_token_ids=filler_token_ids(tokenizer),
+            timing=opts.timing,
+        )
+        log.info("simulated mode: %s, %d KV blocks of %d tokens", opts.timing, num_blocks,
+                 opts.block_size)  # fmt: skip
+        return runner, opts.max_model_len or config_len
+    try:
+        from infergate.engine.model_runner import TorchModelRunner
+    except ImportError as error:
+        raise ServeError(f"the model runner is not available: {error}") from None
+    log.info("loading %s (device=%s, dtype=%s, load_format=%s)", model_dir, opts.device,
+             opts.dtype, opts.load_format)  # fmt: skip
+    try:
+        torch_runner = TorchModelRunner.from_model_dir(
+            model_dir,
+            block_size=opts.block_size,
+            num_blocks=opts.num_gpu_blocks_override,
+            dtype=opts.dtype,
+            device=opts.device,
+            load_format=opts.load_format,
+            max_model_len=opts.max_model_len,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+        )
+    except (ValueError, KeyError, OSError, RuntimeError) as error:
+        raise ServeError(f"cannot load {model_dir}: {error}") from None
+    tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(torch_runner.eos_token_ids)
+    return torch_runner, int(torch_runner.max_model_len)
+
+
+def _fit_in_kv_cache(opts: ServeOptions, runner: Any, max_model_len: int) -> int:
+    """max_model_len, lowered to the KV cache's capacity unless ``--max-model-len`` asked
+    for more (then a clear refusal)."""
+    capacity = runner.num_blocks * runner.block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if opts.max_model_len is not None:
+        raise ServeError(
+            f"--max-model-len {max_model_len} does not fit in the KV cache "
+            f"({runner.num_blocks} blocks x {runner.block_size} = {capacity} tokens)"
+        )
+    log.warning("max_model_len lowered from %d to the KV capacity %d", max_model_len, capacity)
+    return capacity
+
+
+def _kv_events_publisher(opts: ServeOptions) -> Any:
+    """``--kv-events-port`` (binds on --host) or ``--kv-events-config`` (vLLM's rule: a
+    wildcard endpoint binds, a concrete one connects); None when neither publishes."""
+    from infergate.engine.kv_events import (
+        KVEventsConfig,
+        ZmqEventPublisher,
+        bind_endpoint,
+        is_bind_endpoint,
+    )
+
+    endpoint, topic, hwm = None, "", 100_000
+    if opts.kv_events_config is not None:
+        try:
+            kv_config = KVEventsConfig.parse(opts.kv_events_config)
+        except ValueError as error:
+            raise ServeError(str(error)) from None
+        if kv_config.active:
+            endpoint, topic, hwm = kv_config.endpoint, kv_config.topic, kv_config.hwm
+        if kv_config.replay_endpoint is not None:
+            log.warning("KV events replay_endpoint is not supported; ignored")
+    bind = None
+    if opts.kv_events_port is not None:  # on --host, like the HTTP server
+        endpoint, bind = bind_endpoint(opts.host, opts.kv_events_port), True
+    if endpoint is None:
+        return None
+    try:
+        events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm, bind=bind)
+    except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
+        raise ServeError(f"cannot open KV events endpoint {endpoint}: {error}") from None
+    verb = "bound to" if bind or is_bind_endpoint(endpoint) else "connected to"
+    log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, topic)
+    return events
+
+
+def _report_completions(opts: ServeOptions, app: Any) -> None:
+    """``--completion-events-port``: one completion record per EPP-routed request."""
+    if opts.completion_events_port is None:
+        return
+    from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
+    from infergate.engine.kv_events import bind_endpoint
+
+    endpoint = bind_endpoint(opts.host, opts.completion_events_port)  # on --host
+    try:
+        publisher = CompletionPublisher(endpoint)
+    except Exception as error:  # zmq.ZMQError: address in use
+        raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
+    app.add_middleware(CompletionReporter, publisher=publisher)
+    log.info("publishing completion records on %s", endpoint)
 
 
 def _kv_transfer(
