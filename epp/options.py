@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from infergate.epp.datalayer.discovery.static import parse_endpoint
 from infergate.epp.types import Endpoint
@@ -50,6 +50,11 @@ def parse_duration(text: str, flag: str) -> float:
 def _seconds_or_none(text: str | float) -> float | None:
     """``--body-timeout``: a duration, or 0 for none."""
     return None if str(text).strip() in ("0", "0s", "0.0") else seconds(text)
+
+
+def _duration_option(flag: str, default: float, help: str) -> Any:
+    """An option in seconds that also takes Go-style durations (``50ms``, ``2s``)."""
+    return option(flag, default=default, cli_type=str, convert=seconds, help=help)
 
 
 def _endpoints(texts: list[str]) -> list[Endpoint]:
@@ -103,25 +108,19 @@ class EppOptions:
         help="grpc.health.v1 port (NOT_SERVING with no endpoints).",
     )
     metrics_port: int = option("--metrics-port", default=9090, help="Prometheus port.")
-    refresh_metrics_interval: float = option(
+    refresh_metrics_interval: float = _duration_option(
         "--refresh-metrics-interval",
-        default=0.05,
-        cli_type=str,
-        convert=seconds,
+        0.05,
         help="Time between scrapes of each endpoint (seconds, or a duration like 50ms).",
     )
-    metrics_staleness_threshold: float = option(
+    metrics_staleness_threshold: float = _duration_option(
         "--metrics-staleness-threshold",
-        default=2.0,
-        cli_type=str,
-        convert=seconds,
+        2.0,
         help="Age after which an endpoint's metrics are stale (treated as saturated).",
     )
-    metrics_timeout: float = option(
+    metrics_timeout: float = _duration_option(
         "--metrics-timeout",
-        default=1.0,
-        cli_type=str,
-        convert=seconds,
+        1.0,
         help="Scrape timeout.",
     )
     max_request_body_bytes: int = option(

@@ -88,7 +88,9 @@ def inherit(source: type, name: str, *decls: str, help: str | None = None, **cha
     ``help`` may embed the original as ``{help}``; ``changes`` override ``default`` and
     any other :func:`option` keyword.
     """
-    original = next(f for f in dataclasses.fields(source) if f.name == name)
+    original = next((f for f in dataclasses.fields(source) if f.name == name), None)
+    if original is None or _KEY not in original.metadata:
+        raise ValueError(f"{source.__name__}.{name} is not a command-line option")
     spec: CliSpec = original.metadata[_KEY]
     kwargs: dict[str, Any] = {
         "default": original.default,
@@ -100,6 +102,8 @@ def inherit(source: type, name: str, *decls: str, help: str | None = None, **cha
     }
     if "default" in changes:
         kwargs["default_factory"] = MISSING
+    if "default_factory" in changes:
+        kwargs["default"] = MISSING
     kwargs.update(changes)
     text = spec.help if help is None else help.format(help=spec.help or "")
     return option(*(decls or spec.decls), help=text, **kwargs)
