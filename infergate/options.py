@@ -131,7 +131,7 @@ def _parameters(cls: type, prefix: str = "") -> list[inspect.Parameter]:
             default = spec.cli_default
         elif f.default is not MISSING:
             default = f.default
-        elif f.default_factory is not MISSING:
+        elif callable(f.default_factory):
             default = f.default_factory()
         else:
             default = inspect.Parameter.empty
