@@ -52,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from infergate.options import option
 from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
@@ -425,6 +426,19 @@ def _served_to_metadata_filter() -> dict[str, Any]:
     }
 
 
+def _failure_mode_allow(text: str) -> bool:
+    """``--failure-mode``: InferencePool's ``endpointPickerRef.failureMode`` → FailOpen?"""
+    if text not in ("FailOpen", "FailClose"):
+        raise ValueError(f"must be FailOpen or FailClose, not {text!r}")
+    return text == "FailOpen"
+
+
+def _response_accounting(value: str) -> str:
+    if value not in RESPONSE_ACCOUNTING:
+        raise ValueError(f"must be one of {', '.join(RESPONSE_ACCOUNTING)}, not {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvoyConfig:
     """What :func:`build_envoy_config` builds: one listener in front of an InferencePool.
@@ -457,12 +471,28 @@ class EnvoyConfig:
     listen_port: int
     epp_address: str
     epp_port: int
-    failure_mode_allow: bool = False
+    failure_mode_allow: bool = option(
+        "--failure-mode",
+        default=False,
+        cli_type=str,
+        cli_default="FailClose",
+        convert=_failure_mode_allow,
+        help="What Envoy does when the EPP is unreachable: FailClose (5xx) or FailOpen "
+        "(serve from any engine), as InferencePool's endpointPickerRef.failureMode.",
+    )
     fallback_endpoints: Sequence[tuple[str, int]] = ()
     fallback_retries: int = 3
     """Further endpoints of the EPP's list a request may try when one refuses the
     connection (0: none)."""
-    response_accounting: str = "engine"
+    response_accounting: str = option(
+        "--response-accounting",
+        default="engine",
+        convert=_response_accounting,
+        help="How the EPP learns each response's end and usage: engine (engines publish "
+        "completion records over ZMQ; Envoy sends the EPP no response body), observer (an "
+        "observability-mode filter streams response bodies to the EPP; for engines that "
+        "cannot report), body (GIE's single filter) or none.",
+    )
     upstream: str = "eds"
     epp_tls: bool = False
     listen_address: str = "0.0.0.0"
@@ -484,7 +514,9 @@ class EnvoyConfig:
     stat_prefix: str = "infergate"
     debug_headers: bool = False
     """Add :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every response."""
-    access_log: bool = False
+    access_log: bool = option(
+        "--access-log/--no-access-log", default=False, help="Envoy access log."
+    )
 
     def __post_init__(self) -> None:
         if self.route_timeout_s <= 0:
@@ -493,11 +525,10 @@ class EnvoyConfig:
             raise ValueError(
                 f"upstream must be one of {', '.join(UPSTREAMS)}, not {self.upstream!r}"
             )
-        if self.response_accounting not in RESPONSE_ACCOUNTING:
-            raise ValueError(
-                f"response_accounting must be one of {', '.join(RESPONSE_ACCOUNTING)}, "
-                f"not {self.response_accounting!r}"
-            )
+        try:
+            _response_accounting(self.response_accounting)
+        except ValueError as error:
+            raise ValueError(f"response_accounting {error}") from None
 
     @property
     def epp_authority(self) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from infergate.engine.serve import ServeOptions
-from infergate.envoy.bootstrap import RESPONSE_ACCOUNTING, EnvoyConfig, build_envoy_config
+from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
 from infergate.epp.options import EppOptions
 from infergate.options import inherit, option
@@ -157,21 +157,8 @@ def resolve_model(model: Path, cache_dir: Path | None = None) -> Path:
     )
 
 
-def _failure_mode_allow(text: str) -> bool:
-    """``--failure-mode``: InferencePool's ``endpointPickerRef.failureMode`` → FailOpen?"""
-    if text not in ("FailOpen", "FailClose"):
-        raise ValueError(f"must be FailOpen or FailClose, not {text!r}")
-    return text == "FailOpen"
-
-
 def _roles(text: str | None) -> list[str]:
     return [role.strip() for role in text.split(",")] if text else []
-
-
-def _response_accounting(text: str) -> str:
-    if text not in RESPONSE_ACCOUNTING:
-        raise ValueError(f"must be one of {', '.join(RESPONSE_ACCOUNTING)}, not {text!r}")
-    return text
 
 
 @dataclass
@@ -180,7 +167,7 @@ class StackSpec:
 
     Fields made with :func:`option` are ``infergate up``'s flags (stack/cli.py generates
     the command from them); those it passes through to an engine or the EPP restate that
-    component's declaration with :func:`inherit`.
+    component's declaration (or the Envoy config's) with :func:`inherit`.
     """
 
     engines: int = option("--engines", default=2, min=1, help="How many engine processes to start.")
@@ -214,15 +201,7 @@ class StackSpec:
     epp_metrics_port: int = inherit(
         EppOptions, "metrics_port", "--epp-metrics-port", help="EPP {help}"
     )
-    failure_mode_allow: bool = option(
-        "--failure-mode",
-        default=False,
-        cli_type=str,
-        cli_default="FailClose",
-        convert=_failure_mode_allow,
-        help="What Envoy does when the EPP is unreachable: FailClose (5xx) or FailOpen "
-        "(serve from any engine), as InferencePool's endpointPickerRef.failureMode.",
-    )
+    failure_mode_allow: bool = inherit(EnvoyConfig, "failure_mode_allow")
     """FailOpen (True) or FailClose (False), as InferencePool's ``endpointPickerRef.failureMode``."""
     epp_config_file: Path | None = inherit(
         EppOptions, "config_file", "--epp-config", help="The EPP's {help}"
@@ -241,15 +220,7 @@ class StackSpec:
     )
     """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
     kv_events_ports: Sequence[int] | None = None
-    response_accounting: str = option(
-        "--response-accounting",
-        default="engine",
-        convert=_response_accounting,
-        help="How the EPP learns each response's end and usage: engine (engines publish "
-        "completion records over ZMQ; Envoy sends the EPP no response body), observer (an "
-        "observability-mode filter streams response bodies to the EPP; for engines that "
-        "cannot report), body (GIE's single filter) or none.",
-    )
+    response_accounting: str = inherit(EnvoyConfig, "response_accounting")
     """How the EPP learns a response's end and usage (``build_envoy_config``): ``engine``
     (engines publish completion records; Envoy sends the EPP no response body),
     ``observer``, ``body`` (GIE's single filter) or ``none``."""
@@ -319,9 +290,7 @@ class StackSpec:
     )
     """ext-proc over TLS (the EPP's ``--secure-serving``; Envoy's EPP cluster then uses TLS)."""
     envoy_concurrency: int = 1
-    access_log: bool = option(
-        "--access-log/--no-access-log", default=True, help="Envoy access log."
-    )
+    access_log: bool = inherit(EnvoyConfig, "access_log", default=True)
     workdir: Path | None = option(
         "--workdir",
         default=None,
