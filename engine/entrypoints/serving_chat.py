@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -15,9 +14,8 @@ from infergate.engine.core import RequestOutput
 from infergate.engine.interfaces import TokenLogprob
 from infergate.engine.openai_logprobs import chat_content, prompt_logprobs
 from infergate.engine.protocol import ChatCompletionRequest
-from infergate.engine.structured_output import GrammarSpec
-from infergate.engine.tool_parsers import ToolCall, ToolParser, get_parser
-from infergate.engine.tool_parsers.choice import ToolChoiceError, ToolPlan, plan_tools
+from infergate.engine.tool_parsers import ToolCall
+from infergate.engine.tool_parsers.choice import ToolChoiceError, plan_tools
 from infergate.engine.tool_parsers.stream import ToolCallState
 
 from .errors import APIError
@@ -105,28 +103,6 @@ class ChatChoice:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def tool_parser(self) -> ToolParser | None:
-        name = self.config.tool_call_parser
-        return get_parser(name) if name is not None else None
-
-    def tool_grammar(self, req: ChatCompletionRequest, plan: ToolPlan) -> GrammarSpec | None:
-        """The request's own grammar, or the one forcing tool calls (not both)."""
-        spec = self.grammar_spec(req)
-        schema = plan.schema()
-        if schema is None:
-            parser = self.tool_parser()
-            tag = plan.auto_structural_tag(parser) if parser is not None else None
-            if spec is None and tag is not None:
-                return GrammarSpec("structural_tag", json.dumps(tag, sort_keys=True), "tools")
-            return spec
-        if spec is not None:
-            raise APIError(
-                400,
-                f"tool_choice {plan.mode!r} cannot be combined with {spec.param}.",
-                "tool_choice",
-            )
-        return GrammarSpec("json", json.dumps(schema, sort_keys=True), "tool_choice")
-
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, ChatCompletionRequest)
         model = self.check_model(req.model)
@@ -145,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         params = self.sampling_params(req, len(ids), max_tokens, None)
-        grammar = await self.compile_grammar(self.tool_grammar(req, tool_plan))
+        grammar = await self.compile_grammar(self.tool_grammar(self.grammar_spec(req), tool_plan))
         n = req.n or 1
         if req.logprobs or req.prompt_logprobs is not None:
             self.check_logprobs_supported("logprobs" if req.logprobs else "prompt_logprobs")

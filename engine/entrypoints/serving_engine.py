@@ -26,6 +26,8 @@ from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, sp
 from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.structured_output.matcher import GrammarState
 from infergate.engine.tokenizer import Tokenizer, TokenizerError
+from infergate.engine.tool_parsers import ToolParser, get_parser
+from infergate.engine.tool_parsers.choice import ToolPlan
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from xgrammar import CompiledGrammar
@@ -203,6 +205,31 @@ class OpenAIServing:
             return await self.grammars.compile(spec)
         except GrammarSpecError as error:
             raise APIError(400, error.message, error.param) from None
+
+    def tool_parser(self) -> ToolParser | None:
+        name = self.config.tool_call_parser
+        return get_parser(name) if name is not None else None
+
+    def tool_grammar(self, spec: GrammarSpec | None, plan: ToolPlan) -> GrammarSpec | None:
+        """The grammar for a request whose own output constraint is `spec`, given its tools.
+
+        ``required`` or a named function: the schema forcing the calls (never together
+        with `spec`: a 400). ``auto`` with a fixed-markup parser, where grammars run (not in
+        simulated mode) and nothing else constrains the output: the structural tag that
+        keeps calls to offered functions. Otherwise `spec` itself.
+        """
+        schema = plan.schema()
+        if schema is not None:
+            if spec is not None:
+                raise APIError(400, f"tool_choice {plan.mode!r} cannot be combined with "
+                               f"{spec.param}.", "tool_choice")  # fmt: skip
+            return GrammarSpec("json", json.dumps(schema, sort_keys=True), "tool_choice")
+        parser = self.tool_parser()
+        if spec is None and parser is not None and self.grammars is not None:
+            tag = plan.auto_structural_tag(parser)
+            if tag is not None:
+                return GrammarSpec("structural_tag", json.dumps(tag, sort_keys=True), "tools")
+        return spec
 
     def grammar_spec(self, req: _Sampling) -> GrammarSpec | None:
         try:

@@ -14,7 +14,6 @@ Response ids carry a route tag (:mod:`infergate.wire.responses`): the one the EP
 from __future__ import annotations
 
 import copy
-import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -31,8 +30,6 @@ from infergate.engine.protocol_responses import (
     parse_items,
     unsupported_fields,
 )
-from infergate.engine.structured_output import GrammarSpec
-from infergate.engine.tool_parsers import ToolParser, get_parser
 from infergate.engine.tool_parsers.choice import ToolChoiceError, ToolPlan, plan_tools
 from infergate.engine.tool_parsers.stream import ToolCallState
 
@@ -74,7 +71,9 @@ class OpenAIServingResponses(OpenAIServing):
         sampling = _sampling(req)
         priority = self.priority(request, sampling)
         params = self.params(sampling, len(ids), req.max_output_tokens)
-        grammar = await self.compile_grammar(self.tool_grammar(req, plan))
+        grammar = await self.compile_grammar(
+            self.tool_grammar(grammar_spec(req.text.format if req.text is not None else None), plan)
+        )
         rid = make_response_id(self.tag_for(request))
         if self.metrics is not None:
             self.metrics.request_accepted(1, params.max_tokens)
@@ -148,21 +147,6 @@ class OpenAIServingResponses(OpenAIServing):
                               req.parallel_tool_calls, self.config.enable_auto_tool_choice)  # fmt: skip
         except ToolChoiceError as error:
             raise APIError(400, error.message, error.param) from None
-
-    def tool_parser(self) -> ToolParser | None:
-        name = self.config.tool_call_parser
-        return get_parser(name) if name is not None else None
-
-    def tool_grammar(self, req: ResponsesRequest, plan: ToolPlan) -> GrammarSpec | None:
-        """``text.format``'s grammar, or the one forcing tool calls (not both)."""
-        spec = grammar_spec(req.text.format if req.text is not None else None)
-        schema = plan.schema()
-        if schema is None:
-            return spec
-        if spec is not None:
-            raise APIError(400, f"tool_choice {plan.mode!r} cannot be combined with "
-                           "text.format.", "tool_choice")  # fmt: skip
-        return GrammarSpec("json", json.dumps(schema, sort_keys=True), "tool_choice")
 
     def tag_for(self, request: Request) -> str:
         """The EPP's route tag when it sent a well-formed one, else this engine's."""
