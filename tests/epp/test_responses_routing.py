@@ -29,7 +29,7 @@ from infergate.epp.types import (
 
 from infergate.wire.responses import ROUTE_TAG_HEADER, make_response_id, route_tag
 
-from .conftest import Stream, body, headers, set_headers
+from .conftest import Stream, body, headers, response_body, response_headers, set_headers
 
 RESPONSES = {":method": "POST", ":path": "/v1/responses", "content-type": "application/json"}
 MESSAGES = {":method": "POST", ":path": "/v1/messages", "content-type": "application/json"}
@@ -420,3 +420,32 @@ async def test_malformed_responses_body_is_a_400_naming_the_field(
     error = json.loads(response.immediate_response.body)["error"]
     assert error["param"] in ("input[0]", "previous_response_id")
     assert sum(s.in_flight_requests for s in epp.datastore.all()) == 0
+
+
+async def test_usage_of_a_streamed_response_is_read_from_response_completed(
+    epp_factory, channel_for
+) -> None:
+    """The Responses stream's usage (``input_tokens``…) sits in ``response.completed``'s
+    ``response``; ``response.created`` carries ``"usage": null`` and is skipped."""
+    epp = await epp_factory(static_endpoints=[A])
+    stream = Stream(channel_for(epp))
+    await stream.send(headers(RESPONSES), body(b'{"model":"m","input":"hi","stream":true}'))
+    await stream.recv(2)
+    await stream.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
+    await stream.recv(1)
+    created = {"type": "response.created", "response": {"id": "resp_1", "usage": None}}
+    delta = {"type": "response.output_text.delta", "delta": "a"}
+    usage = {"input_tokens": 11, "input_tokens_details": {"cached_tokens": 8}, "output_tokens": 5}
+    done = {"type": "response.completed", "response": {"id": "resp_1", "usage": usage}}
+    events = b"".join(
+        f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in (created, delta, done)
+    )
+    await stream.send(response_body(events, True))
+    await stream.recv(1)
+    await stream.close()
+    for _ in range(100):
+        if epp.metrics.tokens.labels("completion")._value.get() == 5:
+            break
+        await asyncio.sleep(0.02)
+    assert epp.metrics.tokens.labels("prompt")._value.get() == 11
+    assert epp.metrics.tokens.labels("completion")._value.get() == 5
