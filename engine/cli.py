@@ -148,6 +148,24 @@ def serve(
     sim_lora_load_ms: float = typer.Option(
         25.0, "--sim-lora-load-ms", help="Simulated time to load an adapter into a slot (ms)."
     ),
+    enable_responses_api_store: bool = typer.Option(
+        True,
+        "--enable-responses-api-store/--no-enable-responses-api-store",
+        help="Keep /v1/responses responses in memory for previous_response_id, GET and "
+        "cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, here on by default and bounded).",
+    ),
+    responses_api_store_max_entries: int = typer.Option(
+        1024,
+        "--responses-api-store-max-entries",
+        min=1,
+        help="Most responses the store holds; the oldest goes first.",
+    ),
+    responses_api_store_ttl: float = typer.Option(
+        3600.0,
+        "--responses-api-store-ttl",
+        min=1,
+        help="Seconds a stored response is kept after its last update.",
+    ),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve` (GGUF included)."""
@@ -198,6 +216,9 @@ def serve(
         max_lora_rank=max_lora_rank,
         max_cpu_loras=max_cpu_loras,
         sim_lora_load_ms=sim_lora_load_ms,
+        enable_responses_api_store=enable_responses_api_store,
+        responses_api_store_max_entries=responses_api_store_max_entries,
+        responses_api_store_ttl=responses_api_store_ttl,
         log_level=log_level,
     )
     del trust_remote_code, disable_log_requests  # pure no-ops, accepted as vLLM does

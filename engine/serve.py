@@ -59,6 +59,9 @@ class ServeOptions:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     sim_lora_load_ms: float = 25.0
+    enable_responses_api_store: bool = True
+    responses_api_store_max_entries: int = 1024
+    responses_api_store_ttl: float = 3600.0  # seconds
     log_level: str = "info"
 
 
@@ -324,6 +327,9 @@ def build(opts: ServeOptions) -> Any:
         tool_call_parser=opts.tool_call_parser,
         generation_defaults=defaults,
         dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        responses_store=opts.enable_responses_api_store,
+        responses_store_max_entries=opts.responses_api_store_max_entries,
+        responses_store_ttl_s=opts.responses_api_store_ttl,
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "
