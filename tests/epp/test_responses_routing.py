@@ -398,6 +398,14 @@ async def test_every_routed_request_carries_its_endpoints_tag_and_chains_follow_
         assert sent["x-gateway-destination-endpoint"] == target.key
         assert sent[ROUTE_TAG_HEADER] == route_tag(target.key)
         await asyncio.sleep(0)
+    assert epp.metrics.response_affinity.labels("holder")._value.get() == 4
+    # A tag of no known endpoint (an engine gone, or a client's invention) routes as a
+    # first turn would; the engine that gets it answers for the id itself.
+    stranger = make_response_id(route_tag("10.1.2.3:8000"))
+    payload = json.dumps({"model": "m", "input": "x", "previous_response_id": stranger})
+    sent = set_headers(await route(epp, channel_for, RESPONSES, payload.encode()))
+    assert sent["x-gateway-destination-endpoint"] in (A.key, B.key)
+    assert epp.metrics.response_affinity.labels("unknown")._value.get() == 1
     # Anthropic bodies route too (the engine may answer 404; that is not the EPP's call).
     anthropic = b'{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}'
     assert set_headers(await route(epp, channel_for, MESSAGES, anthropic))[ROUTE_TAG_HEADER] in tags

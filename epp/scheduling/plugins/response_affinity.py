@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from infergate.epp.scheduling.plugins.base import PluginContext, Scorer, register
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
@@ -60,7 +61,9 @@ class ResponseAffinityScorer(Scorer):
         self._by_tag: dict[str, str] = {}
         self._on_endpoints([s.endpoint for s in context.datastore.all()], [])
         context.datastore.subscribe(self._on_endpoints)
-        #: Requests that named one of our response ids, by outcome (for tests and logs).
+        self.metrics: Any = context.extras.get("metrics")
+        #: Requests that named one of our response ids, by outcome (also exported as
+        #: ``infergate_epp_response_affinity_total{outcome}`` when the EPP has metrics).
         self.found = 0
         self.unknown = 0
         self.filtered = 0
@@ -86,9 +89,14 @@ class ResponseAffinityScorer(Scorer):
         holder = self._by_tag.get(tag)
         if holder is None:
             self.unknown += 1
+            self._count("unknown")
             log.debug("request %s: response %s names no known endpoint", request.request_id,
                       response_id)  # fmt: skip
         return holder
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.response_affinity.labels(outcome).inc()
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
@@ -99,8 +107,10 @@ class ResponseAffinityScorer(Scorer):
         scores = [1.0 if e.key == holder else 0.0 for e in endpoints]
         if 1.0 in scores:
             self.found += 1
+            self._count("holder")
             cycle[HOLDER] = holder
         else:
             self.filtered += 1
+            self._count("filtered")
             log.debug("request %s: holder %s is not a candidate", request.request_id, holder)
         return scores
