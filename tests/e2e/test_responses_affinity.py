@@ -84,7 +84,7 @@ def test_a_streamed_follow_up_reaches_the_holder(default_stack: LocalStack) -> N
     # response.incomplete, carrying the finished response.
     last = events[-1]
     assert last.type in ("response.completed", "response.incomplete")
-    assert route_tag_of(last.response.id) == route_tag(engine)  # type: ignore[union-attr]
+    assert route_tag_of(last.response.id) == route_tag(engine)
 
 
 def test_unknown_previous_response_is_the_engines_404(default_stack: LocalStack) -> None:
