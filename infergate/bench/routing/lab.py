@@ -73,6 +73,8 @@ class RunResult:
     #: Responses sessions: follow-up turns answered by the engine that served the turn
     #: before (same route tag in the response ids) over follow-ups sent; None otherwise.
     follow_ups_on_holder: float | None = None
+    #: The first few distinct errors the client saw (a failed row says why).
+    errors: list[str] = field(default_factory=list)
     per_engine_requests: list[float] = field(default_factory=list)
 
     @property
@@ -201,6 +203,7 @@ def _fill(
     result.e2e_p50_ms = float(report["median_e2el_ms"])
     result.e2e_p99_ms = float(report["p99_e2el_ms"])
     result.output_tok_s = float(report["output_throughput"])
+    result.errors = list(dict.fromkeys(e[:200] for e in report.get("errors", []) if e))[:3]
     if report.get("follow_ups"):
         result.follow_ups_on_holder = report["follow_ups_on_holder"] / report["follow_ups"]
 
