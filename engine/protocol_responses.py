@@ -39,6 +39,8 @@ class ResponsesRequest(_Open):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # vLLM's scheduling priority (--scheduling-policy priority): lower runs first.
+    priority: int = 0
     # Known, but not honoured: refused when set to anything but their neutral value.
     background: bool | None = None
     reasoning: dict[str, Any] | None = None

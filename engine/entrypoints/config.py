@@ -34,4 +34,6 @@ class ServerConfig:
     responses_store_ttl_s: float = 3600.0
     # The tag in this engine's response ids when no EPP sent one (infergate.wire.responses).
     route_tag: str = field(default_factory=lambda: secrets.token_hex(8))
+    # --scheduling-policy: with fcfs a request's non-zero priority is a 400 (as vLLM).
+    scheduling_policy: str = "fcfs"
     warned_fields: set[str] = field(default_factory=set)

@@ -43,7 +43,11 @@ def to_messages(instructions: str | None, items: list[Item]) -> list[ChatMessage
         elif isinstance(item, FunctionCallOutputItem):
             output = item.output
             text = output if isinstance(output, str) else message_text(output, "input")
-            messages.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
+            messages.append(
+                ChatMessage.model_validate(
+                    {"role": "tool", "content": text, "tool_call_id": item.call_id}
+                )
+            )
     return messages
 
 
@@ -56,7 +60,8 @@ def _add_call(messages: list[ChatMessage], item: FunctionCallItem) -> None:
         extra = last.model_extra if last.model_extra is not None else {}
         extra.setdefault("tool_calls", []).append(call)
         return
-    messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+    messages.append(ChatMessage.model_validate({"role": "assistant", "content": "",
+                                                "tool_calls": [call]}))  # fmt: skip
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:

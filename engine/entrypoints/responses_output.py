@@ -54,7 +54,7 @@ class OutputBuilder:
         return events
 
     def _open_message(self) -> list[Event]:
-        item = {"id": _item_id("msg"), "type": "message", "status": "in_progress",
+        item: dict[str, Any] = {"id": _item_id("msg"), "type": "message", "status": "in_progress",
                 "role": "assistant", "content": []}  # fmt: skip
         self._message = len(self.items)
         self.items.append(item)
@@ -90,8 +90,11 @@ class OutputBuilder:
 
     # -- the end -----------------------------------------------------------------------
     def finish(self, status: str) -> list[Event]:
-        """Close every open item (``status``: completed, or incomplete when cut short)."""
-        return self._close_message(status) + self._close_calls(status)
+        """Close every open item (``status``: completed, or incomplete when cut short).
+        An answer with no item at all (the model ended at once) is an empty message, so a
+        response always has output, as OpenAI's."""
+        opened = [] if self.items else self._open_message()
+        return opened + self._close_message(status) + self._close_calls(status)
 
     def _close_message(self, status: str) -> list[Event]:
         index, self._message = self._message, None

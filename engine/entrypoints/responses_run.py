@@ -4,7 +4,7 @@ and the store entry kept up to date (so GET sees it finish and cancel can stop i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from infergate.engine.core import RequestOutput
@@ -24,7 +24,7 @@ TERMINAL = {
 
 async def until_cancelled(
     stream: AsyncGenerator[RequestOutput, None], cancel: asyncio.Event
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncGenerator[RequestOutput, None]:
     """The stream's outputs until it ends or ``cancel`` is set; closing the stream early
     aborts the engine request, which frees its KV blocks."""
     waiter = asyncio.ensure_future(cancel.wait())
@@ -62,15 +62,16 @@ class ResponseRun:
         return {**self.base, "status": "in_progress", "output": [], "usage": None}
 
     async def events(self, stream: AsyncGenerator[RequestOutput, None],
-                     entry: StoredResponse | None, store: ResponseStore | None) -> AsyncIterator[Event]:  # fmt: skip
+                     entry: StoredResponse | None, store: ResponseStore | None) -> AsyncGenerator[Event, None]:  # fmt: skip
         """Every event of the response, from ``response.created`` to its closing event."""
         b = self.builder
         cancel = entry.cancel if entry is not None else asyncio.Event()
+        outputs = until_cancelled(stream, cancel)
         finished = False
         try:
             yield b.event("response.created", response=self.snapshot())
             yield b.event("response.in_progress", response=self.snapshot())
-            async for out in until_cancelled(stream, cancel):
+            async for out in outputs:
                 if out.error is not None:
                     self.error = out.error
                     break
@@ -87,6 +88,7 @@ class ResponseRun:
             finished = True
             yield b.event(TERMINAL[status], response=self.response)
         finally:
+            await outputs.aclose()  # closes the engine stream: aborts it if unfinished
             if not finished and entry is not None and store is not None:
                 store.discard(self.base["id"])  # the client left: nothing to continue from
 

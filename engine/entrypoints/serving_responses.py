@@ -16,20 +16,23 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from infergate.engine.protocol import _Sampling
+from infergate.engine.interfaces import SamplingParams
+from infergate.engine.protocol import ChatMessage, _Sampling
 from infergate.engine.protocol_responses import (
+    Item,
     ItemError,
     ResponsesRequest,
     parse_items,
     unsupported_fields,
 )
 from infergate.engine.structured_output import GrammarSpec
-from infergate.engine.tool_parsers import get_parser
+from infergate.engine.tool_parsers import ToolParser, get_parser
 from infergate.engine.tool_parsers.choice import ToolChoiceError, ToolPlan, plan_tools
 from infergate.engine.tool_parsers.stream import ToolCallState
 
@@ -43,7 +46,7 @@ from .responses_run import ResponseRun
 from .serving_engine import OpenAIServing, run_to_end
 
 #: Errors of the shared sampling checks, renamed to the Responses field they concern.
-_PARAM_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input"}
+_PARAM_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input"}
 
 
 class OpenAIServingResponses(OpenAIServing):
@@ -65,45 +68,47 @@ class OpenAIServingResponses(OpenAIServing):
         model = self.check_model(req.model)
         self.check_fields(req)
         previous = self.previous(req, model)
-        try:
-            items = parse_items(req.input)
-            history = (
-                parse_items(previous.conversation(), "previous_response_id") if previous else []
-            )
-        except ItemError as error:
-            raise APIError(400, error.message, error.param) from None
+        items, history = self.items(req, previous)
         plan = self.tool_plan(req)
-        messages = to_messages(req.instructions, [*history, *items])
-        ids = await self.encode(
-            self.chat_text(messages, True, plan.template_tools()), add_special_tokens=False
-        )
-        sampling = _Sampling.model_construct(model=req.model, temperature=req.temperature,
-                                             top_p=req.top_p, user=req.user)  # fmt: skip
-        try:
-            params = self.sampling_params(sampling, len(ids), req.max_output_tokens, None)
-        except APIError as error:
-            error.param = _PARAM_NAMES.get(error.param or "", error.param)
-            raise
+        ids = await self.render(to_messages(req.instructions, [*history, *items]), plan)
+        sampling = _sampling(req)
+        priority = self.priority(request, sampling)
+        params = self.params(sampling, len(ids), req.max_output_tokens)
         grammar = await self.compile_grammar(self.tool_grammar(req, plan))
         rid = make_response_id(self.tag_for(request))
         if self.metrics is not None:
             self.metrics.request_accepted(1, params.max_tokens)
-        engine_request = self.new_request(rid, ids, params, sampling, grammar)
-        state = ToolCallState(plan, self.tool_parser())
+        engine_request = self.new_request(rid, ids, params, sampling, grammar, priority)
         run = ResponseRun(self.base_object(rid, req, model, params.temperature, params.top_p),
-                          state, len(ids))  # fmt: skip
-        entry = self.remember(
-            rid, req, model, run, [*previous_history(previous), *items_dump(items)]
-        )
+                          ToolCallState(plan, self.tool_parser()), len(ids))  # fmt: skip
+        stored = [*(previous.conversation() if previous else []), *items_dump(items)]
+        entry = self.remember(rid, req, model, run, stored)
         events = run.events(self.engine.generate(engine_request), entry, self.store)
         if req.stream:
             return StreamingResponse(_sse(events), media_type="text/event-stream")
-        done = await run_to_end(request, events)
-        if done is None:
-            return Response(status_code=499)  # nginx's "client closed request"
-        if run.error is not None:
-            raise APIError(500, run.error)
-        return JSONResponse(run.response)
+        return await _whole(request, run, events)
+
+    def items(self, req: ResponsesRequest,
+              previous: StoredResponse | None) -> tuple[list[Item], list[Item]]:  # fmt: skip
+        """(the new input items, the previous conversation's items), validated."""
+        try:
+            items = parse_items(req.input)
+            stored = previous.conversation() if previous is not None else []
+            return items, parse_items(stored, "previous_response_id")
+        except ItemError as error:
+            raise APIError(400, error.message, error.param) from None
+
+    async def render(self, messages: list[ChatMessage], plan: ToolPlan) -> list[int]:
+        """The prompt's token ids (the chat template over the conversation)."""
+        with _responses_params():
+            text = self.chat_text(messages, True, plan.template_tools())
+            return await self.encode(text, add_special_tokens=False)
+
+    def params(
+        self, sampling: _Sampling, prompt_len: int, max_output: int | None
+    ) -> SamplingParams:
+        with _responses_params():
+            return self.sampling_params(sampling, prompt_len, max_output, None)
 
     def check_fields(self, req: ResponsesRequest) -> None:
         """Known fields the engine cannot honour, and ``store`` on an engine without one."""
@@ -123,13 +128,19 @@ class OpenAIServingResponses(OpenAIServing):
         if entry is None:
             raise APIError(404, f"Previous response with id '{rid}' not found.",
                            "previous_response_id")  # fmt: skip
-        if entry.model != model:
+        if entry.model != self.identity(model):
             raise APIError(400, f"Previous response '{rid}' was made by model "
                            f"'{entry.model}', not '{model}'.", "previous_response_id")  # fmt: skip
         if entry.status in ("in_progress", "queued"):
             raise APIError(400, f"Previous response '{rid}' is still in progress.",
                            "previous_response_id")  # fmt: skip
         return entry
+
+    def identity(self, model: str) -> str:
+        """What a model name means: aliases of the base model (``--served-model-name``
+        given twice) are one model, each LoRA adapter another."""
+        lora = self.models.lora_request(model)
+        return model if lora is not None else self.config.served_model_names[0]
 
     def tool_plan(self, req: ResponsesRequest) -> ToolPlan:
         try:
@@ -138,7 +149,7 @@ class OpenAIServingResponses(OpenAIServing):
         except ToolChoiceError as error:
             raise APIError(400, error.message, error.param) from None
 
-    def tool_parser(self) -> Any:
+    def tool_parser(self) -> ToolParser | None:
         name = self.config.tool_call_parser
         return get_parser(name) if name is not None else None
 
@@ -179,7 +190,7 @@ class OpenAIServingResponses(OpenAIServing):
         """Store the running response (GET and cancel see it), when ``store`` asks."""
         if self.store is None or not req.store:
             return None
-        entry = StoredResponse(model, run.snapshot(), history)
+        entry = StoredResponse(self.identity(model), run.snapshot(), history)
         self.store.put(rid, entry)
         return entry
 
@@ -224,15 +235,44 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServingResponses) -> None:
         return serving.cancel(response_id)
 
 
-def previous_history(previous: StoredResponse | None) -> list[dict[str, Any]]:
-    return previous.conversation() if previous is not None else []
+def _sampling(req: ResponsesRequest) -> _Sampling:
+    """The chat path's sampling fields of a Responses request (the others at defaults)."""
+    fields: dict[str, Any] = {"model": req.model, "temperature": req.temperature,
+                              "top_p": req.top_p, "user": req.user}  # fmt: skip
+    if "priority" in req.model_fields_set:  # only a priority given wins over the header's
+        fields["priority"] = req.priority
+    return _Sampling.model_construct(**fields)
 
 
 def items_dump(items: list[Any]) -> list[dict[str, Any]]:
     return [item.model_dump(mode="json") for item in items]
 
 
-async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Responses SSE: each event named by its type, as OpenAI sends them."""
-    async for event in events:
-        yield f"event: {event['type']}\n{sse(event)}"
+@contextmanager
+def _responses_params() -> Iterator[None]:
+    """The shared chat checks' errors, naming the Responses field they concern."""
+    try:
+        yield
+    except APIError as error:
+        error.param = _PARAM_NAMES.get(error.param or "", error.param)
+        raise
+
+
+async def _whole(request: Request, run: ResponseRun,
+                 events: AsyncGenerator[dict[str, Any], None]) -> Response:  # fmt: skip
+    """A non-streamed answer: run every event, answer the final Response object."""
+    if await run_to_end(request, events) is None:
+        return Response(status_code=499)  # nginx's "client closed request"
+    if run.error is not None:
+        raise APIError(500, run.error)
+    return JSONResponse(run.response)
+
+
+async def _sse(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+    """Responses SSE: each event named by its type, as OpenAI sends them. Closing this
+    (the client left) closes the events now, which aborts the engine request."""
+    try:
+        async for event in events:
+            yield f"event: {event['type']}\n{sse(event)}"
+    finally:
+        await events.aclose()
