@@ -124,7 +124,9 @@ schedulingProfiles:
 #: within 1.25x its fair share of the requests in flight (+1); the predicted-latency scorer
 #: decides among the rest (the calibrated prefix index feeds it: it runs for its
 #: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
-#: only for requests to adapters on engines that report adapter slots.
+#: only for requests to adapters on engines that report adapter slots. Response affinity
+#: (weight 3, the sum of the other weights) sends a Responses turn that names
+#: ``previous_response_id`` to the engine holding it whenever the filter kept that engine.
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -133,6 +135,7 @@ plugins:
 - type: prefix-cache-scorer
 - type: predicted-latency-scorer
 - type: lora-affinity-scorer
+- type: response-affinity-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -142,6 +145,8 @@ schedulingProfiles:
     weight: 1
   - pluginRef: lora-affinity-scorer
     weight: 2
+  - pluginRef: response-affinity-scorer
+    weight: 3
   - pluginRef: max-score-picker
 """
 

@@ -149,6 +149,14 @@ class EppMetrics:
             ["decision"],
             registry=r,
         )
+        self.response_affinity = Counter(
+            "infergate_epp_response_affinity",
+            "Requests naming one of our response ids, by what response-affinity-scorer "
+            "found: holder (a candidate), filtered (the filters removed the holder), "
+            "unknown (the id's route tag names no known endpoint).",
+            ["outcome"],
+            registry=r,
+        )
         self._init_gie(r)
         self.requests = Counter(
             "infergate_epp_requests",

@@ -188,7 +188,8 @@ def _echo_chunks(chunks: list[bytes], end_of_stream: bool) -> list[pb.Processing
 
 
 class UsageReader:
-    """Finds the ``usage`` object in a JSON response or in an SSE stream's events."""
+    """Finds the ``usage`` object in a JSON response or in an SSE stream's events (the
+    Responses API's sits in the ``response`` of its ``response.completed`` event)."""
 
     def __init__(self) -> None:
         self.sse = False
@@ -229,8 +230,13 @@ class UsageReader:
             doc = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return
-        if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-            self.usage = doc["usage"]
+        if not isinstance(doc, dict):
+            return
+        usage = doc.get("usage")
+        if usage is None and isinstance(doc.get("response"), dict):
+            usage = doc["response"].get("usage")  # a Responses stream's response.completed
+        if isinstance(usage, dict):
+            self.usage = usage
 
 
 class StreamState:
@@ -477,14 +483,15 @@ class StreamState:
             return
         self.usage.finish()
         usage = self.usage.usage or {}
-        for field, attr in (
-            ("prompt_tokens", "prompt_tokens"),
-            ("completion_tokens", "completion_tokens"),
+        # OpenAI chat/completions names, then the Responses API's (and Anthropic's).
+        for fields, attr in (
+            (("prompt_tokens", "input_tokens"), "prompt_tokens"),
+            (("completion_tokens", "output_tokens"), "completion_tokens"),
         ):
-            value = usage.get(field)
+            value = next((usage[f] for f in fields if f in usage), None)
             if isinstance(value, int):
                 setattr(self.response, attr, value)
-        details = usage.get("prompt_tokens_details")
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.response.cached_tokens = details["cached_tokens"]
         self.response.complete = True

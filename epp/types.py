@@ -93,6 +93,18 @@ class EndpointState:
         return self.endpoint.key
 
 
+#: The APIs whose bodies the EPP parses (``InferenceRequest.api``). For the Responses and
+#: Anthropic Messages APIs the parser renders the conversation into ``prompt_text`` (one
+#: line per item, roles included) and the prefix index hashes that text; chat bodies are
+#: hashed as their ``messages`` JSON.
+CHAT_API = "chat"
+COMPLETIONS_API = "completions"
+RESPONSES_API = "responses"
+ANTHROPIC_MESSAGES_API = "anthropic-messages"
+#: APIs whose ``prompt_text`` is the rendered conversation the prefix index hashes.
+RENDERED_APIS = frozenset({RESPONSES_API, ANTHROPIC_MESSAGES_API})
+
+
 @dataclass(slots=True)
 class InferenceRequest:
     """What scheduling plugins see of one request (parsed once, at end of body)."""
@@ -109,6 +121,12 @@ class InferenceRequest:
     objective: str = ""
     priority: int = 0
     prompt_tokens_estimate: int = 0
+    #: Which API the body was parsed as (``CHAT_API``, ``RESPONSES_API``…); "" before
+    #: parsing or for requests without a body.
+    api: str = ""
+    #: A Responses request's ``previous_response_id`` ("" when it names none): the turn
+    #: continues a conversation an engine holds (its KV blocks and its response store).
+    previous_response_id: str = ""
     #: Per-request notes plugins keep from scheduling to the response (e.g. the prefix
     #: index's prediction, checked against the response's ``cached_tokens``).
     notes: dict[str, Any] = field(default_factory=dict)

@@ -38,6 +38,8 @@ from infergate.epp.requestcontrol.requests import BadRequest, parse_body
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import EndpointState, InferenceRequest
 
+from infergate.wire.responses import ROUTE_TAG_HEADER, route_tag
+
 log = logging.getLogger("infergate.epp.requestcontrol.director")
 
 #: GIE's header to force the target model (wins over InferenceModelRewrite rules).
@@ -169,6 +171,9 @@ class Director:
                 self.flow.release(ticket)
             raise
         result.targets[0].in_flight_requests += 1
+        # The engine puts this tag in its response ids, so the next turn of a Responses
+        # conversation can name its engine to any EPP (scheduling/plugins/response_affinity).
+        result.request_headers[ROUTE_TAG_HEADER] = route_tag(result.targets[0].key)
         elapsed = time.perf_counter() - started
         self.metrics.scheduling_latency.observe(elapsed)
         self.metrics.gie_scheduler_duration.observe(elapsed)

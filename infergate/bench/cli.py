@@ -186,7 +186,9 @@ def routing(
         "--workload",
         "--workloads",
         help="Workload preset(s) (repeat, or 'all'): tight-prefix, ample-prefix, no-sharing, "
-        "multi-turn, long-short, bursty, heterogeneous.",
+        "multi-turn, long-short, bursty, heterogeneous, many-adapters, multi-turn-responses "
+        "and multi-turn-chat-sessions (the same closed-loop sessions through /v1/responses "
+        "with previous_response_id and through chat completions).",
     ),
     router: list[str] = typer.Option(
         [],

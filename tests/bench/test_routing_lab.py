@@ -12,6 +12,7 @@ import pytest
 
 from infergate.bench.datasets import Tokens
 from infergate.bench.routing.routers import ROUTERS, resolve
+from infergate.bench.routing.sessions import sessions_of
 from infergate.bench.routing.workloads import WORKLOADS
 
 
@@ -83,6 +84,8 @@ def test_presets_cover_the_questions_users_ask() -> None:
         "bursty",
         "heterogeneous",
         "many-adapters",
+        "multi-turn-responses",
+        "multi-turn-chat-sessions",
     }
     assert set(ROUTERS) >= {
         "round-robin",
@@ -303,3 +306,45 @@ def test_regret_combines_matrix_parts(infergate_cli: list[str], tmp_path: Path) 
         env={**os.environ, "COLUMNS": "400"},  # the error box must not wrap the message
     )  # fmt: skip
     assert bad.returncode == 2 and "not a routing-lab results.json" in bad.stderr
+
+
+def test_session_workloads_send_the_same_sessions_through_two_apis() -> None:
+    chat, responses = WORKLOADS["multi-turn-chat-sessions"], WORKLOADS["multi-turn-responses"]
+    assert (chat.session_api, responses.session_api) == ("chat", "responses")
+    a, b = chat.build(Tokens(None), 16, 3), responses.build(Tokens(None), 16, 3)
+    assert [(s.prompt, s.system, s.group) for s in a] == [(s.prompt, s.system, s.group) for s in b]
+    sessions = sessions_of(a)
+    assert [len(turns) for turns in sessions] == [8, 8]
+    assert len({turn.system for turn in sessions[0]}) == 1  # one system prompt per session
+    assert sessions[0][0].system != sessions[1][0].system
+
+
+def test_responses_sessions_land_on_their_holder_through_the_epp(
+    infergate_cli: list[str], tmp_path: Path
+) -> None:
+    """Through the EPP every follow-up turn reaches the engine holding its conversation;
+    round robin sends some elsewhere, where the engine has no such response (404)."""
+    out = tmp_path / "lab"
+    result = _run(
+        infergate_cli,
+        "--workload", "multi-turn-responses",
+        "--router", "round-robin",
+        "--router", "epp-infergate",
+        "--engines", "2",
+        "--num-prompts", "24",
+        "--rates", "8",
+        "--output-len", "4",
+        "--seed", "5",
+        "--output-dir", str(out),
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["router"]: row for row in json.loads((out / "results.json").read_text())["results"]}
+    follow_ups = 3 * 7  # 3 sessions of 8 turns
+    epp, rr = rows["epp-infergate"], rows["round-robin"]
+    assert epp["failed"] == 0 and epp["completed"] == 24
+    assert epp["follow_ups_on_holder"] == 1.0
+    # Under round robin a follow-up fails exactly when it missed its holder.
+    missed = round(follow_ups * (1.0 - rr["follow_ups_on_holder"]))
+    assert rr["failed"] == missed and rr["completed"] == 24 - missed
+    assert "on holder" in result.stdout

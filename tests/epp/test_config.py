@@ -27,8 +27,14 @@ def test_default_profile_is_predicted_latency_fed_by_the_prefix_index() -> None:
     scheduler = build(DEFAULT_CONFIG_YAML)
     (profile,) = scheduler.profiles
     weights = {scorer.type_name: weight for scorer, weight in profile.scorers}
-    # LoRA affinity is neutral unless a request is for an adapter (test_routing_model.py).
-    assert weights == {"predicted-latency-scorer": 1, "lora-affinity-scorer": 2}
+    # LoRA affinity is neutral unless a request is for an adapter (test_routing_model.py);
+    # response affinity unless it names a previous response (test_response_affinity.py),
+    # and then it outweighs the others together.
+    assert weights == {
+        "predicted-latency-scorer": 1,
+        "lora-affinity-scorer": 2,
+        "response-affinity-scorer": 3,
+    }
     assert [f.type_name for f in profile.filters] == ["bounded-load-filter"]
     # The prefix index is in no profile but still runs its lifecycle hooks.
     hooks = Hooks(scheduler.plugins.values())

@@ -10,6 +10,7 @@ from infergate.epp.scheduling.plugins import (  # noqa: F401  (imported for regi
     precise_prefix,
     prefix,
     profile_handlers,
+    response_affinity,
     roles,
     scorers,
     testing,

@@ -46,7 +46,13 @@ from infergate.epp.framework.requestcontrol import (
     ResponseInfo,
 )
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
-from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
+from infergate.epp.types import (
+    RENDERED_APIS,
+    CycleState,
+    Endpoint,
+    EndpointState,
+    InferenceRequest,
+)
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("infergate.epp.prefix")
@@ -80,13 +86,14 @@ class PrefixParams(BaseModel):
 
 
 def prompt_bytes(request: InferenceRequest) -> bytes:
-    """The text whose prefix decides cache reuse: chat messages (as JSON) or the prompt.
+    """The text whose prefix decides cache reuse: chat messages (as JSON), the rendered
+    conversation of a Responses or Anthropic Messages body, or the prompt.
 
     Lone surrogates (valid JSON escapes, not valid UTF-8) are replaced, never raised on.
     """
     body = request.body or {}
     messages = body.get("messages")
-    if isinstance(messages, list):
+    if isinstance(messages, list) and request.api not in RENDERED_APIS:
         text = json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
     else:
         text = request.prompt_text
@@ -342,6 +349,10 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
     ) -> None:
         prediction: Prediction | None = request.notes.pop(NOTE, None)
         if prediction is None or not response.complete or not response.prompt_tokens:
+            return
+        if request.previous_response_id:
+            # The engine prepended the stored conversation: its prompt and cached tokens
+            # describe text this EPP never saw, so they calibrate nothing here.
             return
         self.calibration.observe(prediction.model, prediction.chars, response.prompt_tokens)
         if response.cached_tokens is None or not prediction.hashes:

@@ -22,8 +22,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from infergate.bench.datasets import Tokens
+from infergate.bench.datasets import SampleRequest, Tokens
 from infergate.bench.routing.routers import Router, RouterUnavailable
+from infergate.bench.routing.sessions import SessionConfig, run_sessions
 from infergate.bench.routing.workloads import Workload
 from infergate.bench.runner import BenchConfig, run_benchmark
 from infergate.procs import free_port
@@ -74,6 +75,11 @@ class RunResult:
     sim_lag: float = 0.0
     skipped: str = ""
     lora_loads: float = 0.0  # adapters brought into a slot, all engines (LoRA workloads)
+    #: Responses sessions: follow-up turns answered by the engine that served the turn
+    #: before (same route tag in the response ids) over follow-ups sent; None otherwise.
+    follow_ups_on_holder: float | None = None
+    #: The first few distinct errors the client saw (a failed row says why).
+    errors: list[str] = field(default_factory=list)
     per_engine_requests: list[float] = field(default_factory=list)
 
     @property
@@ -140,21 +146,7 @@ def run_one(
             return result
         metrics_urls = [f"{u}/metrics" for u in stack.engine_urls]
         before = [scrape_counters(u) for u in metrics_urls]
-        report = asyncio.run(
-            run_benchmark(
-                BenchConfig(
-                    base_url=base_url,
-                    samples=samples,
-                    endpoint=workload.endpoint,
-                    model=stack.model_name,
-                    request_rate=rate,
-                    burstiness=workload.burstiness,
-                    ignore_eos=True,
-                    progress=False,
-                    seed=spec.seed,
-                )
-            )
-        )
+        report = asyncio.run(_drive(workload, samples, base_url, stack.model_name, rate, spec))
         after = [scrape_counters(u) for u in metrics_urls]
         if stack.epp is not None:  # keep what the EPP learned, for a person to read
             spec.output_dir.mkdir(parents=True, exist_ok=True)
@@ -165,6 +157,42 @@ def run_one(
         stack.stop()
     _fill(result, report, before, after)
     return result
+
+
+async def _drive(
+    workload: Workload,
+    samples: list[SampleRequest],
+    base_url: str,
+    model: str,
+    rate: float,
+    spec: LabSpec,
+) -> dict[str, Any]:
+    """Send the workload: open-loop samples, or closed-loop sessions."""
+    if workload.session_api:
+        return await run_sessions(
+            SessionConfig(
+                base_url=base_url,
+                samples=samples,
+                api=workload.session_api,
+                request_rate=rate,
+                model=model,
+                burstiness=workload.burstiness,
+                seed=spec.seed,
+            )
+        )
+    return await run_benchmark(
+        BenchConfig(
+            base_url=base_url,
+            samples=samples,
+            endpoint=workload.endpoint,
+            model=model,
+            request_rate=rate,
+            burstiness=workload.burstiness,
+            ignore_eos=True,
+            progress=False,
+            seed=spec.seed,
+        )
+    )
 
 
 def _fill(
@@ -181,6 +209,9 @@ def _fill(
     result.e2e_p50_ms = float(report["median_e2el_ms"])
     result.e2e_p99_ms = float(report["p99_e2el_ms"])
     result.output_tok_s = float(report["output_throughput"])
+    result.errors = list(dict.fromkeys(e[:200] for e in report.get("errors", []) if e))[:3]
+    if report.get("follow_ups"):
+        result.follow_ups_on_holder = report["follow_ups_on_holder"] / report["follow_ups"]
 
     def delta(name: str) -> list[float]:
         return [a[name] - b[name] for a, b in zip(after, before, strict=True)]

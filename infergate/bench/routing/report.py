@@ -28,12 +28,13 @@ COLUMNS = (
     ("prefix_hit_rate", "hit rate"),
     ("imbalance", "imbalance"),
     ("sim_lag", "sim lag"),
+    ("follow_ups_on_holder", "on holder"),
 )
 
 
 def row_cells(r: RunResult) -> list[str]:
     if r.skipped:
-        return [r.workload, f"{r.rate:g}", r.router, "-", "-", f"skipped: {r.skipped}"] + [""] * 8
+        return [r.workload, f"{r.rate:g}", r.router, "-", "-", f"skipped: {r.skipped}"] + [""] * 9
     lag = f"{r.sim_lag:.1%}" + (" !" if r.lag_warning else "")
     return [
         r.workload,
@@ -50,6 +51,7 @@ def row_cells(r: RunResult) -> list[str]:
         f"{r.prefix_hit_rate:.0%}",
         f"{r.imbalance:.2f}",
         lag,
+        "-" if r.follow_ups_on_holder is None else f"{r.follow_ups_on_holder:.1%}",
     ]
 
 

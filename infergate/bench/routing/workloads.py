@@ -9,6 +9,11 @@ Each preset names a question a user asks before choosing a router:
 * ``no-sharing`` — independent prompts: pure load balancing.
 * ``multi-turn`` — chat sessions whose prefix grows every turn (a session's turns are sent
   in order, each with the earlier turns and filler assistant answers).
+* ``multi-turn-responses`` / ``multi-turn-chat-sessions`` — the same sessions (``multi-turn``'s
+  lengths), closed-loop: each turn waits for the previous answer. Through
+  ``/v1/responses`` a turn sends only its new input and ``previous_response_id``, so it
+  must land on the engine holding the conversation (the lab reports the fraction that
+  did); through chat completions it re-sends the whole history.
 * ``long-short`` — a few long prompts (3,500 tokens; the tiny model's 4,096-position limit
   rules out 8k) among many short ones.
 * ``bursty`` — ``tight-prefix`` with gamma-distributed arrivals of shape 0.25.
@@ -46,6 +51,9 @@ class Workload:
     max_loras: int = 2  # adapter slots per engine
     engines: int | None = None  # fleet size; None: the lab's --engines
     engine_args: tuple[str, ...] = ()  # extra flags for every engine (e.g. a slower timing model)
+    #: "chat" or "responses": the samples are sessions (``group``), sent closed-loop through
+    #: that API (:mod:`infergate.bench.routing.sessions`); "": open-loop samples.
+    session_api: str = ""
 
 
 def _shared_prefix(groups: int, prefix: int, suffix: int, output: int) -> Builder:
@@ -99,6 +107,23 @@ def _multi_turn(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
     return samples
 
 
+SESSION_TURNS = 8
+
+
+def _sessions(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
+    """Sessions of 8 turns as ``multi-turn`` has them (an 800-token system prompt, 120-token
+    user turns, 32-token answers), one sample per turn with only the turn's own text: the
+    session runner carries the history (chat) or chains the turns (responses)."""
+    rng = random.Random(seed)
+    samples: list[SampleRequest] = []
+    for s in range(max(1, n // SESSION_TURNS)):
+        system = f"Session {s}: " + tokens.text(800, rng)
+        for turn in range(SESSION_TURNS):
+            prompt = f"Turn {turn}: " + tokens.text(120, rng)
+            samples.append(SampleRequest(prompt, 32, system=system, group=s))
+    return samples
+
+
 def _many_adapters(adapters: int) -> Builder:
     """Independent 200-400-token prompts, each for adapter ``lora-k`` with probability
     proportional to ``1 / (k + 1)`` (a few popular adapters, a long tail)."""
@@ -146,6 +171,25 @@ WORKLOADS: dict[str, Workload] = {
             _multi_turn,
             (10.0, 20.0, 30.0),
             endpoint="/v1/chat/completions",
+        ),
+        Workload(
+            "multi-turn-responses",
+            "sessions of 8 turns chained with previous_response_id (/v1/responses), each "
+            "turn sent after the previous answer",
+            _sessions,
+            (10.0, 20.0),
+            num_prompts=240,
+            endpoint="/v1/responses",
+            session_api="responses",
+        ),
+        Workload(
+            "multi-turn-chat-sessions",
+            "the same sessions through /v1/chat/completions, each turn re-sending the history",
+            _sessions,
+            (10.0, 20.0),
+            num_prompts=240,
+            endpoint="/v1/chat/completions",
+            session_api="chat",
         ),
         Workload(
             "long-short",
