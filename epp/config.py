@@ -125,28 +125,27 @@ schedulingProfiles:
 #: decides among the rest (the calibrated prefix index feeds it: it runs for its
 #: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
 #: only for requests to adapters on engines that report adapter slots. Response affinity
-#: (weight 3, the sum of the other weights) sends a Responses turn that names
-#: ``previous_response_id`` to the engine holding it whenever the filter kept that engine.
+#: runs first: a Responses turn that names ``previous_response_id`` goes to the engine
+#: holding it (another engine's store cannot answer it), whatever its load.
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+- type: response-affinity-filter
 - type: bounded-load-filter
 - type: prefix-cache-scorer
 - type: predicted-latency-scorer
 - type: lora-affinity-scorer
-- type: response-affinity-scorer
 - type: max-score-picker
 schedulingProfiles:
 - name: default
   plugins:
+  - pluginRef: response-affinity-filter
   - pluginRef: bounded-load-filter
   - pluginRef: predicted-latency-scorer
     weight: 1
   - pluginRef: lora-affinity-scorer
     weight: 2
-  - pluginRef: response-affinity-scorer
-    weight: 3
   - pluginRef: max-score-picker
 """
 

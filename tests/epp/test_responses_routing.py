@@ -255,7 +255,7 @@ def test_malformed_anthropic_bodies_name_the_field(payload: dict[str, Any], para
     assert caught.value.param == param
 
 
-# --- the response-affinity scorer ----------------------------------------------------------
+# --- the response-affinity scorer and filter ----------------------------------------------------------
 
 ENDPOINTS = [Endpoint(f"10.0.0.{i}", 8000) for i in range(1, 5)]
 
@@ -348,25 +348,37 @@ def test_requests_naming_a_response_in_their_path_go_to_its_holder() -> None:
 # --- the default profile -------------------------------------------------------------------
 
 
-async def test_default_profile_sends_a_follow_up_to_its_holder_unless_it_is_overloaded() -> None:
+async def test_default_profile_sends_a_follow_up_to_its_holder_however_loaded() -> None:
+    """Only the holder's store has the conversation: another engine could only answer 404,
+    so the holder is kept even far over the bounded-load filter's allowance."""
     ctx = context()
     for state in ctx.datastore.all():
         state.metrics.updated_at = time.monotonic()
     scheduler = Scheduler.from_config(parse_config(DEFAULT_CONFIG_YAML), ctx)
     states = ctx.datastore.all()
     holder = states[0]
-    # The holder is the busiest endpoint but within the bounded-load filter's allowance:
-    # the latency scorer prefers the idle ones, response affinity outweighs it.
-    holder.in_flight_requests = 2
-    states[1].in_flight_requests = 1
-    result = await scheduler.schedule(chained(holder.endpoint), states, CycleState())
-    assert result.primary is holder
+    for in_flight in (2, 12):
+        holder.in_flight_requests = in_flight
+        result = await scheduler.schedule(chained(holder.endpoint), states, CycleState())
+        assert result.primary is holder
+    # A first turn is placed by load: the busy holder is filtered out.
     first_turn = parse({"model": "m", "input": "hello"})
     assert (await scheduler.schedule(first_turn, states, CycleState())).primary is not holder
-    # Far over its fair share the filter removes it, and the scorer does not bring it back.
-    holder.in_flight_requests = 12
-    result = await scheduler.schedule(chained(holder.endpoint), states, CycleState())
+    # A holder that is gone (not a candidate) leaves the choice to the other plugins.
+    result = await scheduler.schedule(chained(holder.endpoint), states[1:], CycleState())
     assert result.primary is not None and result.primary is not holder
+
+
+def test_the_filter_keeps_only_a_candidate_holder() -> None:
+    ctx = context()
+    cls = REGISTRY["response-affinity-filter"]
+    plugin: Any = cls("response-affinity-filter", cls.Params(), ctx)
+    states = ctx.datastore.all()
+    assert plugin.filter(CycleState(), chained(ENDPOINTS[3]), states) == [states[3]]
+    assert plugin.filter(CycleState(), chained(ENDPOINTS[3]), states[:3]) == states[:3]
+    first_turn = parse({"model": "m", "input": "hello"})
+    assert plugin.filter(CycleState(), first_turn, states) == states
+    assert (plugin.found, plugin.filtered) == (1, 1)
 
 
 # --- through the EPP's ext-proc server -----------------------------------------------------

@@ -6,17 +6,24 @@ response stores, only answerable) on the engine holding that response: its KV bl
 cached there and its store has the conversation. The EPP learns that engine from the id
 itself (:mod:`infergate.wire.responses`): the Director sends every routed request with
 ``x-infergate-route-tag`` = the tag of the picked endpoint's ``host:port``, the engine
-embeds the tag in the response ids it makes, and this scorer maps the tag of
+embeds the tag in the response ids it makes, and these plugins map the tag of
 ``previous_response_id`` back to an endpoint. Nothing is stored per conversation, so the
-affinity survives EPP restarts and holds across EPP replicas.
+affinity survives EPP restarts and holds across EPP replicas. Each keeps a tag → endpoint
+map, updated as discovery adds and removes endpoints, so a request costs one regex match
+and one dict lookup, not a pass over the fleet.
 
-The scorer keeps a tag → endpoint map, updated as discovery adds and removes endpoints,
-so a request costs one regex match and one dict lookup, not a pass over the fleet.
+Two forms:
 
-Scores: 1 for the holder, 0 for the others; every candidate 0 (neutral) when the request
-names no response, the id is not one of ours, its tag names no known endpoint, or the
-holder is not among the candidates (a filter such as ``bounded-load-filter`` removed it:
-filters run before scorers, so this scorer never brings a saturated holder back).
+* ``response-affinity-filter`` (the default profile's first filter): when the holder is a
+  candidate, it is the only one left. Another engine's store does not have the
+  conversation, so a turn sent elsewhere can only be answered 404; load-balancing filters
+  after it (``bounded-load-filter``) see one endpoint and keep it. A holder that is gone
+  (not a candidate: stale or removed) leaves the list unchanged.
+* ``response-affinity-scorer``: 1 for the holder, 0 for the others, for stores shared by
+  every engine, where another engine could answer and affinity is only a cache preference.
+
+Both are neutral when the request names no response, the id is not one of ours, or its
+tag names no known endpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from infergate.epp.scheduling.plugins.base import PluginContext, Scorer, register
+from infergate.epp.scheduling.plugins.base import Filter, Plugin, PluginContext, Scorer, register
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict
 
@@ -48,11 +55,9 @@ class ResponseAffinityParams(BaseModel):
     byPath: bool = True
 
 
-@register
-class ResponseAffinityScorer(Scorer):
-    """1 for the endpoint that produced ``previous_response_id``, 0 for the others."""
+class _ResponseAffinity(Plugin):
+    """The tag → endpoint map and the holder lookup both forms share."""
 
-    type_name = "response-affinity-scorer"
     Params = ResponseAffinityParams
 
     def __init__(self, name: str, params: BaseModel, context: PluginContext) -> None:
@@ -98,19 +103,46 @@ class ResponseAffinityScorer(Scorer):
         if self.metrics is not None:
             self.metrics.response_affinity.labels(outcome).inc()
 
+    def candidate_holder(
+        self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
+    ) -> int | None:
+        """The holder's index in `endpoints` (counted and noted in `cycle`), else None."""
+        holder = self.holder_of(request)
+        if holder is None:
+            return None
+        for i, endpoint in enumerate(endpoints):
+            if endpoint.key == holder:
+                self.found += 1
+                self._count("holder")
+                cycle[HOLDER] = holder
+                return i
+        self.filtered += 1
+        self._count("filtered")
+        log.debug("request %s: holder %s is not a candidate", request.request_id, holder)
+        return None
+
+
+@register
+class ResponseAffinityFilter(_ResponseAffinity, Filter):
+    """Only the endpoint that produced ``previous_response_id``, when it is a candidate."""
+
+    type_name = "response-affinity-filter"
+
+    def filter(
+        self, cycle: CycleState, request: InferenceRequest, endpoints: list[EndpointState]
+    ) -> list[EndpointState]:
+        index = self.candidate_holder(cycle, request, endpoints)
+        return endpoints if index is None else [endpoints[index]]
+
+
+@register
+class ResponseAffinityScorer(_ResponseAffinity, Scorer):
+    """1 for the endpoint that produced ``previous_response_id``, 0 for the others."""
+
+    type_name = "response-affinity-scorer"
+
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> list[float]:
-        holder = self.holder_of(request)
-        if holder is None:
-            return [0.0] * len(endpoints)
-        scores = [1.0 if e.key == holder else 0.0 for e in endpoints]
-        if 1.0 in scores:
-            self.found += 1
-            self._count("holder")
-            cycle[HOLDER] = holder
-        else:
-            self.filtered += 1
-            self._count("filtered")
-            log.debug("request %s: holder %s is not a candidate", request.request_id, holder)
-        return scores
+        index = self.candidate_holder(cycle, request, endpoints)
+        return [1.0 if i == index else 0.0 for i in range(len(endpoints))]
