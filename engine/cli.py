@@ -35,6 +35,11 @@ def serve(
     kv_events_port: int | None = typer.Option(
         None, "--kv-events-port", help="Publish KV events (vLLM's format) on this ZMQ PUB port."
     ),
+    kv_events_replay_port: int | None = typer.Option(
+        None,
+        "--kv-events-replay-port",
+        help="Serve vLLM's KV events replay socket (ZMQ ROUTER) on this port.",
+    ),
     kv_events_config: str | None = typer.Option(
         None,
         "--kv-events-config",
@@ -170,6 +175,7 @@ def serve(
         device=device,
         simulate=simulate,
         kv_events_port=kv_events_port,
+        kv_events_replay_port=kv_events_replay_port,
         kv_events_config=kv_events_config,
         kv_transfer_config=kv_transfer_config,
         kv_transfer_bandwidth_gbps=kv_transfer_bandwidth_gbps,

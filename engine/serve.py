@@ -37,6 +37,7 @@ class ServeOptions:
     device: str = "auto"
     simulate: bool = False
     kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None  # ZMQ ROUTER: vLLM's replay socket
     kv_events_config: str | None = None  # vLLM's JSON form (endpoint, topic, …)
     kv_transfer_config: str | None = None  # vLLM's JSON form (engine/kv_transfer/config.py)
     kv_transfer_bandwidth_gbps: float | None = None
@@ -169,6 +170,52 @@ def filler_token_ids(tokenizer: Any) -> list[int]:
     return out or [t for t in range(tokenizer.vocab_size) if t not in skip]
 
 
+def _kv_events_publisher(opts: ServeOptions) -> Any:
+    """The KV events publisher the options ask for (with its replay socket), or None.
+
+    ``--kv-events-port`` / ``--kv-events-replay-port`` bind on ``--host`` and win over the
+    endpoints of ``--kv-events-config``, whose other fields (topic, hwm, buffer_steps)
+    count whenever the JSON is given.
+    """
+    from infergate.engine.kv_events import (
+        KVEventsConfig,
+        ZmqEventPublisher,
+        bind_endpoint,
+        is_bind_endpoint,
+    )
+
+    config = KVEventsConfig()
+    if opts.kv_events_config is not None:
+        try:
+            config = KVEventsConfig.parse(opts.kv_events_config)
+        except ValueError as error:
+            raise ServeError(str(error)) from None
+    endpoint = config.endpoint if config.active else None
+    bind = None  # --kv-events-config's endpoint: vLLM's rule (a wildcard binds)
+    if opts.kv_events_port is not None:  # on --host, like the HTTP server
+        endpoint, bind = bind_endpoint(opts.host, opts.kv_events_port), True
+    replay = config.replay_endpoint
+    if opts.kv_events_replay_port is not None:
+        replay = bind_endpoint(opts.host, opts.kv_events_replay_port)
+    if endpoint is None:
+        if replay is not None:
+            log.warning("KV events replay needs a publisher (--kv-events-port); not served")
+        return None
+    try:
+        events = ZmqEventPublisher(
+            endpoint, topic=config.topic, hwm=config.hwm, bind=bind,
+            replay_endpoint=replay, buffer_steps=config.buffer_steps,
+        )  # fmt: skip
+    except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
+        where = endpoint if replay is None else f"{endpoint} (replay {replay})"
+        raise ServeError(f"cannot open KV events endpoint {where}: {error}") from None
+    verb = "bound to" if bind or is_bind_endpoint(endpoint) else "connected to"
+    log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, config.topic)
+    if replay is not None:
+        log.info("KV events replay on %s (last %d batches)", replay, config.buffer_steps)
+    return events
+
+
 def build(opts: ServeOptions) -> Any:
     """Load tokenizer and runner, build core + async engine + FastAPI app; return the app."""
     import prometheus_client
@@ -176,12 +223,6 @@ def build(opts: ServeOptions) -> Any:
     from infergate.engine.core import EngineCore
     from infergate.engine.entrypoints.api_server import build_app
     from infergate.engine.entrypoints.config import ServerConfig
-    from infergate.engine.kv_events import (
-        KVEventsConfig,
-        ZmqEventPublisher,
-        bind_endpoint,
-        is_bind_endpoint,
-    )
     from infergate.engine.metrics import EngineMetrics, SimulatorCollector
     from infergate.engine.scheduler import SchedulerConfig
     from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
@@ -274,27 +315,7 @@ def build(opts: ServeOptions) -> Any:
     )  # fmt: skip
     if opts.simulate:
         metrics.registry.register(SimulatorCollector(runner))
-    events = None
-    endpoint, topic, hwm = None, "", 100_000
-    if opts.kv_events_config is not None:
-        try:
-            kv_config = KVEventsConfig.parse(opts.kv_events_config)
-        except ValueError as error:
-            raise ServeError(str(error)) from None
-        if kv_config.active:
-            endpoint, topic, hwm = kv_config.endpoint, kv_config.topic, kv_config.hwm
-        if kv_config.replay_endpoint is not None:
-            log.warning("KV events replay_endpoint is not supported; ignored")
-    bind = None  # --kv-events-config's endpoint: vLLM's rule (a wildcard binds)
-    if opts.kv_events_port is not None:  # on --host, like the HTTP server
-        endpoint, bind = bind_endpoint(opts.host, opts.kv_events_port), True
-    if endpoint is not None:
-        try:
-            events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm, bind=bind)
-        except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
-            raise ServeError(f"cannot open KV events endpoint {endpoint}: {error}") from None
-        verb = "bound to" if bind or is_bind_endpoint(endpoint) else "connected to"
-        log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, topic)
+    events = _kv_events_publisher(opts)
     core = EngineCore(
         runner,
         SchedulerConfig(
