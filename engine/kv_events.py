@@ -105,7 +105,9 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"unsupported KV events publisher {config.publisher!r} (zmq, null)")
         if config.buffer_steps < 1:
-            raise ValueError(f"KV events buffer_steps must be at least 1, got {config.buffer_steps}")
+            raise ValueError(
+                f"KV events buffer_steps must be at least 1, got {config.buffer_steps}"
+            )
         if config.hwm < 0:
             raise ValueError(f"KV events hwm must not be negative, got {config.hwm}")
         return config

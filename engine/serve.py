@@ -355,6 +355,7 @@ def build(opts: ServeOptions) -> Any:
     app = build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
     if opts.completion_events_port is not None:
         from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
+        from infergate.engine.kv_events import bind_endpoint
 
         endpoint = bind_endpoint(opts.host, opts.completion_events_port)  # on --host
         try:
