@@ -217,6 +217,11 @@ class ZmqEventPublisher(ZmqPublisher):
             self._replay.close()
 
 
+def _first_few(n: int) -> bool:
+    """Log the 1st-3rd and every 1000th occurrence: a client may send anything, often."""
+    return n <= 3 or n % 1000 == 0
+
+
 class ReplayServer:
     """vLLM's KV-events replay socket: a ROUTER that answers "batches from seq N on".
 
@@ -256,7 +261,8 @@ class ReplayServer:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.bad_requests = 0
+        self.bad_requests = 0  # malformed requests (counted for the rate-limited log)
+        self.abandoned = 0  # replies cut short by a client that left or stopped reading
         self._thread = threading.Thread(target=self._run, name="kv-events-replay", daemon=True)
         self._thread.start()
 
@@ -280,10 +286,11 @@ class ReplayServer:
                 if not self._sock.poll(self.poll_ms):
                     continue
                 self._answer(self._sock.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:  # a client stopped reading, or the poll was spurious
-                log.warning("KV events replay: a client stopped reading; reply abandoned")
-            except zmq.ZMQError as error:  # EHOSTUNREACH: the client went away mid-reply
-                log.warning("KV events replay: reply abandoned: %s", error)
+            except zmq.ZMQError as error:  # EAGAIN: it stopped reading; EHOSTUNREACH: gone
+                self.abandoned += 1
+                if _first_few(self.abandoned):
+                    log.warning("KV events replay: reply abandoned (%s); %d so far", error,
+                                self.abandoned)  # fmt: skip
             except Exception:  # never let one request end replay for everyone
                 log.exception("KV events replay failed")
         self._sock.close(linger=0)
@@ -303,7 +310,7 @@ class ReplayServer:
         if len(request) == 1 and len(request[0]) == SEQ_SIZE:
             return int.from_bytes(request[0], "big")
         self.bad_requests += 1
-        if self.bad_requests <= 3 or self.bad_requests % 1000 == 0:
+        if _first_few(self.bad_requests):
             log.warning(
                 "KV events replay: malformed request (%d frames, sizes %s; want one %d-byte "
                 "sequence number); %d so far",
