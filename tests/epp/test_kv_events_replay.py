@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -135,7 +136,7 @@ def gaps(epp, result: str) -> float:
 
 async def run_with_a_gap(
     epp_factory, relay: LossyRelay, port: int, labels: tuple[tuple[str, str], ...]
-) -> tuple[object, object]:
+) -> tuple[Any, Any]:
     """Prompt 0 reaches the EPP; prompts 1-3 are lost (and evict prompt 0's blocks);
     prompt 4 arrives after the gap. Returns (epp, plugin) once prompt 4 is in the relay."""
     host, _, engine_port = relay.key.rpartition(":")

@@ -154,7 +154,7 @@ def test_hostile_clients_leave_replay_and_serving_up(engine: Engine) -> None:
         sock.close(linger=200)  # the request leaves; the reply finds nobody
     time.sleep(0.5)
 
-    assert engine.process.alive and engine.healthy()
+    assert engine.process.alive() and engine.healthy()
     engine.complete("still serving after all that")
     replies = ask(engine, b"", encode_seq(live[0][0]))
     assert replies[-1] == [b"", END_OF_REPLAY, b""]
