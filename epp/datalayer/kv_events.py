@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -168,6 +168,20 @@ class _Cursor:
 
     applied: int | None = None  # the last seq applied to the index (None: none yet)
     live: int | None = None  # the last seq received on the SUB socket
+    # seq → hash(payload) of replayed batches the SUB socket may still deliver: the same
+    # seq with another payload is a restarted engine's, not a duplicate.
+    replayed: dict[int, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.applied = None
+        self.replayed.clear()
+
+    def is_replayed(self, seq: int, payload: bytes) -> bool:
+        """Whether this live batch is one a replay already applied; forgets older ones."""
+        seen = self.replayed.get(seq) == hash(payload)
+        while self.replayed and next(iter(self.replayed)) <= seq:
+            del self.replayed[next(iter(self.replayed))]
+        return seen
 
 
 def _contiguous(batches: Sequence[Batch], first: int) -> list[Batch]:
@@ -234,10 +248,23 @@ class KVEventSubscriptions(ZmqSubscriptions):
         socket.connect(self.address(endpoint))
         cursor = _Cursor()
         try:
+            await self._join(endpoint, cursor)
             while True:
                 await self._receive(endpoint, await socket.recv_multipart(), cursor)
         finally:
             socket.close(0)
+
+    async def _join(self, endpoint: Endpoint, cursor: _Cursor) -> None:
+        """Learn what the engine holds already (the EPP restarted, or the endpoint joined the
+        pool late): every batch it still buffers, from 0 on. A buffer that no longer starts
+        at 0 gives part of the truth (see :meth:`_catch_up`), never more."""
+        if self.replay_address(endpoint) is None:
+            return
+        batches = await self._replay(endpoint, 0)
+        if batches:
+            self._apply_run(endpoint.key, _contiguous(batches, batches[0][0]), cursor)
+            log.info("KV events of %s: joined with batches %d-%d replayed", endpoint.key,
+                     batches[0][0], cursor.applied)  # fmt: skip
 
     async def _receive(self, endpoint: Endpoint, frames: list[bytes], cursor: _Cursor) -> None:
         """Apply one live message in sequence, filling any gap before it first."""
@@ -245,11 +272,14 @@ class KVEventSubscriptions(ZmqSubscriptions):
         if seq is None:  # not vLLM's framing: applied as it comes, without tracking
             self._apply(endpoint.key, frames[-1])
             return
-        if cursor.live is not None and seq <= cursor.live:
+        replayed = cursor.is_replayed(seq, frames[2])
+        if (cursor.live is not None and seq <= cursor.live) or (
+            cursor.applied is not None and seq <= cursor.applied and not replayed
+        ):
             # A new publisher (the engine restarted): its numbering starts again.
             log.info("KV events of %s restarted at seq %d; index rebuilt", endpoint.key, seq)
             self.index.cleared(endpoint.key)
-            cursor.applied = None
+            cursor.reset()
         cursor.live = seq
         if cursor.applied is not None and seq <= cursor.applied:
             return  # a replay already brought this batch
@@ -263,9 +293,9 @@ class KVEventSubscriptions(ZmqSubscriptions):
 
     async def _catch_up(self, endpoint: Endpoint, expected: int, seq: int, cursor: _Cursor) -> None:
         """Batches ``expected … seq - 1`` never arrived: replay them, or drop the endpoint's
-        entries. A subscription that just started (nothing applied yet) replays from 0 to
-        learn what the engine already holds; that is no gap, so it is neither counted nor
-        cleared."""
+        entries. With nothing applied yet (no replay answered at :meth:`_join`) the
+        subscription replays from 0 to learn what the engine holds; that is no gap, so it
+        is neither counted nor cleared."""
         joining = cursor.applied is None
         batches = await self._replay(endpoint, expected)
         run = _contiguous(batches, expected)
@@ -287,13 +317,18 @@ class KVEventSubscriptions(ZmqSubscriptions):
             run = _contiguous(batches, batches[0][0]) if batches else []
             if not (run and run[0][0] <= seq <= run[-1][0] + 1):
                 run = []
-        for batch_seq, payload in run:
-            self._apply(endpoint.key, payload)
-            cursor.applied = batch_seq
-        if self.metrics is not None and run:
-            self.metrics.kv_events_replayed.inc(len(run))
+        self._apply_run(endpoint.key, run, cursor)
         if cursor.applied is None or cursor.applied < seq - 1:
             cursor.applied = seq - 1
+
+    def _apply_run(self, endpoint_key: str, run: Sequence[Batch], cursor: _Cursor) -> None:
+        """Apply replayed batches (consecutive, in order) and move the cursor past them."""
+        for seq, payload in run:
+            self._apply(endpoint_key, payload)
+            cursor.applied = seq
+            cursor.replayed[seq] = hash(payload)
+        if self.metrics is not None and run:
+            self.metrics.kv_events_replayed.inc(len(run))
 
     async def _replay(self, endpoint: Endpoint, start: int) -> list[Batch]:
         """The batches from ``start`` on that the engine's replay socket still holds

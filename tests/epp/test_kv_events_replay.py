@@ -109,11 +109,17 @@ async def complete(port: int, tokens: list[int]) -> None:
 
 
 def start_engine(
-    processes: ProcessGroup, cli: list[str], model: Path, *extra: str
+    processes: ProcessGroup,
+    cli: list[str],
+    model: Path,
+    *extra: str,
+    ports: tuple[int, int, int] | None = None,
 ) -> tuple[int, int, int]:
-    port, kv_port, replay_port = free_port(), free_port(), free_port()
+    """A simulated engine with 32 KV blocks; (HTTP, KV events, replay) ports, free ones
+    unless given (a restart on the same address)."""
+    port, kv_port, replay_port = ports or (free_port(), free_port(), free_port())
     processes.start(
-        f"engine-replay-{port}",
+        f"engine-replay-{port}-{len(list(processes))}",
         [
             *cli, "engine", "serve", str(model), "--port", str(port),
             "--served-model-name", "tiny", "--simulate", "--block-size", str(BLOCK),
@@ -219,3 +225,29 @@ async def test_an_unfillable_gap_drops_the_endpoints_entries(
     finally:
         await relay.close()
         context.term()
+
+
+async def test_a_late_epp_learns_the_engines_blocks_and_an_engine_restart_replaces_them(
+    processes, infergate_cli, tiny_model, epp_factory
+) -> None:
+    """An EPP (re)started after the engine has stored blocks learns them from the replay
+    socket at once, with no new traffic; an engine restarted on the same address numbers
+    its batches from 0 again, and the EPP then drops the old engine's blocks."""
+    port, kv_port, replay_port = start_engine(processes, infergate_cli, tiny_model)
+    await complete(port, prompt(0))
+    await complete(port, prompt(1))
+    engine = Endpoint("127.0.0.1", port, ((KV_EVENTS_PORT_LABEL, str(kv_port)),
+                                          (KV_EVENTS_REPLAY_PORT_LABEL, str(replay_port))))  # fmt: skip
+    epp = await epp_factory(static_endpoints=[engine], config=parse_config(CONFIG))
+    index = epp.scheduler.plugins["precise-prefix-cache-scorer"].index
+    both = set(block_hashes(prompt(0), BLOCK)) | set(block_hashes(prompt(1), BLOCK))
+    await eventually(lambda: index.by_endpoint.get(engine.key) == both, timeout=30)
+
+    for process in processes:
+        process.stop()
+    start_engine(processes, infergate_cli, tiny_model, ports=(port, kv_port, replay_port))
+    await asyncio.sleep(0.5)  # the EPP's SUB reconnects (every 100 ms) before the engine publishes
+    await complete(port, prompt(2))
+    fresh = set(block_hashes(prompt(2), BLOCK))
+    await eventually(lambda: index.by_endpoint.get(engine.key) == fresh, timeout=30)
+    assert gaps(epp, "filled") == gaps(epp, "dropped") == 0
