@@ -34,18 +34,8 @@ from infergate.wire.block_hash import block_hashes
 from infergate.wire.kv_events import decode_seq
 
 from .conftest import eventually
+from .test_precise_prefix import CONFIG  # the precise scorer (its blockSize: hashing only)
 
-CONFIG = """
-kind: EndpointPickerConfig
-plugins:
-- type: precise-prefix-cache-scorer
-- type: max-score-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - {pluginRef: precise-prefix-cache-scorer, weight: 1}
-  - pluginRef: max-score-picker
-"""
 BLOCK = 16
 #: Ten full blocks per prompt against a 32-block cache: the fourth prompt evicts the first.
 PROMPT_TOKENS = 10 * BLOCK
