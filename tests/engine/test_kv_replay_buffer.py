@@ -38,7 +38,7 @@ def replay(port: int, start: int) -> list[int]:
     sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send_multipart([b"", encode_seq(start)])
-        seqs = []
+        seqs: list[int] = []
         while True:
             assert sock.poll(5000), "no end marker"
             _, seq, payload = sock.recv_multipart()
