@@ -92,6 +92,9 @@ class ScheduledSeq:
 @dataclass
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
+    # (source, destination) KV block ids to copy before the forward pass: the private
+    # copy of a shared prompt block that an n > 1 sibling is about to write into.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +108,10 @@ class ModelRunner(Protocol):
     num_blocks: int  # KV cache capacity in blocks, fixed after start-up
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """One entry per seq, in order: the sampled token id, or None where sample=False."""
+        """One entry per seq, in order: the sampled token id, or None where sample=False.
+
+        ``batch.block_copies`` are done first (a runner without KV tensors skips them).
+        """
         ...
 
     def release(self, request_id: str) -> None:

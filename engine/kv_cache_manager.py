@@ -101,6 +101,33 @@ class KVCacheManager:
             ids.extend(b.block_id for b in new)
         return True
 
+    def fork(self, child: Request, parent: Request) -> tuple[int, int] | None:
+        """Give ``child`` (same prompt, nothing computed) ``parent``'s prompt KV.
+
+        The parent has computed its whole prompt. Every block before the one holding the
+        last prompt position is shared by reference (its ref count goes up); that last
+        block is where the child writes first — it recomputes the last prompt token to
+        get logits of its own, then appends its own tokens — so it gets a private copy
+        (copy-on-write, done before anything writes). Returns the (source, destination)
+        block ids the runner must copy, or None (nothing taken) when no block is free.
+        ``child.num_computed_tokens`` is set to all but the last prompt token.
+        """
+        num_prompt = child.num_prompt_tokens
+        assert parent.num_computed_tokens >= num_prompt and child.num_computed_tokens == 0
+        parent_table = self._tables[parent.request_id]
+        last = (num_prompt - 1) // self.block_size  # the block the child writes first
+        if self.pool.num_free_blocks < 1:
+            return None
+        shared = parent_table[:last]
+        self.pool.touch(shared)
+        (own,) = self.pool.take_new(1)
+        self._tables[child.request_id] = [*shared, own]
+        self._ids[child.request_id] = [b.block_id for b in shared] + [own.block_id]
+        # The parent committed every full prompt block when it computed them.
+        self._num_committed[child.request_id] = last if self.enable_prefix_caching else 0
+        child.num_computed_tokens = num_prompt - 1
+        return parent_table[last].block_id, own.block_id
+
     def commit_full_blocks(self, request: Request) -> None:
         """Hash and publish every block whose tokens are now all computed."""
         if not self.enable_prefix_caching:

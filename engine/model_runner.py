@@ -195,6 +195,7 @@ class TorchModelRunner:
         """Run the forward pass; logits [num sampled seqs, vocab] of each sampled seq's
         last token (float32), in batch order."""
         self._validate(batch)
+        self._copy_blocks(batch.block_copies)
         seqs = [s for s in batch.seqs if s.token_ids]
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
@@ -227,6 +228,16 @@ class TorchModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked block tables: each destination block gets the source's
+        keys and values in every layer (one indexed copy per layer)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def _chunk_prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor) -> None:
         """Raw logprobs of the prompt tokens that this chunk's positions predict."""

@@ -56,6 +56,8 @@ class _Sampling(_Open):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's scheduling priority (--scheduling-policy priority): lower runs first.
+    priority: int = 0
     # vLLM's P/D field (engine/kv_transfer): do_remote_decode / do_remote_prefill + handles.
     kv_transfer_params: dict[str, Any] | None = None
 

@@ -54,6 +54,12 @@ class Request:
     max_model_len: int | None = None
     skip_special_tokens: bool = True  # in the output text
     arrival_time: float = field(default_factory=time.monotonic)
+    # vLLM's request priority: with --scheduling-policy priority a lower value is
+    # admitted first and preempted last (ties by arrival); fcfs ignores it.
+    priority: int = 0
+    # n > 1: the request whose prompt KV this one shares (a forked block table, see
+    # KVCacheManager.fork); None for a request that prefills its own prompt.
+    fork_parent: Request | None = None
     # Structured output: the request's grammar matcher (None: unconstrained).
     grammar: GrammarState | None = None
 

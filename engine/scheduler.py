@@ -1,20 +1,29 @@
 """Continuous batching with a per-step token budget (vLLM V1's scheduling, simplified).
 
 Every step, running requests go first — a decode costs one token, a partly prefilled
-prompt continues with its next chunk — then waiting requests are admitted FCFS while the
-token budget, ``max_num_seqs`` and free KV blocks allow; a prompt longer than what is left
-of the budget is prefilled in chunks over several steps. There is no separate prefill
-phase: "tokens to compute" is simply ``num_tokens - num_computed_tokens``. When a
-running request cannot get a block, the most recently admitted request is preempted: its
-blocks are freed (their cached hashes survive, so its recompute usually hits the prefix
-cache) and it goes back to the head of the waiting queue.
+prompt continues with its next chunk — then waiting requests are admitted in queue order
+while the token budget, ``max_num_seqs`` and free KV blocks allow; a prompt longer than
+what is left of the budget is prefilled in chunks over several steps. There is no
+separate prefill phase: "tokens to compute" is simply ``num_tokens -
+num_computed_tokens``. When a running request cannot get a block, a running request is
+preempted (the policy picks which, below): its blocks are freed (their cached hashes
+survive, so its recompute usually hits the prefix cache) and it goes back to the waiting
+queue.
+
+``--scheduling-policy`` (vLLM's flag) orders the waiting queue (waiting_queue.py)
+and picks the preemption victim: under ``fcfs`` the most recently admitted request, under
+``priority`` the running request with the highest ``(priority, arrival_time)``, i.e. the
+least important and, among equals, the latest.
+
+``n > 1`` forks the block table: the extra sequences of a request wait until the first has
+computed the prompt, then share its prompt blocks (``KVCacheManager.fork``) and compute
+only the last prompt token themselves; the block copy that takes is carried in the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +31,7 @@ from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
 from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.request import Request, RequestStatus
 from infergate.engine.sampler import bad_word_blocks
+from infergate.engine.waiting_queue import SchedulingPolicy, WaitingQueue, priority_key
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # Distinct LoRA adapters the running batch may hold (vLLM's --max-loras; 0: no LoRA).
     max_loras: int = 0
+    # vLLM's --scheduling-policy: fcfs, or priority (lower request priority first).
+    policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -50,7 +62,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -61,7 +73,7 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Move a request to a finished state and give its blocks back."""
@@ -105,7 +117,12 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request, n):
-                victim = self.running.pop()  # last admitted goes first
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # (priority) already scheduled this step: take it back out
+                    i -= 1
+                    budget += _unschedule(chosen, victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -117,14 +134,36 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing later can fit either
 
+        copies: list[tuple[int, int]] = []
         if not preempted:
-            loras = self.running_loras()
-            skipped: list[Request] = []  # waiting on an adapter slot; keep their places
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
-                if not self._lora_fits(request, loras):
-                    skipped.append(self.waiting.popleft())
-                    continue
+            budget = self._admit(chosen, copies, budget)
+
+        seqs = [self._seq(request, n) for request, n in chosen]
+        batch = ScheduledBatch(seqs, block_copies=copies)
+        return SchedulerOutput(batch, [r for r, _ in chosen], preempted)
+
+    def _admit(
+        self, chosen: list[tuple[Request, int]], copies: list[tuple[int, int]], budget: int
+    ) -> int:
+        """Move waiting requests, in queue order, into the running batch while the budget,
+        ``max_num_seqs`` and free blocks allow; returns the budget left."""
+        loras = self.running_loras()
+        skipped: list[Request] = []  # to be admitted later; they keep their places
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            if not self._lora_fits(request, loras) or self._fork_pending(request):
+                skipped.append(self.waiting.pop())
+                continue
+            parent = request.fork_parent
+            if parent is not None and self._forkable(request, parent):
+                copy = self.kv.fork(request, parent)
+                if copy is None:
+                    break
+                copies.append(copy)
+                # Not a prefix-cache lookup: the sibling reports its prompt's hit.
+                local_hit = max(parent.num_cached_tokens, 0)
+                n = 1
+            else:
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = cached.num_tokens(self.kv.block_size)
                 n = min(request.num_tokens - num_cached, budget)
@@ -132,23 +171,48 @@ class Scheduler:
                 if not self.kv.allocate(request, n, cached):
                     request.num_computed_tokens = 0
                     break
-                self.waiting.popleft()
                 # Tokens a P/D transfer provided are not local prefix-cache hits.
                 local_hit = max(0, num_cached - request.num_external_tokens)
                 self.kv.record_lookup(request.num_tokens, local_hit)
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = local_hit
-                    request.scheduled_time = time.monotonic()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                if request.lora is not None:
-                    loras.add(request.lora.name)
-                chosen.append((request, n))
-                budget -= n
-            self.waiting.extendleft(reversed(skipped))
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = local_hit
+                request.scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if request.lora is not None:
+                loras.add(request.lora.name)
+            chosen.append((request, n))
+            budget -= n
+        self.waiting.requeue(skipped)
+        return budget
 
-        seqs = [self._seq(request, n) for request, n in chosen]
-        return SchedulerOutput(ScheduledBatch(seqs), [r for r, _ in chosen], preempted)
+    def _victim(self) -> Request:
+        """The running request to preempt: the last admitted (fcfs), or the one with the
+        highest (priority, arrival) — least important, latest among equals (priority)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
+
+    def _fork_pending(self, request: Request) -> bool:
+        """An n > 1 sibling waits while the sequence it forks from has its prompt to
+        compute (so the prompt is computed once, not once per sibling)."""
+        parent = request.fork_parent
+        if parent is None or request.num_computed_tokens or request.num_preemptions:
+            return False
+        live = self.requests.get(parent.request_id) is parent
+        return live and parent.num_computed_tokens < parent.num_prompt_tokens
+
+    def _forkable(self, request: Request, parent: Request) -> bool:
+        """Share the parent's prompt blocks: it is running with its prompt computed and
+        this sibling never ran (after a preemption the prefix cache does the sharing)."""
+        return (
+            parent.status is RequestStatus.RUNNING
+            and parent.num_computed_tokens >= parent.num_prompt_tokens
+            and request.num_computed_tokens == 0
+            and request.num_preemptions == 0
+            and self.requests.get(parent.request_id) is parent
+        )
 
     def running_loras(self) -> set[str]:
         """Names of the adapters the running requests use."""
@@ -189,7 +253,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue([request])
 
     def update_after_step(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
         """Advance computed counts, append sampled tokens, commit full blocks.
@@ -206,6 +270,12 @@ class Scheduler:
                 request.append_output_token(token)
                 got_token.append(request)
         return got_token
+
+
+def _unschedule(chosen: list[tuple[Request, int]], request: Request) -> int:
+    """Drop ``request`` from this step's batch; the tokens it was given."""
+    at = next(k for k, (r, _) in enumerate(chosen) if r is request)
+    return chosen.pop(at)[1]
 
 
 def _sampling_state(request: Request) -> dict[str, Any]:

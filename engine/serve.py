@@ -7,12 +7,15 @@ import logging
 import os
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from infergate.engine.sim_runner import TimingModel
 from infergate.engine.tool_parsers import PARSERS
+from infergate.engine.waiting_queue import POLICIES, SchedulingPolicy
+
+from infergate.options import argument, option, options_group
 
 log = logging.getLogger("infergate.engine")
 
@@ -23,44 +26,190 @@ class ServeError(RuntimeError):
 
 @dataclass
 class ServeOptions:
-    model_dir: Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: list[str] = field(default_factory=list)
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    load_format: str = "auto"
-    dtype: str = "auto"
-    device: str = "auto"
-    simulate: bool = False
-    kv_events_port: int | None = None
-    kv_events_replay_port: int | None = None  # ZMQ ROUTER: vLLM's replay socket
-    kv_events_config: str | None = None  # vLLM's JSON form (endpoint, topic, …)
-    kv_transfer_config: str | None = None  # vLLM's JSON form (engine/kv_transfer/config.py)
-    kv_transfer_bandwidth_gbps: float | None = None
-    completion_events_port: int | None = None  # ZMQ PUB of completion records (ours)
-    api_key: str | None = None
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = True
-    timing: TimingModel = field(default_factory=TimingModel)
-    sim_default_max_tokens: int = 256
-    generation_config: str = "auto"  # auto | vllm | DIR
-    chat_template: str | None = None  # a path or the template itself
-    tokenizer: Path | None = None  # --tokenizer: a directory with tokenizer.json
-    tensor_parallel_size: int = 1
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    dev_mode: bool = False  # --enable-dev-endpoints (or VLLM_SERVER_DEV_MODE=1)
-    enable_lora: bool = False
-    lora_modules: list[str] = field(default_factory=list)  # name=path or vLLM's JSON
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    sim_lora_load_ms: float = 25.0
-    log_level: str = "info"
+    """``infergate engine serve``'s options: each field is one flag (infergate.options).
+
+    Adding a flag is adding a field here with :func:`option`; ``engine/cli.py`` generates
+    the command from these fields, and ``vllm_args`` reads the flags from that command.
+    """
+
+    model_dir: Path = argument(
+        metavar="MODEL_DIR",
+        help="A local Hugging Face model directory, a .gguf file (or a directory holding "
+        "one), or the name of a fetched model (smollm2).",
+    )
+    host: str = option("--host", default="127.0.0.1", help="Address to listen on.")
+    port: int = option("--port", default=8000, help="HTTP port.")
+    served_model_name: list[str] = option(
+        "--served-model-name",
+        default_factory=list,
+        help="Name(s) clients use; default: MODEL_DIR.",
+    )
+    block_size: int = option("--block-size", default=16, min=1, help="Tokens per KV block.")
+    max_num_seqs: int = option(
+        "--max-num-seqs", default=256, min=1, help="Sequences in one batch at most."
+    )
+    max_num_batched_tokens: int = option(
+        "--max-num-batched-tokens", default=2048, min=1, help="Tokens in one step at most."
+    )
+    max_model_len: int | None = option(
+        "--max-model-len", default=None, help="Context length; default: the model's."
+    )
+    gpu_memory_utilization: float = option(
+        "--gpu-memory-utilization",
+        default=0.9,
+        help="Share of the device's memory for weights and KV cache.",
+    )
+    load_format: str = option(
+        "--load-format", default="auto", help="auto, safetensors, gguf or dummy."
+    )
+    dtype: str = option(
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's on CUDA, float32 on CPU), float32, float16 or bfloat16.",
+    )
+    device: str = option("--device", default="auto", help="auto, cpu or cuda.")
+    simulate: bool = option(
+        "--simulate",
+        default=False,
+        help="Timing model instead of a forward pass (no GPU needed).",
+    )
+    kv_events_port: int | None = option(
+        "--kv-events-port",
+        default=None,
+        help="Publish KV events (vLLM's format) on this ZMQ PUB port.",
+    )
+    kv_events_replay_port: int | None = option(
+        "--kv-events-replay-port",
+        default=None,
+        help="Serve vLLM's KV events replay socket (ZMQ ROUTER) on this port.",
+    )
+    kv_events_config: str | None = option(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://epp:5557", "topic": "kv@pod@model"}\' '
+        "(a concrete host connects, a * binds).",
+    )
+    kv_transfer_config: str | None = option(
+        "--kv-transfer-config",
+        default=None,
+        help="vLLM's KV transfer JSON for prefill/decode disaggregation, e.g. "
+        '\'{"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": 14579}\' '
+        "(engine/kv_transfer/config.py).",
+    )
+    kv_transfer_bandwidth_gbps: float | None = option(
+        "--kv-transfer-bandwidth-gbps",
+        default=None,
+        min=0,
+        help="Model a KV transfer link of this bandwidth (a pull lasts at least "
+        "bytes x 8 / bandwidth); how simulated mode prices a transfer.",
+    )
+    completion_events_port: int | None = option(
+        "--completion-events-port",
+        default=None,
+        help="Publish one completion record per EPP-routed request (ZMQ PUB on this port; "
+        "the Endpoint Picker's response accounting without response bodies).",
+    )
+    api_key: str | None = option(
+        "--api-key",
+        default=None,
+        envvar="INFERGATE_API_KEY",
+        help="Require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and "
+        "/reset_prefix_cache (/health, /metrics and /version stay open); a decode engine "
+        "also sends it to its prefill engine.",
+    )
+    num_gpu_blocks_override: int | None = option(
+        "--num-gpu-blocks-override", default=None, min=1, help="KV cache size in blocks."
+    )
+    enable_prefix_caching: bool = option(
+        "--enable-prefix-caching/--no-enable-prefix-caching",
+        default=True,
+        help="Reuse the KV of a cached prompt prefix.",
+    )
+    scheduling_policy: str = option(
+        "--scheduling-policy",
+        default="fcfs",
+        help="fcfs (arrival order) or priority (the request's priority field, lower first; "
+        "ties by arrival), as vLLM's flag.",
+    )
+    timing: TimingModel = options_group(TimingModel)
+    """Simulated mode's step time (the ``--sim-*`` options)."""
+    sim_default_max_tokens: int = option(
+        "--sim-default-max-tokens",
+        default=256,
+        min=1,
+        help="Simulated mode: output length when a request gives no max_tokens (no EOS).",
+    )
+    generation_config: str = option(
+        "--generation-config",
+        default="auto",
+        help="Request defaults: auto (MODEL_DIR's generation_config.json), vllm (none), "
+        "or a directory holding a generation_config.json.",
+    )
+    chat_template: str | None = option(
+        "--chat-template",
+        default=None,
+        help="A Jinja chat template: a file path or the template.",
+    )
+    tokenizer: Path | None = option(
+        "--tokenizer",
+        default=None,
+        help="A directory with tokenizer.json (and tokenizer_config.json) to use instead of "
+        "MODEL_DIR's, or of the one a GGUF carries.",
+    )
+    tensor_parallel_size: int = option(
+        "--tensor-parallel-size",
+        "-tp",
+        default=1,
+        min=1,
+        help="Only 1 (one device) is supported.",
+    )
+    trust_remote_code: bool = option(
+        "--trust-remote-code",
+        default=False,
+        help="Accepted for vLLM parity; no remote code is run.",
+    )
+    disable_log_requests: bool = option(
+        "--disable-log-requests",
+        default=False,
+        help="Accepted for vLLM parity (requests are not logged).",
+    )
+    enable_auto_tool_choice: bool = option(
+        "--enable-auto-tool-choice",
+        default=False,
+        help="Let the model choose to call tools (tool_choice auto); needs --tool-call-parser.",
+    )
+    tool_call_parser: str | None = option(
+        "--tool-call-parser",
+        default=None,
+        help="How tool calls appear in the model's text: hermes (Hermes/Qwen) or llama3_json.",
+    )
+    dev_mode: bool = option(
+        "--enable-dev-endpoints",
+        default=False,
+        help="Development routes (/reset_prefix_cache), as vLLM's VLLM_SERVER_DEV_MODE=1.",
+    )
+    enable_lora: bool = option("--enable-lora", default=False, help="Serve LoRA adapters.")
+    lora_modules: list[str] = option(
+        "--lora-modules",
+        default_factory=list,
+        help='Adapters to serve: name=path, or JSON {"name": ..., "path": ..., '
+        '"base_model_name": ...}; repeatable, or several after one flag.',
+    )
+    max_loras: int = option("--max-loras", default=1, help="Adapters resident in one batch.")
+    max_lora_rank: int = option("--max-lora-rank", default=16, help="Highest adapter rank.")
+    max_cpu_loras: int | None = option(
+        "--max-cpu-loras",
+        default=None,
+        help="Adapters kept loaded in CPU memory (default: --max-loras).",
+    )
+    sim_lora_load_ms: float = option(
+        "--sim-lora-load-ms",
+        default=25.0,
+        help="Simulated time to load an adapter into a slot (ms).",
+    )
+    log_level: str = option("--log-level", default="info", help="debug, info, warning or error.")
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -101,6 +250,15 @@ def check_vllm_flags(opts: ServeOptions) -> None:
         )
     if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice requires --tool-call-parser to be set")
+    _policy(opts.scheduling_policy)
+
+
+def _policy(value: str) -> SchedulingPolicy:
+    """--scheduling-policy, checked (vLLM's two values)."""
+    for policy in POLICIES:
+        if value == policy:
+            return policy
+    raise ServeError(f"--scheduling-policy {value}: choose one of {', '.join(POLICIES)}")
 
 
 def read_chat_template(value: str) -> str:
@@ -170,6 +328,170 @@ def filler_token_ids(tokenizer: Any) -> list[int]:
     return out or [t for t in range(tokenizer.vocab_size) if t not in skip]
 
 
+def build(opts: ServeOptions) -> Any:
+    """Load tokenizer and runner, build core + async engine + FastAPI app; return the app."""
+    from infergate.engine.async_engine import AsyncEngine
+    from infergate.engine.core import EngineCore
+    from infergate.engine.entrypoints.api_server import build_app
+    from infergate.engine.entrypoints.config import ServerConfig
+    from infergate.engine.scheduler import SchedulerConfig
+
+    check_vllm_flags(opts)
+    lora_modules = _lora_modules(opts)
+    model_dir = resolve_model(opts)
+    if not model_dir.is_dir():
+        raise ServeError(
+            f"model directory {model_dir} does not exist; point MODEL_DIR at a local Hugging "
+            f"Face model, or create a test model with `infergate engine make-tiny-model {model_dir}`"
+        )
+    cfg = _model_config(model_dir)
+    tokenizer = _load_tokenizer(opts, model_dir)
+    defaults = generation_defaults(opts.generation_config, model_dir)
+    if defaults:
+        log.info("request defaults from generation_config.json: %s", defaults)
+    names = opts.served_model_name or [str(opts.model_dir)]
+    config_len = int(cfg.get("max_position_embeddings") or 2048)
+    if opts.max_model_len is not None and opts.max_model_len > config_len:
+        raise ServeError(
+            f"--max-model-len {opts.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({config_len})"
+        )
+    runner, max_model_len = _runner(opts, model_dir, tokenizer, config_len)
+    lora = _attach_lora(opts, runner, lora_modules)
+    max_model_len = _fit_in_kv_cache(opts, runner, max_model_len)
+
+    metrics = _engine_metrics(opts, names[0], runner, max_model_len)
+    core = EngineCore(
+        runner,
+        SchedulerConfig(
+            max_num_seqs=opts.max_num_seqs,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_loras=opts.max_loras if lora is not None else 0,
+            policy=_policy(opts.scheduling_policy),
+        ),
+        tokenizer=tokenizer,
+        enable_prefix_caching=opts.enable_prefix_caching,
+        metrics=metrics,
+        kv_events=_kv_events_publisher(opts),
+        lora=lora,
+    )
+    engine = AsyncEngine(core)
+    kv_transfer = _kv_transfer(opts, core, runner, metrics, names[0], engine)
+    server_config = ServerConfig(
+        served_model_names=names,
+        model_dir=str(model_dir),
+        max_model_len=max_model_len,
+        vocab_size=max(int(cfg.get("vocab_size") or 0), tokenizer.vocab_size),
+        api_key=opts.api_key,
+        default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
+        supports_logprobs=not opts.simulate,
+        structured_output=not opts.simulate,
+        enable_auto_tool_choice=opts.enable_auto_tool_choice,
+        tool_call_parser=opts.tool_call_parser,
+        generation_defaults=defaults,
+        dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        scheduling_policy=opts.scheduling_policy,
+    )
+    log.info(
+        "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "
+        "max_num_seqs=%d max_num_batched_tokens=%d",
+        names[0], max_model_len, runner.num_blocks, runner.block_size,
+        opts.max_num_seqs, opts.max_num_batched_tokens,
+    )  # fmt: skip
+    app = build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
+    _report_completions(opts, app)
+    return app
+
+
+def _engine_metrics(opts: ServeOptions, model_name: str, runner: Any, max_model_len: int) -> Any:
+    """vLLM's Prometheus series (plus the simulator's own in simulated mode)."""
+    import prometheus_client
+    from infergate.engine.metrics import EngineMetrics, SimulatorCollector
+
+    # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
+    prometheus_client.disable_created_metrics()
+    metrics = EngineMetrics(
+        model_name, block_size=runner.block_size, num_gpu_blocks=runner.num_blocks,
+        max_model_len=max_model_len,
+    )  # fmt: skip
+    if opts.simulate:
+        metrics.registry.register(SimulatorCollector(runner))
+    return metrics
+
+
+def _load_tokenizer(opts: ServeOptions, model_dir: Path) -> Any:
+    """``--tokenizer`` (else MODEL_DIR's), with ``--chat-template`` applied."""
+    from infergate.engine.tokenizer import Tokenizer, TokenizerError
+
+    tokenizer_dir = opts.tokenizer or model_dir
+    try:
+        tokenizer = Tokenizer(tokenizer_dir)
+    except (TokenizerError, ValueError, OSError) as error:
+        raise ServeError(f"cannot load the tokenizer from {tokenizer_dir}: {error}") from None
+    if opts.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(opts.chat_template)
+    return tokenizer
+
+
+def _runner(
+    opts: ServeOptions, model_dir: Path, tokenizer: Any, config_len: int
+) -> tuple[Any, int]:
+    """The model runner (simulated, or torch on ``--device``) and its max_model_len."""
+    if opts.simulate:
+        from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
+
+        num_blocks = opts.num_gpu_blocks_override or default_num_blocks(
+            opts.block_size, opts.gpu_memory_utilization
+        )
+        runner = SimulatedRunner(
+            block_size=opts.block_size,
+            num_blocks=num_blocks,
+            filler_token_ids=filler_token_ids(tokenizer),
+            timing=opts.timing,
+        )
+        log.info("simulated mode: %s, %d KV blocks of %d tokens", opts.timing, num_blocks,
+                 opts.block_size)  # fmt: skip
+        return runner, opts.max_model_len or config_len
+    try:
+        from infergate.engine.model_runner import TorchModelRunner
+    except ImportError as error:
+        raise ServeError(f"the model runner is not available: {error}") from None
+    log.info("loading %s (device=%s, dtype=%s, load_format=%s)", model_dir, opts.device,
+             opts.dtype, opts.load_format)  # fmt: skip
+    try:
+        torch_runner = TorchModelRunner.from_model_dir(
+            model_dir,
+            block_size=opts.block_size,
+            num_blocks=opts.num_gpu_blocks_override,
+            dtype=opts.dtype,
+            device=opts.device,
+            load_format=opts.load_format,
+            max_model_len=opts.max_model_len,
+            max_num_batched_tokens=opts.max_num_batched_tokens,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+        )
+    except (ValueError, KeyError, OSError, RuntimeError) as error:
+        raise ServeError(f"cannot load {model_dir}: {error}") from None
+    tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(torch_runner.eos_token_ids)
+    return torch_runner, int(torch_runner.max_model_len)
+
+
+def _fit_in_kv_cache(opts: ServeOptions, runner: Any, max_model_len: int) -> int:
+    """max_model_len, lowered to the KV cache's capacity unless ``--max-model-len`` asked
+    for more (then a clear refusal)."""
+    capacity = runner.num_blocks * runner.block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if opts.max_model_len is not None:
+        raise ServeError(
+            f"--max-model-len {max_model_len} does not fit in the KV cache "
+            f"({runner.num_blocks} blocks x {runner.block_size} = {capacity} tokens)"
+        )
+    log.warning("max_model_len lowered from %d to the KV capacity %d", max_model_len, capacity)
+    return capacity
+
+
 def _kv_events_publisher(opts: ServeOptions) -> Any:
     """The KV events publisher the options ask for (with its replay socket), or None.
 
@@ -216,155 +538,20 @@ def _kv_events_publisher(opts: ServeOptions) -> Any:
     return events
 
 
-def build(opts: ServeOptions) -> Any:
-    """Load tokenizer and runner, build core + async engine + FastAPI app; return the app."""
-    import prometheus_client
-    from infergate.engine.async_engine import AsyncEngine
-    from infergate.engine.core import EngineCore
-    from infergate.engine.entrypoints.api_server import build_app
-    from infergate.engine.entrypoints.config import ServerConfig
-    from infergate.engine.metrics import EngineMetrics, SimulatorCollector
-    from infergate.engine.scheduler import SchedulerConfig
-    from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
-    from infergate.engine.tokenizer import Tokenizer, TokenizerError
+def _report_completions(opts: ServeOptions, app: Any) -> None:
+    """``--completion-events-port``: one completion record per EPP-routed request."""
+    if opts.completion_events_port is None:
+        return
+    from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
+    from infergate.engine.kv_events import bind_endpoint
 
-    check_vllm_flags(opts)
-    lora_modules = _lora_modules(opts)
-    model_dir = resolve_model(opts)
-    if not model_dir.is_dir():
-        raise ServeError(
-            f"model directory {model_dir} does not exist; point MODEL_DIR at a local Hugging "
-            f"Face model, or create a test model with `infergate engine make-tiny-model {model_dir}`"
-        )
-    cfg = _model_config(model_dir)
-    tokenizer_dir = opts.tokenizer or model_dir
+    endpoint = bind_endpoint(opts.host, opts.completion_events_port)  # on --host
     try:
-        tokenizer = Tokenizer(tokenizer_dir)
-    except (TokenizerError, ValueError, OSError) as error:
-        raise ServeError(f"cannot load the tokenizer from {tokenizer_dir}: {error}") from None
-    if opts.chat_template is not None:
-        tokenizer.chat_template = read_chat_template(opts.chat_template)
-    defaults = generation_defaults(opts.generation_config, model_dir)
-    if defaults:
-        log.info("request defaults from generation_config.json: %s", defaults)
-    names = opts.served_model_name or [str(opts.model_dir)]
-    config_len = int(cfg.get("max_position_embeddings") or 2048)
-    if opts.max_model_len is not None and opts.max_model_len > config_len:
-        raise ServeError(
-            f"--max-model-len {opts.max_model_len} exceeds the model's "
-            f"max_position_embeddings ({config_len})"
-        )
-    vocab_size = max(int(cfg.get("vocab_size") or 0), tokenizer.vocab_size)
-
-    runner: Any
-    if opts.simulate:
-        num_blocks = opts.num_gpu_blocks_override or default_num_blocks(
-            opts.block_size, opts.gpu_memory_utilization
-        )
-        filler = filler_token_ids(tokenizer)
-        runner = SimulatedRunner(
-            block_size=opts.block_size,
-            num_blocks=num_blocks,
-            filler_token_ids=filler,
-            timing=opts.timing,
-        )
-        max_model_len = opts.max_model_len or config_len
-        log.info("simulated mode: %s, %d KV blocks of %d tokens", opts.timing, num_blocks,
-                 opts.block_size)  # fmt: skip
-    else:
-        try:
-            from infergate.engine.model_runner import TorchModelRunner
-        except ImportError as error:
-            raise ServeError(f"the model runner is not available: {error}") from None
-        log.info("loading %s (device=%s, dtype=%s, load_format=%s)", model_dir, opts.device,
-                 opts.dtype, opts.load_format)  # fmt: skip
-        try:
-            runner = TorchModelRunner.from_model_dir(
-                model_dir,
-                block_size=opts.block_size,
-                num_blocks=opts.num_gpu_blocks_override,
-                dtype=opts.dtype,
-                device=opts.device,
-                load_format=opts.load_format,
-                max_model_len=opts.max_model_len,
-                max_num_batched_tokens=opts.max_num_batched_tokens,
-                gpu_memory_utilization=opts.gpu_memory_utilization,
-            )
-        except (ValueError, KeyError, OSError, RuntimeError) as error:
-            raise ServeError(f"cannot load {model_dir}: {error}") from None
-        max_model_len = int(runner.max_model_len)
-        tokenizer.eos_token_ids = tokenizer.eos_token_ids | frozenset(runner.eos_token_ids)
-
-    lora = _attach_lora(opts, runner, lora_modules)
-    capacity = runner.num_blocks * runner.block_size
-    if max_model_len > capacity:
-        if opts.max_model_len is not None:
-            raise ServeError(
-                f"--max-model-len {max_model_len} does not fit in the KV cache "
-                f"({runner.num_blocks} blocks x {runner.block_size} = {capacity} tokens)"
-            )
-        log.warning("max_model_len lowered from %d to the KV capacity %d", max_model_len,
-                    capacity)  # fmt: skip
-        max_model_len = capacity
-
-    # The EPP scrapes every 50 ms: leave out the *_created series, as vLLM does.
-    prometheus_client.disable_created_metrics()
-    metrics = EngineMetrics(
-        names[0], block_size=runner.block_size, num_gpu_blocks=runner.num_blocks,
-        max_model_len=max_model_len,
-    )  # fmt: skip
-    if opts.simulate:
-        metrics.registry.register(SimulatorCollector(runner))
-    events = _kv_events_publisher(opts)
-    core = EngineCore(
-        runner,
-        SchedulerConfig(
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            max_loras=opts.max_loras if lora is not None else 0,
-        ),
-        tokenizer=tokenizer,
-        enable_prefix_caching=opts.enable_prefix_caching,
-        metrics=metrics,
-        kv_events=events,
-        lora=lora,
-    )
-    engine = AsyncEngine(core)
-    kv_transfer = _kv_transfer(opts, core, runner, metrics, names[0], engine)
-    server_config = ServerConfig(
-        served_model_names=names,
-        model_dir=str(model_dir),
-        max_model_len=max_model_len,
-        vocab_size=vocab_size,
-        api_key=opts.api_key,
-        default_max_tokens_cap=opts.sim_default_max_tokens if opts.simulate else None,
-        supports_logprobs=not opts.simulate,
-        structured_output=not opts.simulate,
-        enable_auto_tool_choice=opts.enable_auto_tool_choice,
-        tool_call_parser=opts.tool_call_parser,
-        generation_defaults=defaults,
-        dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
-    )
-    log.info(
-        "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "
-        "max_num_seqs=%d max_num_batched_tokens=%d",
-        names[0], max_model_len, runner.num_blocks, runner.block_size,
-        opts.max_num_seqs, opts.max_num_batched_tokens,
-    )  # fmt: skip
-    app = build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
-    if opts.completion_events_port is not None:
-        from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
-        from infergate.engine.kv_events import bind_endpoint
-
-        endpoint = bind_endpoint(opts.host, opts.completion_events_port)  # on --host
-        try:
-            publisher = CompletionPublisher(endpoint)
-        except Exception as error:  # zmq.ZMQError: address in use
-            raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
-        app.add_middleware(CompletionReporter, publisher=publisher)
-        log.info("publishing completion records on %s", endpoint)
-    return app
+        publisher = CompletionPublisher(endpoint)
+    except Exception as error:  # zmq.ZMQError: address in use
+        raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
+    app.add_middleware(CompletionReporter, publisher=publisher)
+    log.info("publishing completion records on %s", endpoint)
 
 
 def _kv_transfer(

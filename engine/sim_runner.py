@@ -17,6 +17,8 @@ from typing import Any
 from infergate.engine.interfaces import ScheduledBatch
 from infergate.engine.lora.manager import LoRAManager
 
+from infergate.options import option
+
 #: The model the timing model describes (Llama-3-8B, bf16), as a Hugging Face config.
 SIMULATED_MODEL_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 32,
@@ -66,11 +68,27 @@ class TimingModel:
     (sampling, bookkeeping).
     """
 
-    base_ms: float = 6.0
-    us_per_token: float = 30.0
-    us_per_kv_token: float = 0.05
-    us_per_seq: float = 15.0
-    ns_per_attention_pair: float = 1.0
+    base_ms: float = option(
+        "--sim-base-ms",
+        default=6.0,
+        help="Simulated step floor: streaming the weights once (ms).",
+    )
+    us_per_token: float = option(
+        "--sim-us-per-token", default=30.0, help="Simulated compute per scheduled token (µs)."
+    )
+    us_per_kv_token: float = option(
+        "--sim-us-per-kv-token",
+        default=0.05,
+        help="Simulated attention KV read per context token (µs).",
+    )
+    us_per_seq: float = option(
+        "--sim-us-per-seq", default=15.0, help="Simulated per-sequence cost per step (µs)."
+    )
+    ns_per_attention_pair: float = option(
+        "--sim-ns-per-attention-pair",
+        default=1.0,
+        help="Simulated attention compute per (query, key) pair (ns).",
+    )
 
     def step_seconds(self, batch: ScheduledBatch) -> float:
         tokens = 0
@@ -133,6 +151,8 @@ class SimulatedRunner:
         self._step_start = self._deadline if back_to_back else now
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        # batch.block_copies (n > 1 copy-on-write) has no KV to copy here; a one-block
+        # device copy is also far below the step time the model describes.
         duration = self.timing.step_seconds(batch) + self._lora_seconds(batch)
         self.steps += 1
         self.simulated_seconds += duration

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from infergate.epp.config import EndpointPickerConfig, load_config
+from infergate.epp.config import load_config, parse_config
 from infergate.epp.datalayer.collector import Collectors
 from infergate.epp.datalayer.completions import CompletionSubscriptions
 from infergate.epp.datalayer.datastore import Datastore
@@ -33,6 +32,7 @@ from infergate.epp.eds import EndpointDiscovery
 from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.observability import EppMetrics
+from infergate.epp.options import EppOptions
 from infergate.epp.requestcontrol.director import Director
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
@@ -45,42 +45,16 @@ log = logging.getLogger("infergate.epp")
 HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
 
 
-@dataclass
-class EppOptions:
-    static_endpoints: list[Endpoint] = field(default_factory=list)
-    endpoints_file: Path | None = None
-    pool_name: str | None = None
-    pool_namespace: str = "default"
-    config_file: Path | None = None
-    config: EndpointPickerConfig | None = None
-    objectives_file: Path | None = None
-    host: str = "0.0.0.0"
-    grpc_port: int = 9002
-    grpc_health_port: int = 9003
-    metrics_port: int = 9090
-    refresh_metrics_interval: float = 0.05
-    metrics_staleness_threshold: float = 2.0
-    metrics_timeout: float = 1.0
-    max_request_body_bytes: int = 8 << 20
-    max_buffered_bytes: int = 128 << 20
-    max_streams: int = 10_000
-    body_timeout_s: float | None = 20.0
-    scores_header: bool = False
-    secure_serving: bool = False
-    reuse_port: bool = False
-    """Bind the gRPC ports with SO_REUSEPORT (``--workers``: several EPPs, one port)."""
-    completion_events_port: int | None = None
-    """Subscribe every endpoint's completion records on this port (else only endpoints
-    labelled ``infergate.io/completion-events-port``)."""
-    cert_path: Path | None = None
-
-
 class Epp:
     """The running Endpoint Picker. Construction validates everything; ``start`` binds."""
 
     def __init__(self, options: EppOptions) -> None:
         self.options = options
-        config = options.config or load_config(options.config_file)
+        config = options.config or (
+            parse_config(options.config_text, "--config-text")
+            if options.config_text
+            else load_config(options.config_file)
+        )
         sat = config.saturationDetector
         self.datastore = Datastore()
         # Envoy's pool cluster follows the same endpoint set over EDS (see eds.py).

@@ -47,6 +47,7 @@ from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     PREFILL_HEADER,
+    PRIORITY_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
     SUBSET_KEY,
@@ -381,6 +382,9 @@ class StreamState:
             **decision.result.request_headers,
             DESTINATION_HEADER: destination,
             REQUEST_ID_HEADER: self.key,
+            # The objective's priority for the engine's scheduler, in vLLM's convention
+            # (lower first); always set, so a client's own copy never gets through.
+            PRIORITY_HEADER: str(-decision.request.priority),
         }
         if decision.body_rewritten and decision.body is not None:
             headers["content-length"] = str(len(decision.body))

@@ -6,7 +6,7 @@ kernel hands each new *connection* to one of them. Envoy multiplexes every ext-p
 stream of one of its worker threads over one HTTP/2 connection, so streams spread over
 the EPP workers only as far as Envoy opens several connections: one per Envoy worker
 thread (``--concurrency``), more when the EPP cluster caps streams per connection
-(``build_envoy_config(epp_streams_per_connection=...)``), or one per Envoy replica.
+(``EnvoyConfig(epp_streams_per_connection=...)``), or one per Envoy replica.
 State is per process: prefix affinity and fairness hold within a worker, not across
 them (as with several replicas). Worker i serves metrics on ``--metrics-port + i``.
 

@@ -24,7 +24,9 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
     add_completion=False,
-    rich_markup_mode="markdown",
+    # click's plain help: rich's option table cuts long option names to fit 80 columns
+    # (`--served-model-…`), and a help text must read the same piped as on a terminal.
+    rich_markup_mode=None,
 )
 app.add_typer(engine_app, name="engine")
 app.add_typer(bench_app, name="bench")

@@ -334,18 +334,20 @@ def build_pdb(pool: PoolSpec) -> Obj | None:
 
 def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
     """Envoy's bootstrap for the sidecar: ext-proc and EDS from the EPP on loopback."""
-    from infergate.envoy.bootstrap import build_envoy_config
+    from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 
     return build_envoy_config(
-        listen_port=c.ENVOY_LISTEN_PORT,
-        epp_address="127.0.0.1",
-        epp_port=c.EPP_GRPC_PORT,
-        failure_mode_allow=pool.failure_mode == "FailOpen",
-        admin_port=c.ENVOY_ADMIN_PORT,
-        listen_address="0.0.0.0",
-        epp_tls=True,  # the EPP container runs with --secure-serving
-        # `observer` unless the pool's engines publish completion records (parse_pool).
-        response_accounting=pool.response_accounting,
+        EnvoyConfig(
+            listen_port=c.ENVOY_LISTEN_PORT,
+            epp_address="127.0.0.1",
+            epp_port=c.EPP_GRPC_PORT,
+            failure_mode_allow=pool.failure_mode == "FailOpen",
+            admin_port=c.ENVOY_ADMIN_PORT,
+            listen_address="0.0.0.0",
+            epp_tls=True,  # the EPP container runs with --secure-serving
+            # `observer` unless the pool's engines publish completion records (parse_pool).
+            response_accounting=pool.response_accounting,
+        )
     )
 
 

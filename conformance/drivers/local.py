@@ -40,7 +40,7 @@ import httpx
 from conformance import topology as topo
 from conformance.drivers.base import STOP_PODS, Driver, Pod, Reply
 from conformance.kube import KubeApi, api_client_for, wait_for
-from infergate.envoy.bootstrap import build_envoy_config
+from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
 from infergate.testing.kube_emulator import write_kubeconfig
@@ -284,18 +284,20 @@ class LocalDriver(Driver):
         fail_open = pool.failure_mode == "FailOpen"
         listen_port = free_port()
         config = build_envoy_config(
-            listen_port=listen_port,
-            epp_address="127.0.0.1",
-            epp_port=grpc_port,
-            failure_mode_allow=fail_open,
-            admin_port=free_port(),
-            listen_address="127.0.0.1",
-            fallback_endpoints=endpoints if fail_open else (),
-            access_log=True,
-            stat_prefix=pool.name.replace("-", "_"),
-            # The operator's EPP serves ext-proc over TLS (GIE's default); dial it so.
-            epp_tls="--secure-serving" in epp_container["args"],
-            response_accounting="observer",  # as the operator's sidecar
+            EnvoyConfig(
+                listen_port=listen_port,
+                epp_address="127.0.0.1",
+                epp_port=grpc_port,
+                failure_mode_allow=fail_open,
+                admin_port=free_port(),
+                listen_address="127.0.0.1",
+                fallback_endpoints=endpoints if fail_open else (),
+                access_log=True,
+                stat_prefix=pool.name.replace("-", "_"),
+                # The operator's EPP serves ext-proc over TLS (GIE's default); dial it so.
+                epp_tls="--secure-serving" in epp_container["args"],
+                response_accounting="observer",  # as the operator's sidecar
+            )
         )
         start_envoy(
             self.group, config, folder / "envoy.yaml", name=f"envoy-{pool.name}", timeout=90.0

@@ -27,4 +27,6 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     dev_mode: bool = False  # development routes (/reset_prefix_cache)
+    # --scheduling-policy: with fcfs a request's non-zero priority is a 400 (as vLLM).
+    scheduling_policy: str = "fcfs"
     warned_fields: set[str] = field(default_factory=set)

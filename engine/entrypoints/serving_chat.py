@@ -22,7 +22,7 @@ from infergate.engine.tool_parsers.stream import ToolCallState
 
 from .errors import APIError
 from .responses import Choice, ResponsePlan, merge_streams, respond, stream_usage_flags
-from .serving_engine import OpenAIServing
+from .serving_engine import OpenAIServing, fork_siblings
 
 
 class ChatChoice:
@@ -114,6 +114,10 @@ class OpenAIServingChat(OpenAIServing):
         spec = self.grammar_spec(req)
         schema = plan.schema()
         if schema is None:
+            parser = self.tool_parser()
+            tag = plan.auto_structural_tag(parser) if parser is not None else None
+            if spec is None and tag is not None:
+                return GrammarSpec("structural_tag", json.dumps(tag, sort_keys=True), "tools")
             return spec
         if spec is not None:
             raise APIError(
@@ -126,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, ChatCompletionRequest)
         model = self.check_model(req.model)
+        priority = self.priority(request, req)
         if not req.messages:
             raise APIError(400, "messages must not be empty.", "messages")
         try:
@@ -157,8 +162,10 @@ class OpenAIServingChat(OpenAIServing):
             for j in range(n)
         ]
         requests = [
-            self.new_request(f"{rid}-{j}", ids, p, req, grammar) for j, p in enumerate(children)
+            self.new_request(f"{rid}-{j}", ids, p, req, grammar, priority)
+            for j, p in enumerate(children)
         ]
+        fork_siblings(requests)
         await self.prepare_kv_transfer(request, req, "/v1/chat/completions", requests)
         streams = [self.engine.generate(r) for r in requests]
         parser = self.tool_parser()

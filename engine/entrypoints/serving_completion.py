@@ -22,7 +22,7 @@ from infergate.engine.request import Request as EngineRequest
 from .config import DEFAULT_COMPLETION_MAX_TOKENS
 from .errors import APIError
 from .responses import Choice, ResponsePlan, merge_streams, respond, stream_usage_flags
-from .serving_engine import OpenAIServing
+from .serving_engine import OpenAIServing, fork_siblings
 
 
 class CompletionChoice:
@@ -136,6 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, CompletionRequest)
         model = self.check_model(req.model)
+        priority = self.priority(request, req)
         prompts, texts = await self.prompts(req)
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
@@ -156,10 +157,13 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             rank_lp = req.logprobs if req.logprobs is not None or best_of == n else 0
             params = replace(params, logprobs=rank_lp, prompt_logprobs=prompt_lp)
+            samples = []
             for j in range(best_of):
                 child = params if params.seed is None else replace(params, seed=params.seed + j)
-                engine_req = self.new_request(f"{rid}-{len(jobs)}", ids, child, req, grammar)
-                jobs.append((p_index, engine_req))
+                rid_j = f"{rid}-{len(jobs) + j}"
+                samples.append(self.new_request(rid_j, ids, child, req, grammar, priority))
+            fork_siblings(samples)  # the samples of one prompt share its prefill
+            jobs += [(p_index, r) for r in samples]
         if best_of > n:
             self.check_logprobs_supported("best_of")  # ranking needs the sampled logprobs
         if want_lp or prompt_lp is not None:

@@ -30,6 +30,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from xgrammar import CompiledGrammar
 
+from infergate.wire.names import PRIORITY_HEADER
+
 from .config import LONG_TEXT_CHARS, ServerConfig
 from .errors import APIError, ClientGone
 from .sampling_params import check_token_ids, to_sampling_params
@@ -208,6 +210,38 @@ class OpenAIServing:
         except GrammarSpecError as error:
             raise APIError(400, error.message, error.param) from None
 
+    def priority(self, request: Request, req: _Sampling) -> int:
+        """The engine priority of this call (vLLM's: lower runs first).
+
+        The body's ``priority`` wins; without one, the EPP's ``x-infergate-priority``
+        header (the InferenceObjective's priority, negated) is used under
+        ``--scheduling-policy priority`` and ignored under fcfs, where a gateway's hint has
+        nothing to act on. A non-zero body priority under fcfs is a 400, as in vLLM. Values
+        must fit a signed 64-bit integer (what vLLM's engine-core messages carry).
+        """
+        prioritized = self.config.scheduling_policy == "priority"
+        if "priority" in req.model_fields_set:
+            _check_priority(req.priority, "priority")
+            if req.priority != 0 and not prioritized:
+                raise APIError(
+                    400,
+                    f"priority {req.priority} needs priority scheduling; the engine runs "
+                    "--scheduling-policy fcfs.",
+                    "priority",
+                )
+            return req.priority
+        raw = request.headers.get(PRIORITY_HEADER)
+        if raw is None or not prioritized:
+            return 0
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise APIError(
+                400, f"{PRIORITY_HEADER} must be an integer, got {raw!r}.", PRIORITY_HEADER
+            ) from None
+        _check_priority(value, PRIORITY_HEADER)
+        return value
+
     async def prepare_kv_transfer(
         self, request: Request, req: _Sampling, path: str, engine_requests: list[EngineRequest]
     ) -> None:
@@ -227,8 +261,10 @@ class OpenAIServing:
         params: SamplingParams,
         req: _Sampling,
         grammar: CompiledGrammar | None = None,
+        priority: int = 0,
     ) -> EngineRequest:
         return EngineRequest(
+            priority=priority,
             grammar=GrammarState(grammar) if grammar is not None else None,
             request_id=rid,
             prompt_token_ids=prompt,
@@ -239,6 +275,25 @@ class OpenAIServing:
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.config.max_model_len,
         )
+
+
+PRIORITY_MIN, PRIORITY_MAX = -(2**63), 2**63 - 1
+
+
+def _check_priority(value: int, param: str) -> None:
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise APIError(400, f"{param} must be a signed 64-bit integer, got {value}.", param)
+
+
+def fork_siblings(requests: list[EngineRequest]) -> None:
+    """Mark the n samples of one prompt so they share its prefill: every request after
+    the first forks the first's block table (see Scheduler). Requests that need the
+    logits of every prompt position (prompt_logprobs) compute their own prompt."""
+    first = requests[0]
+    if first.sampling.prompt_logprobs is not None:
+        return
+    for sibling in requests[1:]:
+        sibling.fork_parent = first
 
 
 def _template_call(call: Any) -> Any:

@@ -78,11 +78,11 @@ class GrammarCompiler:
             if spec.kind == "json":
                 return self._compiler.compile_json_schema(spec.value, any_whitespace=False)
             if spec.kind == "json_object":
-                return self._compiler.compile_json_schema(
-                    JSON_OBJECT_SCHEMA, any_whitespace=False
-                )
+                return self._compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.value)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.value)
             if spec.kind == "choice":
                 return self._compiler.compile_grammar(choice_grammar(json.loads(spec.value)))
             return self._compiler.compile_grammar(spec.value)

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+Kind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
 _STRUCTURED_KEYS: dict[str, Kind] = {
     "json": "json",
     "regex": "regex",

@@ -40,6 +40,11 @@ class ToolParser:
     # Text at which tool-call markup begins: streamed content stops there.
     start_markers: tuple[str, ...] = ()
 
+    def call_tag(self, name: str) -> tuple[str, str] | None:
+        """The exact text around one call of function `name`: (up to its arguments object,
+        after it). None: this format has no fixed markup, so ``auto`` stays unconstrained."""
+        return None
+
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content left over, tool calls); no calls → the text as content."""
         raise NotImplementedError

@@ -1,8 +1,11 @@
 """``tools`` and ``tool_choice`` → what the engine must do, as vLLM decides it.
 
 - ``none``: tools only reach the chat template; the text is the answer.
-- ``auto`` (the default when tools are given): generate freely, then the
+- ``auto`` (the default when tools are given): the model decides, then the
   ``--tool-call-parser`` finds calls; needs ``--enable-auto-tool-choice`` (else 400).
+  Where the parser's markup is fixed (hermes), a structural tag lets the model write
+  free text, but once it opens the markup it can only name an offered function and
+  write arguments valid for it (see :meth:`ToolPlan.auto_structural_tag`).
 - ``required``: a JSON schema forces ``[{"name": one of the tools, "parameters": its
   schema}, ...]`` (one item when ``parallel_tool_calls`` is false).
 - a named function: its parameters' schema forces the arguments object.
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, Literal, cast
+
+from .base import ToolParser
 
 Mode = Literal["none", "auto", "required", "named"]
 _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -54,6 +59,26 @@ class ToolPlan:
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
+
+    def auto_structural_tag(self, parser: ToolParser) -> dict[str, Any] | None:
+        """For ``auto``: xgrammar's structural tag that leaves text free until the parser's
+        start marker, then forces a call of one offered function with its parameters'
+        schema (one call unless ``parallel_tool_calls``). None when the mode is not auto
+        or the parser's markup is not fixed. Small models otherwise invent tool names."""
+        if self.mode != "auto":
+            return None
+        tags = []
+        for fn in self.tools:
+            around = parser.call_tag(fn["name"])
+            if around is None:
+                return None
+            params = fn.get("parameters") or _EMPTY_PARAMS
+            tags.append({"type": "tag", "begin": around[0], "end": around[1],
+                         "content": {"type": "json_schema", "json_schema": params}})  # fmt: skip
+        return {"type": "structural_tag",
+                "format": {"type": "triggered_tags", "triggers": list(parser.start_markers),
+                           "tags": tags,
+                           "stop_after_first": not self.parallel}}  # fmt: skip
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """`tools` for the chat template, in OpenAI's shape."""

@@ -13,6 +13,9 @@ _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 class HermesToolParser(ToolParser):
     start_markers = ("<tool_call>",)
 
+    def call_tag(self, name: str) -> tuple[str, str]:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
+
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = self.tool_start(text)
         if start is None:

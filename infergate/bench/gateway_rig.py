@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 
 from infergate.bench.metrics import arrival_times
-from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, build_envoy_config
+from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.procs import ProcessGroup, free_port, http_ready
@@ -216,7 +216,7 @@ def start_rig(
     epp = group.start("epp", argv, ready=grpc_serving(LOOPBACK, health), timeout=120)
 
     gateway_port, direct_port = free_port(), free_port()
-    common = {
+    common: dict[str, Any] = {
         "listen_address": LOOPBACK,
         "epp_address": LOOPBACK,
         "epp_port": grpc,
@@ -227,7 +227,7 @@ def start_rig(
     }
     start_envoy(
         group,
-        build_envoy_config(listen_port=gateway_port, admin_port=free_port(), **common),
+        build_envoy_config(EnvoyConfig(listen_port=gateway_port, admin_port=free_port(), **common)),
         workdir / "gateway.yaml",
         name="envoy-gateway",
         concurrency=envoy_concurrency,
@@ -235,7 +235,9 @@ def start_rig(
     start_envoy(
         group,
         direct_twin(
-            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)
+            build_envoy_config(
+                EnvoyConfig(listen_port=direct_port, admin_port=free_port(), **common)
+            )
         ),
         workdir / "direct.yaml",
         name="envoy-direct",

@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
+from infergate.options import option
 from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
@@ -71,6 +73,7 @@ __all__ = [
     "SERVED_HEADER",
     "UPSTREAMS",
     "UPSTREAM_HOST_HEADER",
+    "EnvoyConfig",
     "build_envoy_config",
     "render_envoy_yaml",
 ]
@@ -423,45 +426,29 @@ def _served_to_metadata_filter() -> dict[str, Any]:
     }
 
 
-def build_envoy_config(
-    *,
-    listen_port: int,
-    epp_address: str,
-    epp_port: int,
-    failure_mode_allow: bool = False,
-    admin_port: int | None = 19000,
-    listen_address: str = "0.0.0.0",
-    route_timeout_s: float = 300.0,
-    admin_address: str = "127.0.0.1",
-    message_timeout_s: float = 30.0,
-    connect_timeout_s: float = 5.0,
-    stream_idle_timeout_s: float = 300.0,
-    fallback_endpoints: Sequence[tuple[str, int]] = (),
-    debug_headers: bool = False,
-    access_log: bool = False,
-    max_requests: int = 40000,
-    stat_prefix: str = "infergate",
-    epp_health_check_interval_s: float | None = 1.0,
-    stream_response_bodies: bool | None = None,
-    fallback_retries: int = 3,
-    eds_initial_fetch_timeout_s: float = 5.0,
-    epp_tls: bool = False,
-    observe_responses: bool | None = None,
-    response_accounting: str = "engine",
-    epp_streams_per_connection: int = 100000,
-    upstream: str = "eds",
-) -> dict[str, Any]:
-    """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
+def _failure_mode_allow(text: str) -> bool:
+    """``--failure-mode``: InferencePool's ``endpointPickerRef.failureMode`` → FailOpen?"""
+    if text not in ("FailOpen", "FailClose"):
+        raise ValueError(f"must be FailOpen or FailClose, not {text!r}")
+    return text == "FailOpen"
+
+
+def _response_accounting(value: str) -> str:
+    if value not in RESPONSE_ACCOUNTING:
+        raise ValueError(f"must be one of {', '.join(RESPONSE_ACCOUNTING)}, not {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class EnvoyConfig:
+    """What :func:`build_envoy_config` builds: one listener in front of an InferencePool.
 
     ``failure_mode_allow`` is the pool's ``failureMode`` (True = FailOpen). With FailOpen,
     requests the EPP could not handle are balanced (least-request) over
     ``fallback_endpoints`` when given, else over the endpoints the EPP last announced over
-    EDS. ``fallback_retries`` is how many further endpoints of the EPP's list a request
-    may try when one refuses the connection (0: none). ``debug_headers`` adds
-    :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every proxied response.
-    ``admin_port=None`` disables the admin interface. ``epp_health_check_interval_s``
-    (TCP checks of the EPP; None turns them off) bounds how long after the EPP dies
-    FailOpen starts to apply to requests with a body.
+    EDS. ``admin_port=None`` disables the admin interface. ``epp_tls`` must match the
+    EPP's ``--secure-serving``; a mismatch shows as an unhealthy EPP cluster (and
+    FailOpen/FailClose applies), never as silent 500s.
 
     ``response_accounting`` is how the EPP learns the end of a response and its usage:
 
@@ -475,169 +462,101 @@ def build_envoy_config(
     * ``body``: GIE's single FULL_DUPLEX_STREAMED filter; every chunk through the EPP.
     * ``none``: no response body anywhere; no usage.
 
-    The older flags still apply: ``stream_response_bodies=False`` means ``none``,
-    ``observe_responses=False`` means ``body``.
-
-    ``epp_streams_per_connection`` caps the ext-proc streams Envoy multiplexes on one
-    HTTP/2 connection to the EPP; past it Envoy opens another. A low value (e.g. 8) makes
-    Envoy spread load over several connections, which the kernel hands to different
-    processes of an EPP run with ``--workers N`` (SO_REUSEPORT balances connections).
-
     ``upstream`` is how Envoy reaches the pick: ``eds`` (default; the pool cluster
     learns the endpoints from the EPP over EDS and honours its fallback list) or
     ``original_dst`` (GIE's reference ``ORIGINAL_DST`` cluster, for an EPP that serves
     no EDS; requests without a pick then get a 404 unless ``fallback_endpoints`` exist).
-
-    ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
-    unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
     """
-    if route_timeout_s <= 0:
-        raise ValueError("route_timeout_s must be > 0")
-    if stream_response_bodies is False:
-        response_accounting = "none"
-    elif observe_responses is False:
-        response_accounting = "body"
-    if upstream not in UPSTREAMS:
-        raise ValueError(f"upstream must be one of {', '.join(UPSTREAMS)}, not {upstream!r}")
-    if response_accounting not in RESPONSE_ACCOUNTING:
-        raise ValueError(
-            f"response_accounting must be one of {', '.join(RESPONSE_ACCOUNTING)}, "
-            f"not {response_accounting!r}"
-        )
-    hcm: dict[str, Any] = {
-        "@type": _HCM,
-        "stat_prefix": stat_prefix,
-        "codec_type": "AUTO",
-        # Generations stream for minutes: no whole-request deadline, only an idle one.
-        "request_timeout": "0s",
-        "stream_idle_timeout": _duration(stream_idle_timeout_s),
-        "request_headers_timeout": "10s",
-        "common_http_protocol_options": {"idle_timeout": "3600s"},
-        "use_remote_address": True,
-        "normalize_path": True,
-        "merge_slashes": True,
-        "route_config": {
-            "name": f"{stat_prefix}_routes",
-            "virtual_hosts": [
-                {
-                    "name": "inference_pool",
-                    "domains": ["*"],
-                    "routes": _routes(
-                        route_timeout_s=route_timeout_s,
-                        has_fallback=bool(fallback_endpoints),
-                        fallback_retries=fallback_retries,
-                        debug_headers=debug_headers,
-                        unpicked_to_pool=upstream == "eds",
-                    ),
-                }
-            ],
-        },
-        "http_filters": [
-            _strip_client_headers_filter(),
-            _ext_proc_filter(
-                failure_mode_allow=failure_mode_allow,
-                message_timeout_s=message_timeout_s,
-                grpc_authority=f"{epp_address}:{epp_port}",
-                response_bodies=response_accounting == "body",
-            ),
-            *(
-                [_observer_filter(grpc_authority=f"{epp_address}:{epp_port}")]
-                if response_accounting == "observer"
-                else []
-            ),
-            _served_to_metadata_filter(),
-            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
-        ],
-    }
-    if access_log:
-        hcm["access_log"] = [
-            {
-                "name": "envoy.access_loggers.stdout",
-                "typed_config": {
-                    "@type": _STDOUT_LOG,
-                    "log_format": {"text_format_source": {"inline_string": _ACCESS_LOG_FORMAT}},
-                },
-            }
-        ]
 
-    if upstream == "original_dst":
-        pool_cluster = _original_dst_cluster(
-            connect_timeout_s=connect_timeout_s, max_requests=max_requests
-        )
-    else:
-        pool_cluster = _pool_cluster(
-            connect_timeout_s=connect_timeout_s,
-            max_requests=max_requests,
-            initial_fetch_timeout_s=eds_initial_fetch_timeout_s,
-        )
-    epp_cluster = _static_cluster(
-        EPP_CLUSTER,
-        [(epp_address, epp_port)],
-        connect_timeout_s=connect_timeout_s,
-        max_requests=max_requests,
-        http2=True,
-        streams_per_connection=epp_streams_per_connection,
+    listen_port: int
+    epp_address: str
+    epp_port: int
+    failure_mode_allow: bool = option(
+        "--failure-mode",
+        default=False,
+        cli_type=str,
+        cli_default="FailClose",
+        convert=_failure_mode_allow,
+        help="What Envoy does when the EPP is unreachable: FailClose (5xx) or FailOpen "
+        "(serve from any engine), as InferencePool's endpointPickerRef.failureMode.",
     )
-    if epp_health_check_interval_s is not None:
-        # With FULL_DUPLEX_STREAMED, Envoy can fail open only until the first body chunk
-        # went to the EPP; a dead EPP found at connect time is already too late for a POST.
-        # A health-checked EPP with no healthy host fails the gRPC stream at once, in the
-        # headers phase, where failure_mode_allow still applies. Panic routing (Envoy's
-        # "use unhealthy hosts anyway" below 50% healthy) would defeat that: it is off.
-        interval = _duration(epp_health_check_interval_s)
-        epp_cluster["health_checks"] = [
-            {
-                "timeout": _duration(min(1.0, epp_health_check_interval_s)),
-                "interval": interval,
-                "no_traffic_interval": interval,
-                "unhealthy_threshold": 1,
-                "healthy_threshold": 1,
-                # On the ext-proc port, over the same transport as ext-proc (see above).
-                "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE},
-            }
-        ]
-        epp_cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
-    if epp_tls:
-        epp_cluster["transport_socket"] = {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": _UPSTREAM_TLS,
-                "common_tls_context": {"alpn_protocols": ["h2"]},
-                **({} if _is_ip(epp_address) else {"sni": epp_address}),
-            },
-        }
-    clusters = [epp_cluster, pool_cluster]
-    if fallback_endpoints:
-        clusters.append(
-            _static_cluster(
-                FALLBACK_CLUSTER,
-                list(fallback_endpoints),
-                connect_timeout_s=connect_timeout_s,
-                max_requests=max_requests,
-                http2=False,
-            )
-        )
+    fallback_endpoints: Sequence[tuple[str, int]] = ()
+    fallback_retries: int = 3
+    """Further endpoints of the EPP's list a request may try when one refuses the
+    connection (0: none)."""
+    response_accounting: str = option(
+        "--response-accounting",
+        default="engine",
+        convert=_response_accounting,
+        help="How the EPP learns each response's end and usage: engine (engines publish "
+        "completion records over ZMQ; Envoy sends the EPP no response body), observer (an "
+        "observability-mode filter streams response bodies to the EPP; for engines that "
+        "cannot report), body (GIE's single filter) or none.",
+    )
+    upstream: str = "eds"
+    epp_tls: bool = False
+    listen_address: str = "0.0.0.0"
+    admin_port: int | None = 19000
+    admin_address: str = "127.0.0.1"
+    route_timeout_s: float = 300.0
+    message_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    stream_idle_timeout_s: float = 300.0
+    eds_initial_fetch_timeout_s: float = 5.0
+    epp_health_check_interval_s: float | None = 1.0
+    """gRPC health checks of the EPP (None: off); bounds how long after the EPP dies
+    FailOpen starts to apply to requests with a body."""
+    epp_streams_per_connection: int = 100000
+    """ext-proc streams Envoy multiplexes on one HTTP/2 connection to the EPP; past it
+    Envoy opens another. A low value (e.g. 8) spreads load over several connections,
+    which the kernel hands to different processes of an EPP run with ``--workers N``."""
+    max_requests: int = 40000
+    stat_prefix: str = "infergate"
+    debug_headers: bool = False
+    """Add :data:`UPSTREAM_HOST_HEADER` and :data:`PICKED_HEADER` to every response."""
+    access_log: bool = option(
+        "--access-log/--no-access-log", default=False, help="Envoy access log."
+    )
 
+    def __post_init__(self) -> None:
+        if self.route_timeout_s <= 0:
+            raise ValueError("route_timeout_s must be > 0")
+        if self.upstream not in UPSTREAMS:
+            raise ValueError(
+                f"upstream must be one of {', '.join(UPSTREAMS)}, not {self.upstream!r}"
+            )
+        try:
+            _response_accounting(self.response_accounting)
+        except ValueError as error:
+            raise ValueError(f"response_accounting {error}") from None
+
+    @property
+    def epp_authority(self) -> str:
+        return f"{self.epp_address}:{self.epp_port}"
+
+
+def build_envoy_config(config: EnvoyConfig) -> dict[str, Any]:
+    """Envoy's v3 bootstrap (as dicts) for ``config``."""
     bootstrap: dict[str, Any] = {
-        "node": {"id": f"{stat_prefix}-envoy", "cluster": stat_prefix},
+        "node": {"id": f"{config.stat_prefix}-envoy", "cluster": config.stat_prefix},
         "static_resources": {
             "listeners": [
                 {
-                    "name": f"{stat_prefix}_listener",
-                    "address": _socket(listen_address, listen_port),
+                    "name": f"{config.stat_prefix}_listener",
+                    "address": _socket(config.listen_address, config.listen_port),
                     "filter_chains": [
                         {
                             "filters": [
                                 {
                                     "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": hcm,
+                                    "typed_config": _http_connection_manager(config),
                                 }
                             ]
                         }
                     ],
                 }
             ],
-            "clusters": clusters,
+            "clusters": _clusters(config),
         },
         # Quiet the "no overload manager" warning and bound downstream connections.
         "overload_manager": {
@@ -654,11 +573,139 @@ def build_envoy_config(
             ]
         },
     }
-    if admin_port is not None:
-        bootstrap["admin"] = {"address": _socket(admin_address, admin_port)}
+    if config.admin_port is not None:
+        bootstrap["admin"] = {"address": _socket(config.admin_address, config.admin_port)}
     return bootstrap
 
 
-def render_envoy_yaml(**kwargs: Any) -> str:
+def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
+    """The listener's HTTP pipeline: strip client copies of the routing headers, ext_proc
+    to the EPP (plus the observer when it accounts responses), routes to the pool."""
+    hcm: dict[str, Any] = {
+        "@type": _HCM,
+        "stat_prefix": config.stat_prefix,
+        "codec_type": "AUTO",
+        # Generations stream for minutes: no whole-request deadline, only an idle one.
+        "request_timeout": "0s",
+        "stream_idle_timeout": _duration(config.stream_idle_timeout_s),
+        "request_headers_timeout": "10s",
+        "common_http_protocol_options": {"idle_timeout": "3600s"},
+        "use_remote_address": True,
+        "normalize_path": True,
+        "merge_slashes": True,
+        "route_config": {
+            "name": f"{config.stat_prefix}_routes",
+            "virtual_hosts": [
+                {
+                    "name": "inference_pool",
+                    "domains": ["*"],
+                    "routes": _routes(
+                        route_timeout_s=config.route_timeout_s,
+                        has_fallback=bool(config.fallback_endpoints),
+                        fallback_retries=config.fallback_retries,
+                        debug_headers=config.debug_headers,
+                        unpicked_to_pool=config.upstream == "eds",
+                    ),
+                }
+            ],
+        },
+        "http_filters": [
+            _strip_client_headers_filter(),
+            _ext_proc_filter(
+                failure_mode_allow=config.failure_mode_allow,
+                message_timeout_s=config.message_timeout_s,
+                grpc_authority=config.epp_authority,
+                response_bodies=config.response_accounting == "body",
+            ),
+            *(
+                [_observer_filter(grpc_authority=config.epp_authority)]
+                if config.response_accounting == "observer"
+                else []
+            ),
+            _served_to_metadata_filter(),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
+    if config.access_log:
+        hcm["access_log"] = [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": {
+                    "@type": _STDOUT_LOG,
+                    "log_format": {"text_format_source": {"inline_string": _ACCESS_LOG_FORMAT}},
+                },
+            }
+        ]
+    return hcm
+
+
+def _clusters(config: EnvoyConfig) -> list[dict[str, Any]]:
+    """The EPP, the pool (EDS or ORIGINAL_DST) and, when given, the static fallback."""
+    if config.upstream == "original_dst":
+        pool_cluster = _original_dst_cluster(
+            connect_timeout_s=config.connect_timeout_s, max_requests=config.max_requests
+        )
+    else:
+        pool_cluster = _pool_cluster(
+            connect_timeout_s=config.connect_timeout_s,
+            max_requests=config.max_requests,
+            initial_fetch_timeout_s=config.eds_initial_fetch_timeout_s,
+        )
+    clusters = [_epp_cluster(config), pool_cluster]
+    if config.fallback_endpoints:
+        clusters.append(
+            _static_cluster(
+                FALLBACK_CLUSTER,
+                list(config.fallback_endpoints),
+                connect_timeout_s=config.connect_timeout_s,
+                max_requests=config.max_requests,
+                http2=False,
+            )
+        )
+    return clusters
+
+
+def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
+    """HTTP/2 to the EPP, health-checked over the ext-proc transport, TLS when it serves it."""
+    cluster = _static_cluster(
+        EPP_CLUSTER,
+        [(config.epp_address, config.epp_port)],
+        connect_timeout_s=config.connect_timeout_s,
+        max_requests=config.max_requests,
+        http2=True,
+        streams_per_connection=config.epp_streams_per_connection,
+    )
+    if config.epp_health_check_interval_s is not None:
+        # With FULL_DUPLEX_STREAMED, Envoy can fail open only until the first body chunk
+        # went to the EPP; a dead EPP found at connect time is already too late for a POST.
+        # A health-checked EPP with no healthy host fails the gRPC stream at once, in the
+        # headers phase, where failure_mode_allow still applies. Panic routing (Envoy's
+        # "use unhealthy hosts anyway" below 50% healthy) would defeat that: it is off.
+        interval = _duration(config.epp_health_check_interval_s)
+        cluster["health_checks"] = [
+            {
+                "timeout": _duration(min(1.0, config.epp_health_check_interval_s)),
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                # On the ext-proc port, over the same transport as ext-proc (see above).
+                "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE},
+            }
+        ]
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    if config.epp_tls:
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": _UPSTREAM_TLS,
+                "common_tls_context": {"alpn_protocols": ["h2"]},
+                **({} if _is_ip(config.epp_address) else {"sni": config.epp_address}),
+            },
+        }
+    return cluster
+
+
+def render_envoy_yaml(config: EnvoyConfig) -> str:
     """:func:`build_envoy_config` rendered as YAML (what ``envoy -c`` reads)."""
-    return yaml.safe_dump(build_envoy_config(**kwargs), sort_keys=False)
+    return yaml.safe_dump(build_envoy_config(config), sort_keys=False)

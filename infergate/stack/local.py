@@ -8,6 +8,7 @@ reverse order; a failed start names the component and shows its log tail.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,10 +23,11 @@ from typing import Any
 
 import yaml
 
-from infergate.envoy.bootstrap import build_envoy_config
+from infergate.engine.serve import ServeOptions
+from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
-from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML as PRECISE_PREFIX_CONFIG
-from infergate.epp.config import pd_config
+from infergate.epp.options import EppOptions
+from infergate.options import inherit, option
 from infergate.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -117,6 +119,8 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
 #: Engine role (the ``llm-d.ai/role`` label) → the engine's ``kv_role``.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 ROLE_LABEL = "llm-d.ai/role"
+
+
 def _distinct_free_ports(count: int) -> list[int]:
     """``count`` free loopback ports, all different (held open together while asked for:
     one at a time, the kernel may hand out the same port twice)."""
@@ -153,66 +157,169 @@ def resolve_model(model: Path, cache_dir: Path | None = None) -> Path:
     )
 
 
+def _roles(text: str | None) -> list[str]:
+    return [role.strip() for role in text.split(",")] if text else []
+
+
 @dataclass
 class StackSpec:
-    """What to start and on which loopback ports (DESIGN.md's defaults)."""
+    """What to start and on which loopback ports (DESIGN.md's defaults).
 
-    engines: int = 2
-    simulate: bool = True
-    model: Path | None = None
-    served_model_name: str | None = None
-    port: int = 8081
-    admin_port: int = 19000
-    engine_port: int = 8000
+    Fields made with :func:`option` are ``infergate up``'s flags (stack/cli.py generates
+    the command from them); those it passes through to an engine or the EPP restate that
+    component's declaration (or the Envoy config's) with :func:`inherit`.
+    """
+
+    engines: int = option("--engines", default=2, min=1, help="How many engine processes to start.")
+    simulate: bool | None = option(
+        "--simulate/--no-simulate",
+        default=None,
+        help="Simulated engines (timing model, no forward pass). Default: simulated unless "
+        "--model is given.",
+    )
+    model: Path | None = inherit(
+        ServeOptions,
+        "model_dir",
+        "--model",
+        default=None,
+        help="{help} Default: a tiny random model made once into ~/.cache/infergate.",
+    )
+    served_model_name: str | None = option(
+        "--served-model-name",
+        default=None,
+        help="Model name clients use (default: infergate-tiny, or the model's name).",
+    )
+    port: int = option("--port", default=8081, help="Envoy's client listener port.")
+    admin_port: int = option("--admin-port", default=19000, help="Envoy admin port.")
+    engine_port: int = option("--engine-port", default=8000, help="First engine's port (then +1…).")
     """First engine's port; engine i listens on ``engine_port + i`` unless engine_ports is set."""
     engine_ports: Sequence[int] | None = None
-    epp_grpc_port: int = 9002
-    epp_health_port: int = 9003
-    epp_metrics_port: int = 9090
-    failure_mode_allow: bool = False
+    epp_grpc_port: int = inherit(EppOptions, "grpc_port", "--epp-grpc-port", help="EPP {help}")
+    epp_health_port: int = inherit(
+        EppOptions, "grpc_health_port", "--epp-health-port", help="EPP {help}"
+    )
+    epp_metrics_port: int = inherit(
+        EppOptions, "metrics_port", "--epp-metrics-port", help="EPP {help}"
+    )
+    failure_mode_allow: bool = inherit(EnvoyConfig, "failure_mode_allow")
     """FailOpen (True) or FailClose (False), as InferencePool's ``endpointPickerRef.failureMode``."""
-    epp_config_file: Path | None = None
-    precise_prefix: bool = False
+    epp_config_file: Path | None = inherit(
+        EppOptions, "config_file", "--epp-config", help="The EPP's {help}"
+    )
+    precise_prefix: bool = option(
+        "--precise-prefix",
+        default=False,
+        help="Engines publish KV events (ZMQ, vLLM's format) and the EPP routes on them "
+        "(precise-prefix-cache-scorer) instead of its approximate prefix index.",
+    )
     """Engines publish KV events (ZMQ) and the EPP scores prefixes from them."""
-    kv_events_port: int = 5557
+    kv_events_port: int = option(
+        "--kv-events-port",
+        default=5557,
+        help="With --precise-prefix: first engine's KV-events port.",
+    )
     """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
     kv_events_ports: Sequence[int] | None = None
-    response_accounting: str = "engine"
+    response_accounting: str = inherit(EnvoyConfig, "response_accounting")
     """How the EPP learns a response's end and usage (``build_envoy_config``): ``engine``
     (engines publish completion records; Envoy sends the EPP no response body),
     ``observer``, ``body`` (GIE's single filter) or ``none``."""
-    completion_events_port: int = 5600
+    completion_events_port: int = option(
+        "--completion-events-port",
+        default=5600,
+        help="With --response-accounting engine: first engine's completion-records port.",
+    )
     """First engine's completion-records port (engine i: ``+ i``) with ``engine`` accounting."""
     completion_events_ports: Sequence[int] | None = None
-    objectives_file: Path | None = None
-    roles: Sequence[str] = ()
+    objectives_file: Path | None = inherit(EppOptions, "objectives_file")
+    roles: Sequence[str] = option(
+        "--roles",
+        default=(),
+        cli_type=str | None,
+        cli_default=None,
+        convert=_roles,
+        help="Prefill/decode disaggregation: one role per engine, comma-separated "
+        "(prefill, decode, both), e.g. --engines 3 --roles prefill,decode,decode.",
+    )
     """Prefill/decode disaggregation: engine i's role (``prefill``, ``decode`` or ``both``).
     Each engine then gets ``--kv-transfer-config`` for its role, its endpoint the label
     ``llm-d.ai/role``, and the EPP the P/D config (``builtin:pd`` with ``pd_threshold``)
     unless ``epp_config_file`` is given. Empty: no P/D."""
-    kv_transfer_port: int = 14579
+    kv_transfer_port: int = option(
+        "--kv-transfer-port",
+        default=14579,
+        help="With --roles: first engine's KV-transfer port.",
+    )
     """First engine's KV-transfer port (engine i: ``kv_transfer_port + i``) with roles."""
     kv_transfer_ports: Sequence[int] | None = None
     kv_transfer_extra_config: dict[str, Any] = field(default_factory=dict)
     """``kv_connector_extra_config`` for every engine (e.g. ``abort_timeout_s``)."""
-    pd_threshold: int = 256
+    pd_threshold: int = option(
+        "--pd-threshold",
+        default=256,
+        min=0,
+        help="With --roles: uncached prompt tokens above which a request is disaggregated.",
+    )
     """The P/D handler's threshold: uncached prompt tokens above which a request is split."""
-    engine_args: Sequence[str] = ()
+    engine_args: Sequence[str] = option(
+        "--engine-arg",
+        default=(),
+        cli_type=list[str],
+        cli_default=[],
+        convert=list,
+        help="Extra argument for every `infergate engine serve`, e.g. "
+        "--engine-arg=--max-num-seqs=8; may repeat.",
+    )
     per_engine_args: Sequence[Sequence[str]] = ()
     """Extra arguments for engine i (after ``engine_args``), e.g. a slower timing model."""
-    epp_args: Sequence[str] = ()
-    secure_serving: bool = False
+    epp_args: Sequence[str] = option(
+        "--epp-arg",
+        default=(),
+        cli_type=list[str],
+        cli_default=[],
+        convert=list,
+        help="Extra argument for `infergate epp`, e.g. --epp-arg=--log-level=debug (one line "
+        "per decision with per-scorer scores); may repeat.",
+    )
+    secure_serving: bool = inherit(
+        EppOptions,
+        "secure_serving",
+        cli_default=True,
+        help="ext-proc over TLS (GIE's default): the EPP serves a self-signed certificate and "
+        "the generated Envoy config dials it with TLS, so the two always match.",
+    )
     """ext-proc over TLS (the EPP's ``--secure-serving``; Envoy's EPP cluster then uses TLS)."""
     envoy_concurrency: int = 1
-    access_log: bool = True
-    workdir: Path | None = None
+    access_log: bool = inherit(EnvoyConfig, "access_log", default=True)
+    workdir: Path | None = option(
+        "--workdir",
+        default=None,
+        help="Keep logs, the endpoints file and envoy.yaml here (default: a temporary "
+        "directory removed on exit).",
+    )
     cache_dir: Path | None = None
     start_timeout: float = 120.0
-    lora: int = 0
+    lora: int = option(
+        "--lora",
+        default=0,
+        min=0,
+        help="Serve N LoRA adapters (lora-0 … lora-N-1) on every engine, "
+        "with LoRA affinity in the EPP; random PEFT adapters for real engines.",
+    )
     """Serve this many LoRA adapters (``lora-0``…) on every engine: random PEFT adapters for
     the model (real engines), names only (simulated); the EPP adds LoRA affinity."""
-    max_loras: int = 2
+    max_loras: int = inherit(
+        ServeOptions,
+        "max_loras",
+        default=2,
+        min=1,
+        help="{help} With --lora: per engine (the engines' --max-loras).",
+    )
     """With ``lora``: adapter slots per engine (``--max-loras``); the rest load on demand."""
+
+    def __post_init__(self) -> None:
+        if self.simulate is None:  # `up`'s default: simulated unless a model is given
+            self.simulate = self.model is None
 
     @classmethod
     def on_free_ports(cls, engines: int, **fields: Any) -> StackSpec:
@@ -451,27 +558,27 @@ class LocalStack:
         if self._own_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def envoy_config(self, **overrides: object) -> dict:
-        """The Envoy bootstrap for this stack (tests build variants, e.g. a FailOpen twin)."""
+    def envoy_config(self, **overrides: Any) -> dict[str, Any]:
+        """The Envoy bootstrap for this stack; ``overrides`` are :class:`EnvoyConfig`
+        fields (tests build variants, e.g. a FailOpen twin on other ports)."""
         fallback = [(LOOPBACK, port) for port in self.spec.resolved_engine_ports()]
-        args: dict = {
-            "listen_port": self.spec.port,
-            "listen_address": LOOPBACK,
-            "admin_port": self.spec.admin_port,
-            "admin_address": LOOPBACK,
-            "epp_address": LOOPBACK,
-            "epp_port": self.spec.epp_grpc_port,
-            "failure_mode_allow": self.spec.failure_mode_allow,
-            "fallback_endpoints": fallback if self.spec.failure_mode_allow else (),
-            "debug_headers": True,
-            "access_log": self.spec.access_log,
-            "epp_tls": self.spec.secure_serving,
-            "response_accounting": self.spec.response_accounting,
-        }
-        args.update(overrides)
-        if args["failure_mode_allow"] and "fallback_endpoints" not in overrides:
-            args["fallback_endpoints"] = fallback
-        return build_envoy_config(**args)
+        config = EnvoyConfig(
+            listen_port=self.spec.port,
+            listen_address=LOOPBACK,
+            admin_port=self.spec.admin_port,
+            admin_address=LOOPBACK,
+            epp_address=LOOPBACK,
+            epp_port=self.spec.epp_grpc_port,
+            failure_mode_allow=self.spec.failure_mode_allow,
+            debug_headers=True,
+            access_log=self.spec.access_log,
+            epp_tls=self.spec.secure_serving,
+            response_accounting=self.spec.response_accounting,
+        )
+        config = dataclasses.replace(config, **overrides)
+        if config.failure_mode_allow and "fallback_endpoints" not in overrides:
+            config = dataclasses.replace(config, fallback_endpoints=fallback)
+        return build_envoy_config(config)
 
     def write_endpoints(self, addresses: Sequence[str]) -> None:
         """(Re)write the EPP's endpoints file atomically; the EPP hot-reloads it."""
@@ -513,12 +620,14 @@ class LocalStack:
             "--metrics-port",
             str(self.spec.epp_metrics_port),
         ]
+        from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML, pd_config
+
         if self.spec.epp_config_file:
             argv += ["--config-file", str(self.spec.epp_config_file)]
         elif self.spec.precise_prefix:
             assert self.workdir is not None
             generated = self.workdir / "epp-config.yaml"
-            generated.write_text(PRECISE_PREFIX_CONFIG)
+            generated.write_text(PRECISE_PREFIX_CONFIG_YAML)
             argv += ["--config-file", str(generated)]
         elif self.spec.resolved_roles():
             assert self.workdir is not None

@@ -8,7 +8,9 @@ GIE's Endpoint Picker Protocol: the EPP answers with the picked endpoint(s) in t
 is ours: the EPP's id for a routed request, which the observer filter's stream and the
 engines' completion records name (client copies are stripped by the bootstrap).
 ``x-prefiller-host-port`` is llm-d's: the prefill engine the EPP picked for a
-disaggregated request, read by the decode engine.
+disaggregated request, read by the decode engine. ``x-infergate-priority`` is ours: the
+InferenceObjective's priority in vLLM's convention (negated), which the engine schedules
+by when the body has no ``priority`` of its own.
 """
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -22,3 +24,6 @@ REQUEST_ID_HEADER = "x-infergate-request-id"
 """The EPP's id for a routed request (observer stream, engines' completion records)."""
 PREFILL_HEADER = "x-prefiller-host-port"
 """llm-d's header: the prefill engine the EPP picked, ``host:port`` of its HTTP server."""
+PRIORITY_HEADER = "x-infergate-priority"
+"""The engine priority the EPP asks for: minus the InferenceObjective's priority (GIE: higher
+is more important; vLLM: lower runs first). A body's own ``priority`` takes precedence."""

@@ -7,17 +7,19 @@ from pathlib import Path
 import yaml
 
 from infergate.bench.gateway_rig import direct_twin
-from infergate.envoy.bootstrap import FALLBACK_CLUSTER, build_envoy_config
+from infergate.envoy.bootstrap import FALLBACK_CLUSTER, EnvoyConfig, build_envoy_config
 from infergate.envoy.process import validate_config
 
 
 def test_direct_twin_drops_the_epp_and_is_valid(tmp_path: Path, envoy_binary: Path) -> None:
     config = direct_twin(
         build_envoy_config(
-            listen_port=8081,
-            epp_address="127.0.0.1",
-            epp_port=9002,
-            fallback_endpoints=[("127.0.0.1", 8000)],
+            EnvoyConfig(
+                listen_port=8081,
+                epp_address="127.0.0.1",
+                epp_port=9002,
+                fallback_endpoints=[("127.0.0.1", 8000)],
+            )
         )
     )
     clusters = {c["name"] for c in config["static_resources"]["clusters"]}

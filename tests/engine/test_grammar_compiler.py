@@ -14,6 +14,8 @@ from infergate.engine.protocol import ChatCompletionRequest, CompletionRequest
 from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, spec_from_request
 from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.tokenizer import Tokenizer
+from infergate.engine.tool_parsers import get_parser
+from infergate.engine.tool_parsers.choice import plan_tools
 
 
 @pytest.fixture
@@ -57,7 +59,9 @@ def test_same_schema_from_different_fields_shares_a_key() -> None:
     chat = ChatCompletionRequest.model_validate({
         "messages": [], "response_format": {
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"b": 1, "a": 2}}}})  # fmt: skip
-    completion = CompletionRequest.model_validate({"prompt": "x", "guided_json": '{"a": 2, "b": 1}'})
+    completion = CompletionRequest.model_validate(
+        {"prompt": "x", "guided_json": '{"a": 2, "b": 1}'}
+    )
     one, two = spec_from_request(chat), spec_from_request(completion)
     assert one is not None and two is not None and one.key == two.key
     assert (one.param, two.param) == ("response_format", "guided_json")
@@ -80,4 +84,32 @@ def test_json_object_admits_an_object_and_nothing_else(
     matcher = xgr.GrammarMatcher(grammar)
     assert matcher.accept_string('{"a": [1, {"b": null}], "c": "d"}')
     assert matcher.is_completed()  # the object may end here
+    compiler.shutdown()
+
+
+def _accepts(compiled: xgr.CompiledGrammar, text: str) -> bool:
+    return bool(xgr.GrammarMatcher(compiled).accept_string(text))
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_tool_choice_leaves_text_free_but_calls_name_offered_tools(
+    compiler: GrammarCompiler, parallel: bool
+) -> None:
+    """tool_choice=auto with hermes markup: prose is free; after ``<tool_call>`` only an
+    offered function with schema-valid arguments fits; one call unless parallel."""
+    fns = [{"name": n, "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                      "required": ["city"]}} for n in ("get_weather", "get_time")]  # fmt: skip
+    plan = plan_tools([{"type": "function", "function": f} for f in fns], "auto", parallel, True)
+    tag = plan.auto_structural_tag(get_parser("hermes"))
+    assert tag is not None
+    compiled = compiler.compile_sync(GrammarSpec("structural_tag", json.dumps(tag), "tools"))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert _accepts(compiled, "Two plus two is four.")
+    assert _accepts(compiled, "Let me check. " + call)
+    assert not _accepts(compiled, '<tool_call>\n{"name": "get_total_score"')
+    assert not _accepts(compiled, '<tool_call>\n{"name": "get_time", "arguments": {"town": 1')
+    assert _accepts(compiled, call + "\n" + call) is parallel
+    # Parsers without fixed markup, and other modes, stay unconstrained.
+    assert plan_tools([], "none", None, True).auto_structural_tag(get_parser("hermes")) is None
+    assert plan.auto_structural_tag(get_parser("llama3_json")) is None
     compiler.shutdown()

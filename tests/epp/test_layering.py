@@ -23,12 +23,12 @@ EPP_DIR = Path(__file__).resolve().parents[2] / "epp"
 
 #: Lowest first. Entries are module names or packages (a package covers its submodules).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("wire", ("infergate.wire",)),
+    ("wire", ("infergate.wire", "infergate.options")),
     ("types", ("infergate.epp.types", "infergate.epp.prefill_cost")),
     ("observability", ("infergate.epp.observability",)),
     ("datalayer", ("infergate.epp.datalayer",)),
     ("flowcontrol", ("infergate.epp.flowcontrol",)),
-    ("config", ("infergate.epp.config",)),
+    ("config", ("infergate.epp.config", "infergate.epp.options")),
     ("framework", ("infergate.epp.framework",)),
     ("scheduling", ("infergate.epp.scheduling",)),
     ("requestcontrol", ("infergate.epp.requestcontrol",)),
@@ -88,7 +88,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
         elif rank is None:
             out.append(
                 f"{module}:{line} imports {target}; outside itself the EPP imports only "
-                "infergate.wire"
+                "infergate.wire (and infergate.options, the CLI's option fields)"
             )
         elif rank > own:
             out.append(

@@ -200,6 +200,37 @@ async def test_rejections(epp_factory, channel_for) -> None:
     assert set_headers(header_response)["x-gateway-destination-endpoint"] == A.key
 
 
+async def test_objective_priority_goes_to_the_engine_negated(epp_factory, channel_for) -> None:
+    """GIE's objective priority (higher: more important) reaches the engine in vLLM's
+    convention (lower runs first); a client's own header is overwritten."""
+    epp = await epp_factory(static_endpoints=[A])
+    epp.objectives.replace(
+        [
+            parse_object({"kind": "InferenceObjective", "metadata": {"name": name}, "spec": spec})
+            for name, spec in (
+                ("chat", {"priority": 10}),
+                ("bulk", {"priority": 1}),
+                ("plain", {}),
+            )
+        ],
+        [],
+    )
+    channel = channel_for(epp)
+    seen = {}
+    # (A negative objective would be shed here: this pool has no metrics, so it counts
+    # as saturated; the mapping is the same negation.)
+    for objective in ("chat", "bulk", "plain", "unknown", None):
+        sent = {**POST, "x-infergate-priority": "-1000"}
+        if objective is not None:
+            sent["x-gateway-inference-objective"] = objective
+        stream = Stream(channel)
+        await stream.send(headers(sent), body(_completion()))
+        header_response, _ = await stream.recv(2)
+        seen[objective] = set_headers(header_response)["x-infergate-priority"]
+        await stream.close()
+    assert seen == {"chat": "-10", "bulk": "-1", "plain": "0", "unknown": "0", None: "0"}
+
+
 async def test_no_endpoint_is_503(epp_factory, channel_for) -> None:
     epp = await epp_factory(static_endpoints=[])
     stream = Stream(channel_for(epp))

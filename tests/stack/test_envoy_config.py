@@ -18,6 +18,7 @@ from infergate.envoy.bootstrap import (
     DESTINATION_HEADER,
     EPP_CLUSTER,
     UPSTREAM_HOST_HEADER,
+    EnvoyConfig,
     build_envoy_config,
     render_envoy_yaml,
 )
@@ -39,9 +40,9 @@ def _ext_proc(config: dict) -> dict:
         {"admin_port": None, "epp_address": "epp.default.svc.cluster.local"},
         {"debug_headers": True, "access_log": True, "route_timeout_s": 0.5},
         {"fallback_endpoints": [("engine-0.local", 8000), ("10.0.0.7", 8001)]},
-        {"stream_response_bodies": False, "epp_health_check_interval_s": None},
+        {"response_accounting": "none", "epp_health_check_interval_s": None},
         {"epp_tls": True},
-        {"observe_responses": False},
+        {"response_accounting": "body"},
         {"response_accounting": "observer"},
         {"epp_tls": True, "epp_address": "epp.default.svc.cluster.local"},
         {"upstream": "original_dst", "response_accounting": "body"},
@@ -55,12 +56,14 @@ def _ext_proc(config: dict) -> dict:
 def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binary: Path) -> None:
     args = {"listen_port": 8081, "epp_address": "127.0.0.1", "epp_port": 9002, **kwargs}
     path = tmp_path / "envoy.yaml"
-    path.write_text(render_envoy_yaml(**args))
+    path.write_text(render_envoy_yaml(EnvoyConfig(**args)))
     validate_config(path, envoy=envoy_binary)
 
 
 def test_validate_reports_envoys_reason(tmp_path: Path, envoy_binary: Path) -> None:
-    config = build_envoy_config(listen_port=8081, epp_address="127.0.0.1", epp_port=9002)
+    config = build_envoy_config(
+        EnvoyConfig(listen_port=8081, epp_address="127.0.0.1", epp_port=9002)
+    )
     pool = config["static_resources"]["clusters"][1]
     source = pool["eds_cluster_config"]["eds_config"]["api_config_source"]
     source["grpc_services"][0]["envoy_grpc"]["cluster_name"] = "nowhere"
@@ -73,10 +76,12 @@ def test_validate_reports_envoys_reason(tmp_path: Path, envoy_binary: Path) -> N
 def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     open_ = _ext_proc(
         build_envoy_config(
-            listen_port=1, epp_address="127.0.0.1", epp_port=2, failure_mode_allow=True
+            EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2, failure_mode_allow=True)
         )
     )
-    closed = _ext_proc(build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2))
+    closed = _ext_proc(
+        build_envoy_config(EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2))
+    )
     assert open_["failure_mode_allow"] is True
     assert closed["failure_mode_allow"] is False
     mode = closed["processing_mode"]
@@ -84,14 +89,16 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert mode["response_body_mode"] == "NONE"
     assert mode["request_trailer_mode"] == "SEND"
-    config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)
+    config = build_envoy_config(EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2))
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
     # Default: engines report completions, so no filter sees response bodies.
     assert "infergate.ext_proc.observer" not in names
     assert mode["response_trailer_mode"] == "SKIP"
     config = build_envoy_config(
-        listen_port=1, epp_address="127.0.0.1", epp_port=2, response_accounting="observer"
+        EnvoyConfig(
+            listen_port=1, epp_address="127.0.0.1", epp_port=2, response_accounting="observer"
+        )
     )
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
@@ -104,7 +111,9 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     # GIE's single filter, every response chunk through the EPP, on request.
     single = _ext_proc(
         build_envoy_config(
-            listen_port=1, epp_address="127.0.0.1", epp_port=2, observe_responses=False
+            EnvoyConfig(
+                listen_port=1, epp_address="127.0.0.1", epp_port=2, response_accounting="body"
+            )
         )
     )["processing_mode"]
     assert single["request_body_mode"] == single["response_body_mode"] == "FULL_DUPLEX_STREAMED"
@@ -112,7 +121,7 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
 
 
 def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
-    config = build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2)
+    config = build_envoy_config(EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2))
     pool = config["static_resources"]["clusters"][1]
     assert pool["type"] == "EDS"
     source = pool["eds_cluster_config"]["eds_config"]["api_config_source"]
@@ -124,7 +133,7 @@ def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
     assert picked["retry_policy"]["num_retries"] == 3
     assert "connect-failure" in picked["retry_policy"]["retry_on"]
     no_retries = build_envoy_config(
-        listen_port=1, epp_address="127.0.0.1", epp_port=2, fallback_retries=0
+        EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2, fallback_retries=0)
     )
     assert "retry_policy" not in _routes(no_retries)[0]["route"]
 
@@ -133,7 +142,7 @@ def test_original_dst_upstream_is_gies_reference_cluster() -> None:
     """For an EPP that serves no EDS: Envoy dials whatever the pick header names, and a
     request without a pick has no route (an ORIGINAL_DST cluster would dial the listener)."""
     config = build_envoy_config(
-        listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="original_dst"
+        EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="original_dst")
     )
     pool = config["static_resources"]["clusters"][1]
     assert pool["type"] == "ORIGINAL_DST" and pool["lb_policy"] == "CLUSTER_PROVIDED"
@@ -143,13 +152,15 @@ def test_original_dst_upstream_is_gies_reference_cluster() -> None:
     }
     routes = _routes(config)
     assert len(routes) == 1 and routes[0]["match"]["dynamic_metadata"]
-    with_fallback = build_envoy_config(
+    with_fallback = build_envoy_config(EnvoyConfig(
         listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="original_dst",
         failure_mode_allow=True, fallback_endpoints=[("127.0.0.1", 8000)],
-    )  # fmt: skip
+    ))  # fmt: skip
     assert _routes(with_fallback)[1]["route"]["cluster"] == "infergate_pool_fallback"
     with pytest.raises(ValueError, match="upstream must be one of eds, original_dst"):
-        build_envoy_config(listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="dns")
+        build_envoy_config(
+            EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2, upstream="dns")
+        )
 
 
 def _routes(config: dict) -> list[dict]:
@@ -159,10 +170,10 @@ def _routes(config: dict) -> list[dict]:
 
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="port"):
-        build_envoy_config(listen_port=70000, epp_address="127.0.0.1", epp_port=9002)
+        build_envoy_config(EnvoyConfig(listen_port=70000, epp_address="127.0.0.1", epp_port=9002))
     with pytest.raises(ValueError, match="route_timeout_s"):
         build_envoy_config(
-            listen_port=8081, epp_address="127.0.0.1", epp_port=9002, route_timeout_s=0
+            EnvoyConfig(listen_port=8081, epp_address="127.0.0.1", epp_port=9002, route_timeout_s=0)
         )
 
 
@@ -182,15 +193,17 @@ def _start_upstream(processes: ProcessGroup, directory: Path) -> int:
 def _start_envoy(processes: ProcessGroup, tmp_path: Path, name: str, **kwargs: object) -> str:
     listen = free_port()
     config = build_envoy_config(
-        listen_port=listen,
-        listen_address="127.0.0.1",
-        admin_port=free_port(),
-        epp_address="127.0.0.1",
-        epp_port=free_port(),  # nothing listens there: the EPP is "down"
-        message_timeout_s=5,
-        debug_headers=True,
-        eds_initial_fetch_timeout_s=0.5,
-        **kwargs,  # type: ignore[arg-type]
+        EnvoyConfig(
+            listen_port=listen,
+            listen_address="127.0.0.1",
+            admin_port=free_port(),
+            epp_address="127.0.0.1",
+            epp_port=free_port(),  # nothing listens there: the EPP is "down"
+            message_timeout_s=5,
+            debug_headers=True,
+            eds_initial_fetch_timeout_s=0.5,
+            **kwargs,  # type: ignore[arg-type]
+        )
     )
     start_envoy(processes, config, tmp_path / f"{name}.yaml", name=name)
     return f"http://127.0.0.1:{listen}"

@@ -3,7 +3,7 @@
 The lab runs the peer the way its own docs run it without Kubernetes: its
 ``file-discovery`` plugin reads the fleet from an endpoints file, it serves ext_proc to
 the lab's Envoy, and Envoy dials its pick through GIE's reference ``ORIGINAL_DST``
-cluster (``build_envoy_config(upstream="original_dst")``) with request and response
+cluster (``EnvoyConfig(upstream="original_dst")``) with request and response
 bodies streamed FULL_DUPLEX, as that reference config does. The peer scrapes the
 engines' vLLM metrics (``/metrics``) itself.
 

@@ -27,7 +27,7 @@ from infergate.bench.routing.routers import Router, RouterUnavailable
 from infergate.bench.routing.workloads import Workload
 from infergate.bench.runner import BenchConfig, run_benchmark
 from infergate.procs import free_port
-from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
+from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model, resolve_model
 
 #: Counters read from every engine before and after a run.
 ENGINE_COUNTERS = (
@@ -49,6 +49,11 @@ class LabSpec:
     output_dir: Path = Path("routing-lab")
     sim_args: Sequence[str] = ()  # extra engine flags, e.g. --sim-us-per-token 40
     output_len: int | None = None
+    # The simulated engines' model (config and tokenizer; weights never load): a name
+    # `engine fetch-model` knows, a .gguf or a model directory. None: the tiny model,
+    # whose byte-level vocabulary makes about 1.2 characters per token where a real one
+    # makes 4-6, so prompts of the same token length are 4-5x shorter in characters.
+    model: Path | None = None
 
 
 @dataclass
@@ -102,6 +107,7 @@ def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
     per_engine = [slow if i < workload.slow_engines else [] for i in range(engines)]
     return StackSpec.on_free_ports(
         engines=engines,
+        model=spec.model,
         access_log=False,
         engine_args=engine_args,
         per_engine_args=per_engine,
@@ -193,6 +199,18 @@ def _fill(
     result.sim_lag = sum(delta("infergate_sim_late_seconds_total")) / modelled if modelled else 0.0
 
 
+def tokenizer_dir(model: Path | None) -> Path:
+    """The directory holding ``tokenizer.json`` for the lab's model (see LabSpec.model)."""
+    if model is None:
+        return ensure_tiny_model()
+    from infergate.engine.fetch import cache_dir
+    from infergate.engine.gguf_model import find_gguf, prepare_model_dir
+
+    resolved = resolve_model(model)
+    gguf = find_gguf(resolved)
+    return resolved if gguf is None else prepare_model_dir(gguf, cache_dir())
+
+
 def run_lab(
     workloads: Sequence[Workload],
     routers: Sequence[Router],
@@ -201,7 +219,7 @@ def run_lab(
     on_result: Callable[[RunResult], None],
 ) -> list[RunResult]:
     """Every router at every rate of every workload; ``on_result`` sees each row as it lands."""
-    tokens = Tokens(ensure_tiny_model())
+    tokens = Tokens(tokenizer_dir(spec.model))
     results: list[RunResult] = []
     for workload in workloads:
         for rate in rates.get(workload.name) or workload.rates:

@@ -1,0 +1,182 @@
+"""``infergate epp``'s options: each field of :class:`EppOptions` is one flag.
+
+Adding a flag is adding a field with :func:`infergate.options.option`; ``epp/cli.py``
+generates the command from these fields. Fields without one (``config``) are for callers
+that build an EPP in process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from infergate.epp.datalayer.discovery.static import parse_endpoint
+from infergate.epp.types import Endpoint
+
+from infergate.options import option
+
+if TYPE_CHECKING:
+    from infergate.epp.config import EndpointPickerConfig
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0}
+
+
+def seconds(text: str | float) -> float:
+    """``0.05``, ``50ms``, ``2s``, ``1m`` → seconds (> 0); GIE's flags take Go durations."""
+    value = str(text).strip().lower()
+    scale = 1.0
+    for unit in ("ms", "s", "m"):
+        if value.endswith(unit):
+            value, scale = value[: -len(unit)], _UNITS[unit]
+            break
+    try:
+        result = float(value) * scale
+    except ValueError:
+        raise ValueError(f"{text!r} is not a duration (e.g. 0.05, 50ms, 2s)") from None
+    if not result > 0:
+        raise ValueError(f"must be > 0, got {text!r}")
+    return result
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """:func:`seconds`, with ``flag`` named in the error."""
+    try:
+        return seconds(text)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
+
+
+def _seconds_or_none(text: str | float) -> float | None:
+    """``--body-timeout``: a duration, or 0 for none."""
+    return None if str(text).strip() in ("0", "0s", "0.0") else seconds(text)
+
+
+def _duration_option(flag: str, default: float, help: str) -> Any:
+    """An option in seconds that also takes Go-style durations (``50ms``, ``2s``)."""
+    return option(flag, default=default, cli_type=str, convert=seconds, help=help)
+
+
+def _endpoints(texts: list[str]) -> list[Endpoint]:
+    return [parse_endpoint(text) for text in texts]
+
+
+@dataclass
+class EppOptions:
+    """What one EPP process runs with."""
+
+    pool_name: str | None = option(
+        "--pool-name", default=None, help="InferencePool to serve (Kubernetes discovery)."
+    )
+    pool_namespace: str = option("--pool-namespace", default="default", help="Its namespace.")
+    endpoints_file: Path | None = option(
+        "--endpoints",
+        default=None,
+        help="YAML endpoints file (hot-reloaded, atomic renames included).",
+    )
+    static_endpoints: list[Endpoint] = option(
+        "--endpoint",
+        default_factory=list,
+        cli_type=list[str],
+        convert=_endpoints,
+        help="Static endpoint HOST:PORT; may repeat.",
+    )
+    config_file: Path | None = option(
+        "--config-file",
+        default=None,
+        help="EndpointPickerConfig YAML (plugins and profiles), or a built-in config by name: "
+        "builtin:infergate-default (the default), builtin:gie-default (GIE's default "
+        "profile), builtin:precise-prefix (infergate's default plus the engines' KV "
+        "events), builtin:gie-precise-prefix.",
+    )
+    config_text: str | None = option(
+        "--config-text", default=None, help="The EndpointPickerConfig inline, instead of a file."
+    )
+    config: EndpointPickerConfig | None = None
+    """A parsed config; wins over ``config_text`` and ``config_file``."""
+    objectives_file: Path | None = option(
+        "--objectives-file",
+        default=None,
+        help="Standalone mode: YAML of InferenceObjective / InferenceModelRewrite objects "
+        "(hot-reloaded).",
+    )
+    host: str = option("--host", default="0.0.0.0", help="Address to bind all three ports on.")
+    grpc_port: int = option("--grpc-port", default=9002, help="ext-proc gRPC port.")
+    grpc_health_port: int = option(
+        "--grpc-health-port",
+        default=9003,
+        help="grpc.health.v1 port (NOT_SERVING with no endpoints).",
+    )
+    metrics_port: int = option("--metrics-port", default=9090, help="Prometheus port.")
+    refresh_metrics_interval: float = _duration_option(
+        "--refresh-metrics-interval",
+        0.05,
+        help="Time between scrapes of each endpoint (seconds, or a duration like 50ms).",
+    )
+    metrics_staleness_threshold: float = _duration_option(
+        "--metrics-staleness-threshold",
+        2.0,
+        help="Age after which an endpoint's metrics are stale (treated as saturated).",
+    )
+    metrics_timeout: float = _duration_option(
+        "--metrics-timeout",
+        1.0,
+        help="Scrape timeout.",
+    )
+    max_request_body_bytes: int = option(
+        "--max-request-body-bytes", default=8 << 20, help="Larger request bodies get 413."
+    )
+    max_buffered_bytes: int = option(
+        "--max-buffered-bytes",
+        default=128 << 20,
+        help="Request bodies buffered across all requests in flight; beyond it 503.",
+    )
+    max_streams: int = option(
+        "--max-streams", default=10_000, help="Concurrent ext-proc streams; beyond it 503."
+    )
+    body_timeout_s: float | None = option(
+        "--body-timeout",
+        default=20.0,
+        cli_type=str,
+        convert=_seconds_or_none,
+        help="A request body must arrive within this (after its headers), else 408; 0 = none.",
+    )
+    completion_events_port: int | None = option(
+        "--completion-events-port",
+        default=None,
+        help="Subscribe to every endpoint's completion records on this port (engines run "
+        "with --completion-events-port); endpoints labelled "
+        "infergate.io/completion-events-port are subscribed regardless.",
+    )
+    scores_header: bool = option(
+        "--scores-header",
+        default=False,
+        help="Debug: add `x-infergate-epp-scores` (per-endpoint totals) to upstream requests.",
+    )
+    secure_serving: bool = option(
+        "--secure-serving/--no-secure-serving",
+        default=False,
+        help="Serve ext-proc over TLS (GIE's default; Istio expects it). Self-signed unless "
+        "--cert-path is given.",
+    )
+    cert_path: Path | None = option(
+        "--cert-path",
+        default=None,
+        help="Directory with tls.crt and tls.key for --secure-serving.",
+    )
+    log_level: str = option(
+        "--log-level",
+        default="info",
+        help="debug logs one line per decision with per-scorer scores.",
+    )
+    workers: int = option(
+        "--workers",
+        default=1,
+        min=1,
+        help="EPP processes behind the one ext-proc port (SO_REUSEPORT); state (prefix index, "
+        "flow control) is per process. Worker i serves metrics on --metrics-port + i.",
+    )
+    reuse_port: bool = option(
+        "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
+    )
+    """Bind the gRPC ports with SO_REUSEPORT (``--workers``: several EPPs, one port)."""

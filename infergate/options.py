@@ -1,0 +1,188 @@
+"""Command-line options declared once: on the dataclass fields they fill.
+
+A field made with :func:`option` (or :func:`argument`) carries its flag names, help text
+and typer settings (``min``, ``envvar``, ``hidden``…) in its metadata. :func:`command`
+generates a typer command from the dataclass, one parameter per such field in field
+order, and calls the function it wraps with the dataclass built from the parsed values.
+Adding an option to a command is therefore adding one field; nothing else repeats it.
+
+Where a flag's text is not the field's value (a duration like ``50ms``, ``FailOpen``),
+the field names the command-line type (``cli_type``) and a ``convert`` function; a
+``ValueError`` from it becomes click's usual "Invalid value for '--flag'" error. A field
+made with :func:`options_group` holds a nested dataclass whose own option fields join the
+command (``engine serve``'s ``--sim-*`` options build its :class:`TimingModel`), and
+:func:`inherit` restates another dataclass's option under a new flag or default (``up``
+passes several EPP and engine options through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+__all__ = ["CliSpec", "argument", "cli_fields", "command", "inherit", "option", "options_group"]
+
+_KEY = "infergate.cli"
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class CliSpec:
+    """How one dataclass field appears on the command line."""
+
+    decls: tuple[str, ...]
+    """Flag names (``"--port"``, ``"--x/--no-x"``); empty for an argument."""
+    help: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Further ``typer.Option`` / ``typer.Argument`` keywords."""
+    cli_type: Any = None
+    """The command-line annotation when it is not the field's own type."""
+    convert: Callable[[Any], Any] | None = None
+    """Parsed command-line value → field value; ``ValueError`` is a usage error."""
+    group: type | None = None
+    """A nested options dataclass (see :func:`options_group`)."""
+    cli_default: Any = field(default_factory=lambda: MISSING)
+    """The command line's default when it is not the field's (``up`` serves TLS by
+    default; a :class:`StackSpec` built in code does not)."""
+
+    @property
+    def is_argument(self) -> bool:
+        return not self.decls and self.group is None
+
+
+def option(
+    *decls: str,
+    default: Any = MISSING,
+    default_factory: Any = MISSING,
+    help: str | None = None,
+    cli_type: Any = None,
+    convert: Callable[[Any], Any] | None = None,
+    cli_default: Any = MISSING,
+    **settings: Any,
+) -> Any:
+    """A dataclass field that is also the option ``decls``."""
+    spec = CliSpec(decls, help, settings, cli_type, convert, cli_default=cli_default)
+    return field(default=default, default_factory=default_factory, metadata={_KEY: spec})
+
+
+def argument(*, help: str, **settings: Any) -> Any:
+    """A required dataclass field that is a positional argument."""
+    return field(metadata={_KEY: CliSpec((), help, settings)})
+
+
+def options_group(cls: type) -> Any:
+    """A field holding dataclass ``cls``, whose option fields join the command."""
+    return field(default_factory=cls, metadata={_KEY: CliSpec((), group=cls)})
+
+
+def inherit(source: type, name: str, *decls: str, help: str | None = None, **changes: Any) -> Any:
+    """``source``'s option field ``name`` again, under ``decls`` (default: the same flags).
+
+    ``help`` may embed the original as ``{help}``; ``changes`` override ``default`` and
+    any other :func:`option` keyword.
+    """
+    original = next((f for f in dataclasses.fields(source) if f.name == name), None)
+    if original is None or _KEY not in original.metadata:
+        raise ValueError(f"{source.__name__}.{name} is not a command-line option")
+    spec: CliSpec = original.metadata[_KEY]
+    kwargs: dict[str, Any] = {
+        "default": original.default,
+        "default_factory": original.default_factory,
+        "cli_type": spec.cli_type,
+        "convert": spec.convert,
+        "cli_default": spec.cli_default,
+        **spec.settings,
+    }
+    if "default" in changes:
+        kwargs["default_factory"] = MISSING
+    if "default_factory" in changes:
+        kwargs["default"] = MISSING
+    kwargs.update(changes)
+    text = spec.help if help is None else help.format(help=spec.help or "")
+    return option(*(decls or spec.decls), help=text, **kwargs)
+
+
+def cli_fields(cls: type) -> list[tuple[dataclasses.Field[Any], CliSpec]]:
+    """The fields of ``cls`` that appear on the command line, in declaration order."""
+    return [(f, f.metadata[_KEY]) for f in dataclasses.fields(cls) if _KEY in f.metadata]
+
+
+def _field_type(cls: type, f: dataclasses.Field[Any]) -> Any:
+    """A field's annotation, evaluated (modules may use ``from __future__ import annotations``)."""
+    if not isinstance(f.type, str):
+        return f.type
+    return eval(f.type, vars(sys.modules[cls.__module__]))  # our own annotations
+
+
+def _parameters(cls: type, prefix: str = "") -> list[inspect.Parameter]:
+    params = []
+    for f, spec in cli_fields(cls):
+        if spec.group is not None:
+            params += _parameters(spec.group, f"{prefix}{f.name}__")
+            continue
+        if spec.cli_default is not MISSING:
+            default = spec.cli_default
+        elif f.default is not MISSING:
+            default = f.default
+        elif callable(f.default_factory):
+            default = f.default_factory()
+        else:
+            default = inspect.Parameter.empty
+        info = (
+            typer.Argument(help=spec.help, **spec.settings)
+            if spec.is_argument
+            else typer.Option(*spec.decls, help=spec.help, **spec.settings)
+        )
+        annotation = spec.cli_type if spec.cli_type is not None else _field_type(cls, f)
+        params.append(
+            inspect.Parameter(
+                prefix + f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=default,
+                annotation=Annotated[annotation, info],
+            )
+        )
+    return params
+
+
+def build(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
+    """``cls`` from parsed command-line ``values`` (keyed as :func:`command` names them)."""
+    kwargs: dict[str, Any] = {}
+    for f, spec in cli_fields(cls):
+        if spec.group is not None:
+            kwargs[f.name] = build(spec.group, values, f"{prefix}{f.name}__")
+            continue
+        value = values[prefix + f.name]
+        if spec.convert is not None:
+            try:
+                value = spec.convert(value)
+            except ValueError as error:
+                hint = "/".join(spec.decls) or f.name.upper()
+                raise typer.BadParameter(str(error), param_hint=f"'{hint}'") from None
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def command(cls: type[T]) -> Callable[[Callable[[T], R]], Callable[..., R]]:
+    """Decorate ``run(options: cls)``: the result is a typer command whose parameters are
+    ``cls``'s option fields; it builds ``cls`` from them and calls ``run``."""
+
+    def wrap(run: Callable[[T], R]) -> Callable[..., R]:
+        def cli(**values: Any) -> R:
+            return run(build(cls, values))
+
+        params = _parameters(cls)
+        cli.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        cli.__annotations__ = {p.name: p.annotation for p in params}
+        cli.__name__, cli.__qualname__ = run.__name__, run.__qualname__
+        cli.__doc__, cli.__module__ = run.__doc__, run.__module__
+        return cli
+
+    return wrap

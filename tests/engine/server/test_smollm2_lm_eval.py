@@ -1,0 +1,122 @@
+"""lm-eval on a real model: the engine's score equals lm-eval's own `hf` backend.
+
+SmolLM2-135M-Instruct (the GGUF fetched from PyPI) answers a local multiple-choice task,
+``data/facts_mc.jsonl`` (80 questions written for this repo, nothing from the hub), twice
+in one test:
+
+* ``local-completions`` against ``infergate engine serve`` on the GGUF (the loglikelihood
+  path: ``echo``, ``logprobs``, ``max_tokens`` 0);
+* lm-eval's ``hf`` backend, which loads the same GGUF through transformers' own
+  dequantizer (``gguf_file=``), so it shares nothing with the engine but the file.
+
+The issue's bar: accuracy within 1 point (0.01). With 80 questions one question is 1.25
+points, so the answers must agree on every question. Each scored choice's loglikelihood
+must also agree within LOGLIK_ATOL: both compute float32 on CPU in a different order
+(fused q/k/v, paged attention against SDPA), which moves a sum of a few token logprobs by
+well under 1e-2; a real error (a wrong position, a missing token) moves it by whole nats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from infergate.engine.gguf_model import prepare_model_dir
+
+from infergate.procs import ProcessGroup
+
+from .conftest import API_KEY, MODEL, Server, _start
+from .test_lm_eval import lm_eval_python, samples
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+DATA = Path(__file__).with_name("data") / "facts_mc.jsonl"
+TASK_NAME = "infergate_facts_mc"
+TASK = """
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+ACC_POINTS = 0.01
+LOGLIK_ATOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def plain_smollm2(smollm2_gguf: Path, infergate_cli: list[str]) -> Iterator[Server]:
+    with ProcessGroup() as group:
+        yield _start(group, infergate_cli, "engine-smollm2-lmeval", smollm2_gguf,
+                     "--device", "cpu", "--dtype", "float32")  # fmt: skip
+
+
+def _run_lm_eval(
+    model: str, model_args: str, tasks: Path, out_dir: Path, *extra: str
+) -> dict[str, Any]:
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY, "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    argv = [
+        lm_eval_python(), "-m", "lm_eval", "run", "--model", model, "--model_args", model_args,
+        "--tasks", TASK_NAME, "--include_path", str(tasks), "--batch_size", "8",
+        "--output_path", str(out_dir), "--log_samples", *extra,
+    ]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads(next(out_dir.rglob("results_*.json")).read_text())["results"]
+    return dict(results[TASK_NAME])
+
+
+def _logliks(out_dir: Path) -> dict[int, list[float]]:
+    """Each document's scored loglikelihoods, one per choice, by document id."""
+    return {
+        s["doc_id"]: [float(resp[0][0]) for resp in s["resps"]] for s in samples(out_dir, TASK_NAME)
+    }
+
+
+def test_engine_scores_like_lm_evals_hf_backend(
+    plain_smollm2: Server, smollm2_gguf: Path, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "facts.yaml").write_text(TASK.format(name=TASK_NAME, data=DATA))
+    tokenizer_dir = prepare_model_dir(smollm2_gguf, tmp_path / "tokenizer")
+
+    engine_out, hf_out = tmp_path / "engine", tmp_path / "hf"
+    engine = _run_lm_eval(
+        "local-completions",
+        f"model={MODEL},base_url={plain_smollm2.url}/v1/completions,"
+        f"tokenizer={tokenizer_dir},tokenizer_backend=huggingface,"
+        "num_concurrent=4,max_retries=1,timeout=300",
+        tasks, engine_out,
+    )  # fmt: skip
+    hf = _run_lm_eval(
+        "hf",
+        f"pretrained={smollm2_gguf.parent},gguf_file={smollm2_gguf.name},"
+        f"tokenizer={tokenizer_dir},dtype=float32",
+        tasks, hf_out, "--device", "cpu",
+    )  # fmt: skip
+
+    print(f"facts_mc: engine acc {engine['acc,none']:.4f} acc_norm {engine['acc_norm,none']:.4f}; "
+          f"hf acc {hf['acc,none']:.4f} acc_norm {hf['acc_norm,none']:.4f}")  # fmt: skip
+    for metric in ("acc,none", "acc_norm,none"):
+        assert abs(engine[metric] - hf[metric]) <= ACC_POINTS, (metric, engine, hf)
+    # The task discriminates: neither chance (0.25) nor a ceiling a broken scorer could hit.
+    assert 0.3 < hf["acc,none"] < 1.0, hf
+
+    ours, theirs = _logliks(engine_out), _logliks(hf_out)
+    assert sorted(ours) == sorted(theirs) == list(range(len(DATA.read_text().splitlines())))
+    for doc_id, want in theirs.items():
+        assert ours[doc_id] == pytest.approx(want, abs=LOGLIK_ATOL), doc_id
