@@ -209,6 +209,24 @@ class ServeOptions:
         default=25.0,
         help="Simulated time to load an adapter into a slot (ms).",
     )
+    enable_responses_api_store: bool = option(
+        "--enable-responses-api-store/--no-enable-responses-api-store",
+        default=True,
+        help="Keep /v1/responses responses in memory for previous_response_id, GET and "
+        "cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, here on by default and bounded).",
+    )
+    responses_api_store_max_entries: int = option(
+        "--responses-api-store-max-entries",
+        default=1024,
+        min=1,
+        help="Most responses the store holds; the oldest goes first.",
+    )
+    responses_api_store_ttl: float = option(
+        "--responses-api-store-ttl",
+        default=3600.0,
+        min=1,
+        help="Seconds a stored response is kept after its last update.",
+    )
     log_level: str = option("--log-level", default="info", help="debug, info, warning or error.")
 
 
@@ -392,6 +410,9 @@ def build(opts: ServeOptions) -> Any:
         generation_defaults=defaults,
         dev_mode=opts.dev_mode or os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         scheduling_policy=opts.scheduling_policy,
+        responses_store=opts.enable_responses_api_store,
+        responses_store_max_entries=opts.responses_api_store_max_entries,
+        responses_store_ttl_s=opts.responses_api_store_ttl,
     )
     log.info(
         "engine ready to start: model=%s max_model_len=%d blocks=%d block_size=%d "

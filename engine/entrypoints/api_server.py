@@ -32,6 +32,7 @@ from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_lora import add_lora_routes, runtime_updates_allowed
 from .serving_models import OpenAIServingModels
+from .serving_responses import OpenAIServingResponses, add_responses_routes
 from .serving_tokenization import OpenAIServingTokenization
 
 
@@ -155,6 +156,7 @@ def build_app(
         OpenAIServingCompletion(*shared),
         OpenAIServingChat(*shared),
     )
+    add_responses_routes(app, OpenAIServingResponses(*shared))
     if lora is not None and runtime_updates_allowed():
         add_lora_routes(app, engine, tokenization)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -27,6 +28,12 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     dev_mode: bool = False  # development routes (/reset_prefix_cache)
+    # The Responses API's store (--enable-responses-api-store and its bounds).
+    responses_store: bool = True
+    responses_store_max_entries: int = 1024
+    responses_store_ttl_s: float = 3600.0
+    # The tag in this engine's response ids when no EPP sent one (infergate.wire.responses).
+    route_tag: str = field(default_factory=lambda: secrets.token_hex(8))
     # --scheduling-policy: with fcfs a request's non-zero priority is a 400 (as vLLM).
     scheduling_policy: str = "fcfs"
     warned_fields: set[str] = field(default_factory=set)

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from infergate.engine.lora.tiny import make_tiny_lora
 from prometheus_client.parser import text_string_to_metric_families
 
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
@@ -112,6 +113,21 @@ def real_server(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Serv
             group, infergate_cli, "engine-real", tiny_model_dir,
             "--device", "cpu", "--dtype", "float32", "--max-num-batched-tokens", "8",
             "--num-gpu-blocks-override", "256",
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def responses_server(tiny_model_dir: Path, infergate_cli: list[str],
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:  # fmt: skip
+    """The real tiny model with a LoRA adapter named ``adapter`` and the auto tool
+    choice (hermes), for the Responses API tests."""
+    lora = make_tiny_lora(tiny_model_dir, tmp_path_factory.mktemp("resp-lora") / "a", seed=1)
+    with ProcessGroup() as group:
+        yield _start(
+            group, infergate_cli, "engine-responses", tiny_model_dir,
+            "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "256",
+            "--enable-lora", "--lora-modules", f"adapter={lora}",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         )  # fmt: skip
 
 
