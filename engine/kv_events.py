@@ -1,18 +1,13 @@
-"""KV-cache events in vLLM's wire format, published over ZMQ PUB.
+"""KV-cache events in vLLM's wire format, published over ZMQ PUB, with vLLM's replay socket.
 
 Anything that consumes vLLM's events (llm-d's precise prefix scorer, our EPP) can consume
-these. The format, as vLLM's ``vllm/distributed/kv_events.py`` defines it:
+these. The format — live messages ``[topic, seq, payload]`` and the replay exchange — is
+defined in :mod:`infergate.wire.kv_events`, which the EPP imports too; the structs are
+re-exported here for the engine's own modules.
 
-* each ZMQ message is multipart ``[topic, seq, payload]``: ``topic`` (default empty),
-  ``seq`` a 64-bit big-endian batch sequence number starting at 0, ``payload`` msgpack;
-* ``payload`` is a ``KVEventBatch``, encoded as the array ``[ts, events,
-  data_parallel_rank]``;
-* each event is a tagged array whose first element is its class name:
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-  medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``. Block hashes are unsigned 64-bit ints
-  (see :mod:`infergate.wire.block_hash`); ``medium`` is ``"GPU"`` as in vLLM (the
-  engine's own KV memory, whatever the device).
+The replay socket (vLLM's ``replay_endpoint``) is a ZMQ ROUTER served by its own thread
+(:class:`ReplayServer`): the publishing thread records each batch in a bounded buffer
+just before sending it, so any batch a subscriber has seen can already be replayed.
 """
 
 from __future__ import annotations
@@ -21,56 +16,44 @@ import logging
 import queue
 import threading
 import time
-from itertools import count
+from collections import deque
+from itertools import count, islice
 from typing import Any
 
 import msgspec
 
+from infergate.wire.kv_events import (
+    END_OF_REPLAY,
+    MEDIUM_GPU,
+    SEQ_SIZE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_seq,
+)
+
+__all__ = [
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEvent",
+    "KVEventBatch",
+    "KVEventsConfig",
+    "ReplayServer",
+    "ZmqEventPublisher",
+    "ZmqPublisher",
+    "bind_endpoint",
+    "decode_batch",
+    "is_bind_endpoint",
+]
+
 log = logging.getLogger(__name__)
-
-MEDIUM_GPU = "GPU"
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged event structs (the tag is the class name)."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    # No defaults, so omit_defaults never drops them: consumers index these positions.
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(EventBatch):
-    events: list[KVEvent]
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one payload (what a subscriber does); used by tests and tools."""
-    return msgspec.msgpack.decode(payload, type=KVEventBatch)
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -121,6 +104,12 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"invalid --kv-events-config: {error}") from None
         if config.publisher not in ("zmq", "null"):
             raise ValueError(f"unsupported KV events publisher {config.publisher!r} (zmq, null)")
+        if config.buffer_steps < 1:
+            raise ValueError(
+                f"KV events buffer_steps must be at least 1, got {config.buffer_steps}"
+            )
+        if config.hwm < 0:
+            raise ValueError(f"KV events hwm must not be negative, got {config.hwm}")
         return config
 
     @property
@@ -163,10 +152,15 @@ class ZmqPublisher:
 
     def _send(self, payload: Any) -> None:
         try:
-            seq = next(self._seq).to_bytes(8, "big")
-            self._sock.send_multipart((self._topic, seq, self._encoder.encode(payload)))
+            seq = next(self._seq)
+            data = self._encoder.encode(payload)
+            self._record(seq, data)
+            self._sock.send_multipart((self._topic, encode_seq(seq), data))
         except Exception:  # a publishing hiccup must never take the engine down
             log.exception("failed to publish %s", self.what)
+
+    def _record(self, seq: int, data: bytes) -> None:
+        """Called with each batch just before it is sent (a replay buffer keeps it)."""
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -179,11 +173,151 @@ class ZmqPublisher:
 
 
 class ZmqEventPublisher(ZmqPublisher):
-    """Publishes KV event batches from a background thread so the step loop never blocks."""
+    """Publishes KV event batches from a background thread so the step loop never blocks.
+
+    With ``replay_endpoint`` it also serves vLLM's replay socket over the last
+    ``buffer_steps`` batches (:class:`ReplayServer`).
+    """
 
     thread_name = "kv-events"
     what = "KV events"
 
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        topic: str = "",
+        hwm: int = 100_000,
+        bind: bool | None = None,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+    ) -> None:
+        # The replay socket first: a busy replay port then fails before the PUB is bound.
+        self._replay = None if replay_endpoint is None else ReplayServer(
+            replay_endpoint, buffer_steps
+        )  # fmt: skip
+        try:
+            super().__init__(endpoint, topic=topic, hwm=hwm, bind=bind)
+        except Exception:
+            if self._replay is not None:
+                self._replay.close()
+            raise
+
     def publish(self, events: list[KVEvent]) -> None:
         if events:
             self._queue.put(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+
+    def _record(self, seq: int, data: bytes) -> None:
+        if self._replay is not None:
+            self._replay.record(seq, data)
+
+    def close(self) -> None:
+        super().close()
+        if self._replay is not None:
+            self._replay.close()
+
+
+def _first_few(n: int) -> bool:
+    """Log the 1st-3rd and every 1000th occurrence: a client may send anything, often."""
+    return n <= 3 or n % 1000 == 0
+
+
+class ReplayServer:
+    """vLLM's KV-events replay socket: a ROUTER that answers "batches from seq N on".
+
+    Why a thread of its own: a replay of thousands of batches to a slow client must not
+    hold up publishing. The publishing thread only appends to the buffer (under a lock);
+    this thread owns the socket. The wire exchange is :mod:`infergate.wire.kv_events`'s.
+
+    Hardening, since anything that reaches the port may send anything: a request that is
+    not one 8-byte sequence number is answered with the end marker alone (and logged, a
+    few times); inbound messages over :attr:`max_request_bytes` drop the connection
+    (ZMQ's ``MAXMSGSIZE``); a client that stops reading stalls a reply for at most
+    :attr:`send_timeout_ms` per message before the reply is abandoned
+    (``ROUTER_MANDATORY``, so a full pipe is an error rather than a silent drop that
+    would lose the end marker).
+    """
+
+    poll_ms = 200
+    send_timeout_ms = 1000
+    max_request_bytes = 1024
+
+    def __init__(self, endpoint: str, buffer_steps: int) -> None:
+        import zmq
+
+        sock: Any = zmq.Context.instance().socket(zmq.ROUTER)
+        try:
+            if "[" in endpoint:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.SNDTIMEO, self.send_timeout_ms)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_request_bytes)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(endpoint)  # vLLM's rule: the replay endpoint always binds
+        except Exception:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.bad_requests = 0  # malformed requests (counted for the rate-limited log)
+        self.abandoned = 0  # replies cut short by a client that left or stopped reading
+        self._thread = threading.Thread(target=self._run, name="kv-events-replay", daemon=True)
+        self._thread.start()
+
+    def record(self, seq: int, payload: bytes) -> None:
+        with self._lock:
+            self._buffer.append((seq, payload))
+
+    def batches_from(self, start: int) -> list[tuple[int, bytes]]:
+        """The buffered ``(seq, payload)`` with ``seq >= start``, oldest first."""
+        with self._lock:
+            if not self._buffer or self._buffer[-1][0] < start:
+                return []
+            skip = max(0, start - self._buffer[0][0])  # seqs are consecutive
+            return [entry for entry in islice(self._buffer, skip, None) if entry[0] >= start]
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stopping.is_set():
+            try:
+                if not self._sock.poll(self.poll_ms):
+                    continue
+                self._answer(self._sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.ZMQError as error:  # EAGAIN: it stopped reading; EHOSTUNREACH: gone
+                self.abandoned += 1
+                if _first_few(self.abandoned):
+                    log.warning("KV events replay: reply abandoned (%s); %d so far", error,
+                                self.abandoned)  # fmt: skip
+            except Exception:  # never let one request end replay for everyone
+                log.exception("KV events replay failed")
+        self._sock.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        envelope, request = frames[:1], frames[1:]
+        if request and request[0] == b"":  # REQ, or a DEALER that sends the delimiter
+            envelope.append(b"")
+            request = request[1:]
+        start = self._requested(request)
+        for seq, payload in [] if start is None else self.batches_from(start):
+            self._sock.send_multipart([*envelope, encode_seq(seq), payload])
+        self._sock.send_multipart([*envelope, END_OF_REPLAY, b""])
+
+    def _requested(self, request: list[bytes]) -> int | None:
+        """The first sequence number asked for; None (logged) for a malformed request."""
+        if len(request) == 1 and len(request[0]) == SEQ_SIZE:
+            return int.from_bytes(request[0], "big")
+        self.bad_requests += 1
+        if _first_few(self.bad_requests):
+            log.warning(
+                "KV events replay: malformed request (%d frames, sizes %s; want one %d-byte "
+                "sequence number); %d so far",
+                len(request), [len(f) for f in request[:4]], SEQ_SIZE, self.bad_requests,
+            )  # fmt: skip
+        return None
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2.0)

@@ -78,6 +78,11 @@ class ServeOptions:
         default=None,
         help="Publish KV events (vLLM's format) on this ZMQ PUB port.",
     )
+    kv_events_replay_port: int | None = option(
+        "--kv-events-replay-port",
+        default=None,
+        help="Serve vLLM's KV events replay socket (ZMQ ROUTER) on this port.",
+    )
     kv_events_config: str | None = option(
         "--kv-events-config",
         default=None,
@@ -509,8 +514,12 @@ def _fit_in_kv_cache(opts: ServeOptions, runner: Any, max_model_len: int) -> int
 
 
 def _kv_events_publisher(opts: ServeOptions) -> Any:
-    """``--kv-events-port`` (binds on --host) or ``--kv-events-config`` (vLLM's rule: a
-    wildcard endpoint binds, a concrete one connects); None when neither publishes."""
+    """The KV events publisher the options ask for (with its replay socket), or None.
+
+    ``--kv-events-port`` / ``--kv-events-replay-port`` bind on ``--host`` and win over the
+    endpoints of ``--kv-events-config``, whose other fields (topic, hwm, buffer_steps)
+    count whenever the JSON is given.
+    """
     from infergate.engine.kv_events import (
         KVEventsConfig,
         ZmqEventPublisher,
@@ -518,27 +527,35 @@ def _kv_events_publisher(opts: ServeOptions) -> Any:
         is_bind_endpoint,
     )
 
-    endpoint, topic, hwm = None, "", 100_000
+    config = KVEventsConfig()
     if opts.kv_events_config is not None:
         try:
-            kv_config = KVEventsConfig.parse(opts.kv_events_config)
+            config = KVEventsConfig.parse(opts.kv_events_config)
         except ValueError as error:
             raise ServeError(str(error)) from None
-        if kv_config.active:
-            endpoint, topic, hwm = kv_config.endpoint, kv_config.topic, kv_config.hwm
-        if kv_config.replay_endpoint is not None:
-            log.warning("KV events replay_endpoint is not supported; ignored")
-    bind = None
+    endpoint = config.endpoint if config.active else None
+    bind = None  # --kv-events-config's endpoint: vLLM's rule (a wildcard binds)
     if opts.kv_events_port is not None:  # on --host, like the HTTP server
         endpoint, bind = bind_endpoint(opts.host, opts.kv_events_port), True
+    replay = config.replay_endpoint
+    if opts.kv_events_replay_port is not None:
+        replay = bind_endpoint(opts.host, opts.kv_events_replay_port)
     if endpoint is None:
+        if replay is not None:
+            log.warning("KV events replay needs a publisher (--kv-events-port); not served")
         return None
     try:
-        events = ZmqEventPublisher(endpoint, topic=topic, hwm=hwm, bind=bind)
+        events = ZmqEventPublisher(
+            endpoint, topic=config.topic, hwm=config.hwm, bind=bind,
+            replay_endpoint=replay, buffer_steps=config.buffer_steps,
+        )  # fmt: skip
     except Exception as error:  # zmq.ZMQError: address in use, bad endpoint
-        raise ServeError(f"cannot open KV events endpoint {endpoint}: {error}") from None
+        where = endpoint if replay is None else f"{endpoint} (replay {replay})"
+        raise ServeError(f"cannot open KV events endpoint {where}: {error}") from None
     verb = "bound to" if bind or is_bind_endpoint(endpoint) else "connected to"
-    log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, topic)
+    log.info("publishing KV events (%s) %s, topic %r", verb, endpoint, config.topic)
+    if replay is not None:
+        log.info("KV events replay on %s (last %d batches)", replay, config.buffer_steps)
     return events
 
 

@@ -196,6 +196,18 @@ class EppMetrics:
         self.kv_events = Counter(
             "infergate_epp_kv_events", "KV-cache events received, by type.", ["type"], registry=r
         )
+        self.kv_event_gaps = Counter(
+            "infergate_epp_kv_events_gaps",
+            "Sequence gaps in an engine's KV events, by result: filled from the engine's "
+            "replay socket, or dropped (the endpoint's precise-prefix entries cleared).",
+            ["result"],
+            registry=r,
+        )
+        self.kv_events_replayed = Counter(
+            "infergate_epp_kv_events_replayed_batches",
+            "KV event batches applied from engines' replay sockets.",
+            registry=r,
+        )
         r.register(_EndpointGauges(datastore, saturation, pool_name))
         self._plugin_children: dict[tuple[int, str], Histogram] = {}
 

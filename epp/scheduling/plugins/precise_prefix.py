@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 from infergate.epp.datalayer.kv_events import (
     KV_EVENTS_PORT_LABEL,
+    KV_EVENTS_REPLAY_PORT_LABEL,
     KVBlockIndex,
     KVEventSubscriptions,
 )
@@ -35,7 +36,7 @@ from infergate.wire.block_hash import block_hashes
 
 log = logging.getLogger("infergate.epp.precise_prefix")
 
-__all__ = ["KV_EVENTS_PORT_LABEL", "PrecisePrefixCacheScorer"]
+__all__ = ["KV_EVENTS_PORT_LABEL", "KV_EVENTS_REPLAY_PORT_LABEL", "PrecisePrefixCacheScorer"]
 #: ``context.extras`` key: callables(endpoint_key) told when an engine cleared its KV cache.
 CACHE_CLEARED_LISTENERS = "kv_cache_cleared_listeners"
 
@@ -43,6 +44,13 @@ CACHE_CLEARED_LISTENERS = "kv_cache_cleared_listeners"
 class PrecisePrefixParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kvEventsPort: int = Field(5557, gt=0, lt=65536)
+    kvEventsReplayPort: int | None = Field(
+        None,
+        gt=0,
+        lt=65536,
+        description="The engines' KV events replay port (vLLM's replay_endpoint) where an "
+        "endpoint has no infergate.io/kv-events-replay-port label; none: no replay there.",
+    )
     blockSize: int | None = Field(
         None,
         ge=1,
@@ -78,8 +86,9 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
         self.p: PrecisePrefixParams = params  # type: ignore[assignment]
         self.index = KVBlockIndex(ttl=self.p.speculativeTTL)
         self.events = KVEventSubscriptions(
-            context.datastore, self.index, self.p.kvEventsPort, context.extras.get("metrics")
-        )
+            context.datastore, self.index, self.p.kvEventsPort, context.extras.get("metrics"),
+            default_replay_port=self.p.kvEventsReplayPort,
+        )  # fmt: skip
         # A real, total eviction: whatever the approximate index believes about this
         # endpoint is now wrong too.
         self.events.cleared_listeners.extend(context.extras.get(CACHE_CLEARED_LISTENERS, ()))
