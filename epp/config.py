@@ -124,7 +124,9 @@ schedulingProfiles:
 #: within 1.25x its fair share of the requests in flight (+1); the predicted-latency scorer
 #: decides among the rest (the calibrated prefix index feeds it: it runs for its
 #: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
-#: only for requests to adapters on engines that report adapter slots.
+#: only for requests to adapters on engines that report adapter slots. The picker names
+#: up to 4 endpoints, best first: the rest are the gateway's fallbacks when the best one
+#: refuses the connection (an engine killed since its last scrape).
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -134,6 +136,7 @@ plugins:
 - type: predicted-latency-scorer
 - type: lora-affinity-scorer
 - type: max-score-picker
+  parameters: {maxNumOfEndpoints: 4}
 schedulingProfiles:
 - name: default
   plugins:
