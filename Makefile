@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install lmeval model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-local conformance-controlplane clean
+.PHONY: help install lmeval model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-controlplane clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -41,8 +41,7 @@ controlplane: ## Build etcd, kube-apiserver, controller-manager, scheduler, kube
 demo: install ## Run the whole stack locally (engines + EPP + Envoy on :8081); MODEL=smollm2 serves a real model
 	$(BIN)/infergate up $(if $(MODEL),--model $(MODEL))
 
-# The conformance suite runs on the real API server (the controlplane driver); the local
-# driver (the KMock emulator, no Go needed) stays for `make conformance-local`.
+# The conformance suite runs on the real API server (the controlplane driver).
 test: install lmeval controlplane ## Run the test suite, the cluster tier and conformance on the real API server included (gpu tests skip themselves without a GPU)
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) CONFORMANCE_DRIVER=controlplane $(BIN)/pytest $(PYTEST_ARGS)
 
@@ -71,10 +70,6 @@ bench: install ## Run the benchmarks that print figures (see docs/benchmarks.md)
 
 conformance: install ## The InferencePool conformance suite on a kind cluster (needs docker, kind, kubectl, helm, istioctl)
 	conformance/kind.sh
-
-conformance-local: install ## The conformance suite against the local stack; writes conformance/reports/local/
-	$(BIN)/pytest -m conformance conformance -p no:cacheprovider \
-		--conformance-report=conformance/reports/local/infergate-local-gateway-report.yaml
 
 conformance-controlplane: install controlplane ## The conformance suite over the real control plane; writes conformance/reports/controlplane/
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \

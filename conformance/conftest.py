@@ -1,4 +1,4 @@
-"""Conformance suite wiring: the driver (``--conformance-driver local|cluster``), the
+"""Conformance suite wiring: the driver (``--conformance-driver controlplane|cluster``), the
 logs of its processes on failures, and the GIE-shaped report (``--conformance-report``).
 """
 
@@ -23,10 +23,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "InferencePool conformance suite")
     group.addoption(
         "--conformance-driver",
-        choices=("local", "controlplane", "cluster"),
-        default=os.environ.get("CONFORMANCE_DRIVER", "local"),
-        help="local: processes on loopback (default); controlplane: the same over the real "
-        "kube-apiserver `make controlplane` builds; cluster: the cluster in $KUBECONFIG",
+        choices=("controlplane", "cluster"),
+        default=os.environ.get("CONFORMANCE_DRIVER", "controlplane"),
+        help="controlplane (default): processes on loopback over the real kube-apiserver "
+        "`make controlplane` builds; cluster: the cluster in $KUBECONFIG",
     )
     group.addoption(
         "--conformance-report",
@@ -51,15 +51,10 @@ def driver(
     """The session's driver; its processes (or port-forwards) are shared by every test."""
     kind = request.config.getoption("--conformance-driver")
     made: Driver
-    if kind == "local":
-        from conformance.drivers.local import LocalDriver
-
-        made = LocalDriver(tmp_path_factory.mktemp("conformance"), _cli())
-    elif kind == "controlplane":
+    if kind == "controlplane":
         from conformance.drivers.controlplane import ControlPlaneDriver
-        from infergate.testing.controlplane import binaries_dir
 
-        made = ControlPlaneDriver(tmp_path_factory.mktemp("conformance"), _cli(), binaries_dir())
+        made = ControlPlaneDriver(tmp_path_factory.mktemp("conformance"), _cli(), _bin_dir())
     else:
         from conformance.drivers.cluster import ClusterDriver
 
@@ -72,6 +67,25 @@ def driver(
         yield made
     finally:
         made.close()
+
+
+def _bin_dir() -> Path:
+    """The control-plane binaries; without them (and outside CI) the suite skips, as the
+    ``cluster`` tier does: `make controlplane` builds them (needs Go)."""
+    from infergate.testing.controlplane import ControlPlaneError, binaries_dir, missing_binaries
+
+    try:
+        directory = binaries_dir()
+        missing = missing_binaries(directory)
+    except ControlPlaneError as error:
+        missing, reason = ["all"], str(error)
+    else:
+        reason = f"control-plane binaries missing in {directory}: {', '.join(missing)}"
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(f"{reason}; run `make controlplane`")
+    return directory
 
 
 def _cli() -> list[str]:
@@ -119,9 +133,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     # GIE's `mode` is the implementation's operating mode: on a cluster the default one
     # (a Gateway API implementation + the operator); locally Envoy is configured directly.
     driver = session.config.getoption("--conformance-driver")
-    if driver == "local":
-        mode, gateway = "local", "one Envoy per pool (infergate.envoy.bootstrap), no Gateway API"
-    elif driver == "controlplane":
+    if driver == "controlplane":
         mode = "local"
         gateway = (
             "one Envoy per pool (infergate.envoy.bootstrap), no Gateway API; real "

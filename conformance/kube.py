@@ -1,8 +1,8 @@
 """A small Kubernetes REST client for the suite: create, get, delete, status, waits.
 
-Both drivers use it: locally against the KMock API-server emulator the operator runs
-against, on kind against the real API server (through the same ``kubernetes`` client
-configuration, so auth and TLS come from the kubeconfig).
+Both drivers use it, each against a real API server: the control plane on loopback, or
+kind's (through the same ``kubernetes`` client configuration, so auth and TLS come from
+the kubeconfig).
 """
 
 from __future__ import annotations

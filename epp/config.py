@@ -126,7 +126,9 @@ schedulingProfiles:
 #: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
 #: only for requests to adapters on engines that report adapter slots. Response affinity
 #: runs first: a Responses turn that names ``previous_response_id`` goes to the engine
-#: holding it (another engine's store cannot answer it), whatever its load.
+#: holding it (another engine's store cannot answer it), whatever its load. The picker
+#: names up to 4 endpoints, best first: the rest are the gateway's fallbacks when the best
+#: one refuses the connection (an engine killed since its last scrape).
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -137,6 +139,7 @@ plugins:
 - type: predicted-latency-scorer
 - type: lora-affinity-scorer
 - type: max-score-picker
+  parameters: {maxNumOfEndpoints: 4}
 schedulingProfiles:
 - name: default
   plugins:

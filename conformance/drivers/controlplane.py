@@ -1,10 +1,9 @@
-"""The control-plane driver: the local driver's data plane over a real API server.
-
-What changes from :mod:`conformance.drivers.local`:
+"""The control-plane driver: the loopback data plane (:mod:`conformance.drivers.local`)
+over a real API server.
 
 * **The API server** is the real one the cluster tier builds
   (:class:`infergate.testing.controlplane.ControlPlane`: etcd, kube-apiserver with RBAC,
-  controller-manager, scheduler, kwok), not the emulator.
+  controller-manager, scheduler, kwok).
 * **The operator** is installed with the real ``helm`` (``charts/infergate``, all
   namespaces) and runs from this checkout as a process whose only credential is a
   TokenRequest token for the chart's ServiceAccount.
@@ -14,10 +13,9 @@ What changes from :mod:`conformance.drivers.local`:
 * **Each pool's EPP** runs from the operator's Deployment as before, but with a
   TokenRequest token for the ServiceAccount the operator made for it, so the Role the
   operator granted is what the API server enforces on its watches. The EPP Deployment
-  becomes Available through the real controllers and kwok (the driver no longer plays
-  the Deployment controller).
+  becomes Available through the real controllers and kwok.
 
-What stays as in the local driver: Envoy and the EPP listen on 127.0.0.1 with free ports
+Envoy and the EPP listen on 127.0.0.1 with free ports
 (not on the EPP pod's IP), one Envoy per pool and the weighted front listener stand in
 for a Gateway; there is no Gateway API implementation (HTTPRoute status tests skip).
 """
@@ -32,7 +30,7 @@ from typing import Any
 
 from conformance import topology as topo
 from conformance.drivers.base import Pod
-from conformance.drivers.local import LocalDriver, _Epp
+from conformance.drivers.local import LoopbackDriver, _Epp
 from conformance.kube import KubeApi, api_client_for, wait_for
 from infergate.procs import free_port, http_ready
 from infergate.testing.controlplane import Cluster, ControlPlane
@@ -42,7 +40,7 @@ OPERATOR_NS = "infergate-system"
 RELEASE = "infergate"  # the chart's fullname is then "infergate"
 
 
-class ControlPlaneDriver(LocalDriver):
+class ControlPlaneDriver(LoopbackDriver):
     name = "controlplane"
     settle_timeout = 90.0
 
@@ -51,7 +49,7 @@ class ControlPlaneDriver(LocalDriver):
         self.plane: ControlPlane | None = None
         super().__init__(workdir, cli)
 
-    # LocalDriver.__init__ calls this first: bring the cluster up and learn the pods.
+    # LoopbackDriver.__init__ calls this first: bring the cluster up and learn the pods.
     def _assign_pods(self) -> None:
         self.plane = ControlPlane(bin_dir=self.bin_dir, workdir=self.workdir / "plane").start()
         self.cluster = Cluster(
@@ -97,10 +95,6 @@ class ControlPlaneDriver(LocalDriver):
             Pod(p["metadata"]["name"], p["status"]["podIP"], pool.target_ports)
             for p in sorted(pods, key=lambda p: str(p["metadata"]["name"]))
         ]
-
-    def _start_control_plane(self) -> KubeApi:
-        assert self._kube is not None, "started in _assign_pods"
-        return self._kube
 
     def _start_epp(self, epp: _Epp) -> None:
         """The EPP with its own ServiceAccount's token (the one the operator made)."""

@@ -1,12 +1,12 @@
-"""The local driver: the suite against real processes on loopback (what CI runs).
+"""The loopback data plane the control-plane driver runs (and what CI runs).
 
 * **Pods** are echo servers (``conformance/echo/server.py``), one process per pod, each
-  on its own loopback address (``127.X.Y.N``: Linux routes all of 127/8 to ``lo``), so
+  bound to the pod's loopback IP (``127.X.Y.N``: Linux routes all of 127/8 to ``lo``), so
   pod IPs are distinct as in a cluster and GIE's ports (3000, 3002, 3004) are used as is.
 * **Each pool** runs the Endpoint Picker the operator deployed for it: the container
   args of the operator's EPP Deployment (``--pool-name``/``--pool-namespace``: Kubernetes
-  discovery against the API-server emulator; ports rebound to free loopback ports) and
-  the EndpointPickerConfig from the operator's ConfigMap. In front of it, a real Envoy
+  discovery against the API server; ports rebound to free loopback ports) and the
+  EndpointPickerConfig from the operator's ConfigMap. In front of it, a real Envoy
   whose bootstrap is :func:`infergate.envoy.bootstrap.build_envoy_config` — the
   pool's ``failureMode`` becomes ``failure_mode_allow`` (FailOpen falls back to the
   pool's endpoints). A route of :mod:`conformance.topology` with one pool is that Envoy.
@@ -14,21 +14,15 @@
   counterpart in the per-pool bootstrap: the driver builds one front Envoy listener with
   ``weighted_clusters`` over the two pool listeners, so each request is split by weight
   first and then routed by the chosen pool's own EPP, as a Gateway does.
-* **The API server** is the KMock emulator (:mod:`infergate.testing.kube_emulator`)
-  with the base objects applied, reconciled by the real operator process
-  (``infergate operator``). The emulator runs no controllers, so the driver plays the
-  kubelet (each echo process is registered as a Running, Ready Pod with its loopback IP,
-  which is what the EPPs discover) and the Deployment controller (the operator's EPP
-  Deployment is marked available once the EPP process run from it serves).
 
-Everything starts lazily (status tests need no Envoy) and once per session.
+The API server, the operator and the pods' addresses come from the subclass
+(:class:`conformance.drivers.controlplane.ControlPlaneDriver`: the real kube-apiserver).
+Everything else starts lazily (status tests need no Envoy) and once per session.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import random
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,20 +33,14 @@ import httpx
 
 from conformance import topology as topo
 from conformance.drivers.base import STOP_PODS, Driver, Pod, Reply
-from conformance.kube import KubeApi, api_client_for, wait_for
+from conformance.kube import KubeApi, wait_for
 from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
-from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready, tcp_ready
-from infergate.testing.kube_emulator import write_kubeconfig
+from infergate.procs import ManagedProcess, ProcessGroup, free_port, tcp_ready
 
 ECHO_SERVER = topo.HERE / "echo" / "server.py"
 _HTTP = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-
-
-def _loopback_subnet() -> str:
-    """A random ``127.X.Y`` prefix, so concurrent sessions never share pod addresses."""
-    return f"127.{random.randint(100, 250)}.{random.randint(1, 250)}"
 
 
 def _all_ready(checks: Sequence[Any]) -> Any:
@@ -174,8 +162,9 @@ class _Epp:
         self.process: ManagedProcess | None = None
 
 
-class LocalDriver(Driver):
-    name = "local"
+class LoopbackDriver(Driver):
+    """Echo pods, EPPs and Envoys on loopback; the subclass supplies the API server."""
+
     capabilities = frozenset({STOP_PODS})
     settle_timeout = 60.0
 
@@ -183,7 +172,6 @@ class LocalDriver(Driver):
         self.workdir = workdir
         self.cli = list(cli)
         self.group = ProcessGroup()
-        self.subnet = _loopback_subnet()
         self._lock = threading.RLock()
         self._http = httpx.Client(timeout=30.0)
         self._pods: dict[str, list[Pod]] = {}
@@ -197,18 +185,8 @@ class LocalDriver(Driver):
 
     # -- topology ---------------------------------------------------------------------
     def _assign_pods(self) -> None:
-        by_app: dict[str, list[Pod]] = {}
-        host = 11
-        for pool in topo.pools().values():
-            if pool.app not in by_app:
-                pods = []
-                for index in range(pool.replicas):
-                    pods.append(
-                        Pod(f"{pool.app}-{index}", f"{self.subnet}.{host}", pool.target_ports)
-                    )
-                    host += 1
-                by_app[pool.app] = pods
-            self._pods[pool.name] = by_app[pool.app]
+        """Bring the API server up and fill ``self._pods`` (and ``self._kube``)."""
+        raise NotImplementedError
 
     def pods(self, pool: str) -> list[Pod]:
         return list(self._pods[pool])
@@ -276,7 +254,6 @@ class LocalDriver(Driver):
             f"epp-{pool.name}",
             [*self.cli, *rebind_epp_args(epp_container["args"], config_file, ports)],
             grpc_port,
-            env=dict(os.environ, KUBECONFIG=str(self.workdir / "kubeconfig")),
         )
         self._epps[pool.name] = epp
         self._start_epp(epp)
@@ -387,57 +364,8 @@ class LocalDriver(Driver):
     # -- API server + operator ----------------------------------------------------------
     @property
     def kube(self) -> KubeApi:
-        with self._lock:
-            if self._kube is None:
-                self._kube = self._start_control_plane()
-            return self._kube
-
-    def _start_control_plane(self) -> KubeApi:
-        api_port = free_port()
-        kubeconfig = self.workdir / "kubeconfig"
-        self.group.start(
-            "kube-emulator",
-            [sys.executable, "-m", "infergate.testing.kube_emulator", "--port", str(api_port),
-             "--crds", str(topo.CRDS)],
-            ready=tcp_ready("127.0.0.1", api_port), timeout=60.0,
-        )  # fmt: skip
-        write_kubeconfig(kubeconfig, f"http://127.0.0.1:{api_port}")
-        kube = KubeApi(api_client_for(str(kubeconfig)))
-        liveness = free_port()
-        env = dict(os.environ, KUBECONFIG=str(kubeconfig), INFERGATE_RESYNC_SECONDS="2")
-        self.group.start(
-            "operator",
-            [*self.cli, "operator", "--standalone", "--liveness",
-             f"http://127.0.0.1:{liveness}/healthz"],
-            ready=http_ready(f"http://127.0.0.1:{liveness}/healthz"), timeout=90.0, env=env,
-        )  # fmt: skip
-        kube.apply_all(topo.base_objects())
-        self._register_pods(kube)
-        return kube
-
-    def _register_pods(self, kube: KubeApi) -> None:
-        """Play the kubelet: each echo pod becomes a Running, Ready Pod with its IP."""
-        seen: set[str] = set()
-        for pool in topo.pools().values():
-            for pod in self._pods[pool.name]:
-                if pod.name in seen:
-                    continue
-                seen.add(pod.name)
-                kube.apply(
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Pod",
-                        "metadata": {"name": pod.name, "namespace": pool.namespace,
-                                     "labels": {"app": pool.app}},
-                        "spec": {"containers": [{"name": "echo", "image": "infergate/conformance-echo:dev",
-                                                 "ports": [{"containerPort": p} for p in pod.ports]}]},
-                    }
-                )  # fmt: skip
-                kube.patch_status(
-                    "Pod", pool.namespace, pod.name,
-                    {"phase": "Running", "podIP": pod.ip, "podIPs": [{"ip": pod.ip}],
-                     "conditions": [{"type": "Ready", "status": "True"}]},
-                )  # fmt: skip
+        assert self._kube is not None, "the API server starts in _assign_pods"
+        return self._kube
 
     def picker_available(self, pool: str) -> None:
         self._ensure_data_plane()
@@ -447,18 +375,8 @@ class LocalDriver(Driver):
         self._mark_available(topo.pools()[pool])
 
     def _mark_available(self, pool: topo.PoolModel) -> None:
-        """Play the Deployment controller for the operator's EPP Deployment: locally its
-        one replica is the ``infergate epp`` process this driver runs from it."""
-        kube = self.kube
-        deployment = kube.get("Deployment", pool.namespace, pool.picker_service)
-        assert deployment is not None, f"no EPP Deployment for {pool.name}"
-        replicas = int(deployment["spec"].get("replicas") or 1)
-        kube.patch_status(
-            "Deployment", pool.namespace, pool.picker_service,
-            {"observedGeneration": deployment["metadata"].get("generation", 1), "replicas": replicas,
-             "readyReplicas": replicas, "availableReplicas": replicas, "updatedReplicas": replicas,
-             "conditions": [{"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}]},
-        )  # fmt: skip
+        """Wait until the operator's EPP Deployment for ``pool`` is Available."""
+        raise NotImplementedError
 
     # -- housekeeping ---------------------------------------------------------------------
     def logs(self) -> Iterator[tuple[str, str]]:

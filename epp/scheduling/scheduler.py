@@ -123,10 +123,16 @@ class Scheduler:
                 ):
                     raise ConfigError(f"{where}: {plugin} is not a filter, scorer or picker")
             if profile.picker is None:
-                from infergate.epp.scheduling.plugins.pickers import MaxScorePicker, PickerParams
+                from infergate.epp.scheduling.plugins.pickers import (
+                    DEFAULT_FALLBACK_ENDPOINTS,
+                    MaxScorePicker,
+                    PickerParams,
+                )
 
                 profile.picker = MaxScorePicker(
-                    "max-score-picker", PickerParams(maxNumOfEndpoints=1), context
+                    "max-score-picker",
+                    PickerParams(maxNumOfEndpoints=DEFAULT_FALLBACK_ENDPOINTS),
+                    context,
                 )
             profiles.append(profile)
         handler = next((p for p in plugins.values() if isinstance(p, ProfileHandler)), None)

@@ -100,6 +100,7 @@ _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutati
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
 _OVERRIDE_HOST = _T + "extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_PREVIOUS_HOSTS = _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 _LEAST_REQUEST = _T + "extensions.load_balancing_policies.least_request.v3.LeastRequest"
 
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -381,10 +382,21 @@ def _routes(
     if fallback_retries > 0:
         # GIE: "if retry is configured, the proxy will go sequentially down the list".
         # Only failures before any byte went upstream: a generation is never run twice.
+        # Once a retry has used up the EPP's list, override_host hands the choice to its
+        # least-request fallback, which knows nothing of the failed tries: previous_hosts
+        # keeps it off the hosts already tried (a SIGKILLed engine stays in EDS until the
+        # EPP drops it, and was redialled before: issue 27 item 9).
         picked["route"]["retry_policy"] = {
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": fallback_retries,
             "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": _PREVIOUS_HOSTS},
+                }
+            ],
+            "host_selection_retry_max_attempts": 5,
         }
     # No pick: the EPP was unreachable and failure_mode_allow let the request through.
     # An ORIGINAL_DST pool cannot take it (without the header it would dial the listener

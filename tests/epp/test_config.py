@@ -134,3 +134,33 @@ def test_bad_configs_name_the_field(text: str, field: str) -> None:
     with pytest.raises(ConfigError, match=None) as info:
         build(text)
     assert field in str(info.value)
+
+
+def test_infergates_defaults_name_fallbacks_for_every_envoy_retry() -> None:
+    """The default config's picker, and the picker a profile gets when it names none,
+    return the primary plus fallbacks: one endpoint per attempt Envoy makes, so a pick of
+    an engine that died since its last scrape moves on to a live one (issue 27 item 9).
+    An explicitly configured picker keeps GIE's default of one."""
+    import inspect
+
+    from infergate.epp.scheduling.plugins.pickers import DEFAULT_FALLBACK_ENDPOINTS
+
+    from infergate.envoy.bootstrap import build_envoy_config
+
+    retries = inspect.signature(build_envoy_config).parameters["fallback_retries"].default
+    assert retries + 1 == DEFAULT_FALLBACK_ENDPOINTS
+    for name in ("infergate-default", "precise-prefix", "flow-control"):
+        (profile,) = build(BUILTIN_CONFIGS[name]).profiles
+        assert profile.picker is not None
+        assert (
+            profile.picker.params.model_dump()["maxNumOfEndpoints"] == DEFAULT_FALLBACK_ENDPOINTS
+        ), name
+    implicit = build("kind: EndpointPickerConfig\nplugins:\n- type: queue-scorer\n")
+    (profile,) = implicit.profiles
+    assert profile.picker is not None
+    assert profile.picker.params.model_dump()["maxNumOfEndpoints"] == DEFAULT_FALLBACK_ENDPOINTS
+    explicit = build("kind: EndpointPickerConfig\nplugins:\n- type: max-score-picker\n")
+    (profile,) = explicit.profiles
+    assert (
+        profile.picker is not None and profile.picker.params.model_dump()["maxNumOfEndpoints"] == 1
+    )

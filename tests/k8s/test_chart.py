@@ -1,5 +1,6 @@
 """The Helm chart, rendered and linted by Helm's own engine (helm-python-sdk), and every
-rendered object validated (Kubernetes OpenAPI schemas; our CRDs for custom kinds)."""
+rendered built-in object validated against the Kubernetes OpenAPI schemas (custom kinds:
+the API server in test_cluster.py)."""
 
 from __future__ import annotations
 
@@ -15,30 +16,12 @@ from infergate.operator.kube import KINDS, OWNED_KINDS
 from infergate.operator.pool import parse_pool
 from infergate.operator.settings import OperatorSettings
 
-from .validation import documents, registry, validate_object
+from .validation import VALUE_SETS, documents, validate_object
 
 helm = pytest.importorskip("helm_python")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "infergate"
-
-VALUE_SETS: dict[str, dict[str, Any]] = {
-    "defaults": {},
-    "sample-cpu-standalone": {"sample": {"enabled": True}},
-    "sample-cpu-gateway": {
-        "sample": {
-            "enabled": True,
-            "standaloneEnvoy": False,
-            "gateway": {"enabled": True, "namespace": "gw"},
-        }
-    },
-    "sample-gpu": {"sample": {"enabled": True, "mode": "gpu", "failureMode": "FailOpen"}},
-    "sample-pd": {"sample": {"enabled": True, "pd": {"enabled": True, "threshold": 512}}},
-    "scoped-standalone-ha": {
-        "operator": {"replicas": 2, "peering": "", "watchNamespaces": ["team-a", "team-b"]},
-        "epp": {"replicas": 2, "extraArgs": ["--refresh-metrics-interval", "0.1"]},
-    },
-}
 
 
 def render(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -60,11 +43,10 @@ def test_chart_lints_clean(values: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
 def test_every_rendered_object_is_valid(values: dict[str, Any]) -> None:
-    crds = registry()
     rendered = objects(values)
     assert rendered
     for obj in rendered:
-        validate_object(obj, crds)
+        validate_object(obj)
 
 
 def test_chart_crds_are_the_repository_crds() -> None:

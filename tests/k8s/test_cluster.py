@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from infergate.testing.controlplane import Cluster
+
+from .validation import VALUE_SETS, is_custom
 
 pytestmark = pytest.mark.cluster
 
@@ -182,3 +185,79 @@ def crds_installed(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "-k", str(ROOT / "crds"))
     for crd in CRD_NAMES:
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+def _dry_run(cluster: Cluster, obj: dict[str, Any], namespace: str = "default") -> Any:
+    """``kubectl apply --dry-run=server`` of one object: the API server's verdict."""
+    return cluster.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-o", "json", "-f", "-",
+        stdin=json.dumps(obj), check=False,
+    )  # fmt: skip
+
+
+def test_api_server_applies_gies_pool_defaults(cluster: Cluster, crds_installed: None) -> None:
+    pool = yaml.safe_load((EXAMPLES / "valid" / "inferencepool.yaml").read_text())
+    result = _dry_run(cluster, pool)
+    assert result.returncode == 0, result.stderr
+    ref = json.loads(result.stdout)["spec"]["endpointPickerRef"]
+    assert (ref["group"], ref["kind"], ref["failureMode"]) == ("", "Service", "FailClose")
+
+
+def test_api_server_runs_both_cel_rules_on_their_own(
+    cluster: Cluster, crds_installed: None
+) -> None:
+    """Duplicate target ports and a Service picker without a port: two separate errors."""
+    pool = yaml.safe_load((EXAMPLES / "valid" / "inferencepool.yaml").read_text())
+    pool["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8001}, {"number": 8000}]
+    del pool["spec"]["endpointPickerRef"]["port"]
+    result = _dry_run(cluster, pool)
+    assert result.returncode != 0
+    assert "port number must be unique" in result.stderr, result.stderr
+    assert "port is required when kind is 'Service'" in result.stderr, result.stderr
+
+
+def _custom_objects(cluster: Cluster, values: dict[str, Any], namespace: str) -> list[Any]:
+    """The chart's rendered objects of our CRDs' groups (and kopf's), by the real ``helm``."""
+    values_file = cluster.workdir / f"values-{uuid.uuid4().hex[:6]}.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    server = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]
+    rendered = cluster.helm(
+        "template", "ig", str(CHART), "-n", namespace, "-f", str(values_file),
+        "--kube-version", server["gitVersion"],
+    )  # fmt: skip
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc and is_custom(doc)]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_api_server_accepts_the_charts_custom_objects(
+    cluster: Cluster, crds_installed: None, namespace: str, values: dict[str, Any]
+) -> None:
+    """Every InferencePool, InferenceObjective and peering the chart renders for a value
+    set test_chart.py lints passes the CRDs' schema and CEL rules in kube-apiserver."""
+    objects = _custom_objects(cluster, values, namespace)
+    if values.get("sample", {}).get("enabled"):
+        assert "InferencePool" in {o["kind"] for o in objects}, "the sample renders no pool"
+    for obj in objects:
+        obj["metadata"]["namespace"] = namespace
+        result = _dry_run(cluster, obj, namespace)
+        assert result.returncode == 0, f"{obj['kind']} refused: {result.stderr}"
+
+
+def test_api_server_accepts_the_status_the_operator_builds(
+    cluster: Cluster, crds_installed: None, namespace: str
+) -> None:
+    """The operator's parents status, written through the status subresource, passes the
+    CRD's status schema (parent conditions, observedGeneration) in kube-apiserver."""
+    from infergate.operator import status as st
+
+    pool = yaml.safe_load((EXAMPLES / "valid" / "inferencepool.yaml").read_text())
+    pool["metadata"]["namespace"] = namespace
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", stdin=json.dumps(pool))
+    parents = st.build_parents([], [st.true("Accepted", "Accepted", "ok")], 1, 2)
+    cluster.kubectl(
+        "patch", "inferencepool", pool["metadata"]["name"], "-n", namespace,
+        "--subresource=status", "--type=merge", "-p", json.dumps({"status": {"parents": parents}}),
+    )  # fmt: skip
+    stored = cluster.get("inferencepool", pool["metadata"]["name"], namespace)
+    assert stored is not None
+    assert stored["status"]["parents"] == parents

@@ -364,14 +364,6 @@ def test_other_controllers_parent_entries_are_kept() -> None:
     assert parents[0]["controllerName"] == c.CONTROLLER_NAME
 
 
-def test_status_validates_against_the_crd(crd_registry: Any) -> None:
-    pool = body()
-    pool["status"] = {
-        "parents": st.build_parents([], [st.true("Accepted", "Accepted", "ok")], 3, 2)
-    }
-    crd_registry.validate(pool)
-
-
 # ------------------------------------------------------------------ diffing
 
 

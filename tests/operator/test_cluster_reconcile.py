@@ -1,7 +1,6 @@
 """What the operator writes for a pool, on a real API server (the cluster tier).
 
-These were process tests against the KMock-based emulator. Here the same operator
-process runs with the chart's ServiceAccount token, and the real controllers (the
+The operator process runs with the chart's ServiceAccount token, and the real controllers (the
 controller-manager, and kwok for the pods) stand in for the cluster. So a Deployment's
 availability and the engine pods' readiness come from Kubernetes itself, not from a
 test helper.

@@ -132,6 +132,9 @@ def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
     picked = _routes(config)[0]["route"]
     assert picked["retry_policy"]["num_retries"] == 3
     assert "connect-failure" in picked["retry_policy"]["retry_on"]
+    # Past the EPP's list, least-request must not redial a host that already failed.
+    (predicate,) = picked["retry_policy"]["retry_host_predicate"]
+    assert predicate["name"] == "envoy.retry_host_predicates.previous_hosts"
     no_retries = build_envoy_config(
         EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2, fallback_retries=0)
     )

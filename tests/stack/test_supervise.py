@@ -22,18 +22,6 @@ def _completion(stack: LocalStack) -> httpx.Response:
     )
 
 
-def _served_within(stack: LocalStack, seconds: float) -> list[int]:
-    """Statuses of completions sent until one is a 200; AssertionError after ``seconds``."""
-    statuses: list[int] = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        statuses.append(_completion(stack).status_code)
-        if statuses[-1] == 200:
-            return statuses
-        time.sleep(0.2)
-    raise AssertionError(f"the stack served nothing in {seconds} s: {statuses}")
-
-
 def test_dead_engine_is_reported_and_restarted_while_the_stack_serves(tmp_path: Path) -> None:
     spec = StackSpec.on_free_ports(
         engines=2,
@@ -53,12 +41,18 @@ def test_dead_engine_is_reported_and_restarted_while_the_stack_serves(tmp_path: 
         assert reports and "engine-0 exited" in reports[0]
         assert supervisor.restarts == [1, 0]
         assert stack.engines[0] is not victim
-        # The rest keeps serving meanwhile, and the restarted engine comes back. The first
-        # request after the kill got a 503 once in five full-suite runs, with the machine
-        # loaded; the cause was not found. It never recurred when this test ran alone, or
-        # under a CPU hog. Serving within seconds, with no restart of the EPP or Envoy, is
-        # what this asserts.
-        assert _served_within(stack, 10.0)[-1] == 200
+        # The rest keeps serving meanwhile: every request after the kill succeeds. Until
+        # the EPP's next scrape it may still pick the dead engine; that pick names the other
+        # engine as its fallback, and Envoy's retry on the refused connection takes it
+        # (issue 27 item 9: a one-endpoint pick was retried against the dead engine too).
+        # (The restarted engine takes seconds to import and load; these take a fraction.)
+        dead = stack.engine_addresses[0]
+        for _ in range(8):
+            response = _completion(stack)
+            assert response.status_code == 200, response.text
+            picked = response.headers["x-infergate-picked-endpoint"].split(",")
+            assert sorted(picked) == sorted(stack.engine_addresses), picked
+            assert response.headers["x-infergate-upstream-host"] != dead
         assert stack.epp is not None and stack.envoy is not None
         assert stack.epp.alive() and stack.envoy.alive()
         port = spec.resolved_engine_ports()[0]

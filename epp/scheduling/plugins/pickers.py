@@ -9,6 +9,15 @@ from infergate.epp.scheduling.plugins.base import Picker, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+#: How many endpoints infergate's own defaults return (the built-in configs' picker, and
+#: the picker of a profile that names none): the primary and, in score order, fallbacks
+#: for the gateway's retries. One more than the generated Envoy config's retries
+#: (``build_envoy_config``'s ``fallback_retries``, 3), so a pick whose engine died since
+#: its last metrics scrape (connection refused) is absorbed by the next endpoint, not
+#: retried against the same dead host. An explicitly configured picker keeps GIE's
+#: default of 1 unless its parameters say otherwise.
+DEFAULT_FALLBACK_ENDPOINTS = 4
+
 
 class PickerParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
