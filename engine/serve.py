@@ -41,6 +41,9 @@ class ServeOptions:
     kv_transfer_config: str | None = None  # vLLM's JSON form (engine/kv_transfer/config.py)
     kv_transfer_bandwidth_gbps: float | None = None
     completion_events_port: int | None = None  # ZMQ PUB of completion records (ours)
+    # Load reports on the same socket (infergate/wire/load.py): sampling tick, heartbeat.
+    load_report_tick: float = 0.01
+    load_report_heartbeat: float = 0.5
     api_key: str | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -341,7 +344,19 @@ def build(opts: ServeOptions) -> Any:
         except Exception as error:  # zmq.ZMQError: address in use
             raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
         app.add_middleware(CompletionReporter, publisher=publisher)
-        log.info("publishing completion records on %s", endpoint)
+        from infergate.engine.load_reports import LoadReporter
+
+        try:
+            reporter = LoadReporter(
+                metrics.load_state,
+                publisher.publish_load,
+                tick=opts.load_report_tick,
+                heartbeat=opts.load_report_heartbeat,
+            )
+        except ValueError as error:
+            raise ServeError(str(error)) from None
+        reporter.start()
+        log.info("publishing completion records and load reports on %s", endpoint)
     return app
 
 

@@ -169,6 +169,7 @@ class Director:
                 self.flow.release(ticket)
             raise
         result.targets[0].in_flight_requests += 1
+        self.metrics.observe_pick_age(result.targets[0], time.monotonic())
         elapsed = time.perf_counter() - started
         self.metrics.scheduling_latency.observe(elapsed)
         self.metrics.gie_scheduler_duration.observe(elapsed)
