@@ -27,6 +27,7 @@ import heapq
 import itertools
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,10 @@ PAGE_VARIANTS = 16
 PUSH_LABEL = "infergate.io/completion-events-port"
 
 
+def _constant(value: float) -> Callable[[], float]:
+    return lambda: value
+
+
 def metrics_pages(variants: int, block_size: int = 16, num_gpu_blocks: int = 4096) -> list[bytes]:
     """``variants`` engine metrics pages that differ in their live gauges."""
     from infergate.engine.metrics import EngineMetrics
@@ -45,7 +50,7 @@ def metrics_pages(variants: int, block_size: int = 16, num_gpu_blocks: int = 409
     pages = []
     for v in range(variants):
         m = EngineMetrics("model", block_size=block_size, num_gpu_blocks=num_gpu_blocks)
-        m.bind(lambda v=v: v % 4, lambda v=v: v % 3, lambda v=v: v / (2 * variants))
+        m.bind(_constant(v % 4), _constant(v % 3), _constant(v / (2 * variants)))
         for i in range(40):  # histograms with counts, as a serving engine's are
             m.ttft.observe(0.01 * i)
             m.prefill_time.observe(0.005 * i)
@@ -136,7 +141,7 @@ class FakeFleet:
         loop = asyncio.get_running_loop()
         self.last_scrape = [0.0] * self.n
         for i in range(self.n):
-            server = await loop.create_server(lambda i=i: _Http(self, i), self.host, 0)
+            server = await loop.create_server(self._protocol(i), self.host, 0)
             self._servers.append(server)
             self.http_ports.append(server.sockets[0].getsockname()[1])
         if self.push:
@@ -182,6 +187,9 @@ class FakeFleet:
             "scrape_age_p50": pct(0.5),
             "scrape_age_p99": pct(0.99),
         }
+
+    def _protocol(self, index: int) -> Any:
+        return lambda: _Http(self, index)
 
     def endpoints(self) -> list[dict[str, Any]]:
         out = []
