@@ -1,7 +1,8 @@
 """The data layer: one scrape loop per endpoint, every ``interval`` seconds.
 
-All loops share one aiohttp session (one connection pool, keep-alive connections, one per
-endpoint). Each loop starts at a random phase of the interval, so a pool's scrapes are
+Each loop keeps one keep-alive connection to its endpoint (:mod:`.http_get`: an asyncio
+protocol and httptools' parser; aiohttp's client cost more CPU per request than the rest
+of a scrape together). Each loop starts at a random phase of the interval, so a pool's scrapes are
 spread over it rather than fired together, and then keeps a fixed rate. A page equal to
 the endpoint's previous one (an idle engine) is not parsed again: the snapshot only gets
 newer. A failed scrape keeps the previous snapshot, which ages into staleness — and stale
@@ -18,10 +19,10 @@ import logging
 import random
 import time
 
-import aiohttp
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import dialect_for, parse_metrics
 from infergate.epp.datalayer.endpoint_tasks import EndpointTasks
+from infergate.epp.datalayer.http_get import KeepAliveGet
 from infergate.epp.datalayer.load_reports import push_alive, push_deadline
 from infergate.epp.observability import EppMetrics
 from infergate.epp.types import Endpoint, Metrics
@@ -40,22 +41,16 @@ class Collectors:
     ) -> None:
         self.datastore = datastore
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
         self.metrics = metrics
         self.path = path
         self._tasks = EndpointTasks(datastore, self._loop, "collector")
         if metrics is not None:  # a departed endpoint's series go with it (bounded memory)
             self._tasks.removed_listeners.append(lambda e: metrics.forget_endpoint(e.key))
-        self._session: aiohttp.ClientSession | None = None
         self.scrapes = 0
         self.failures = 0
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=30),
-            timeout=self.timeout,
-            auto_decompress=True,
-        )
         self._tasks.start()
 
     async def _loop(self, endpoint: Endpoint) -> None:
@@ -64,13 +59,21 @@ class Collectors:
         # them all at once; after that each endpoint keeps a fixed rate.
         due = loop.time() + random.uniform(0.0, self.interval)
         scraper = _Scraper(self, endpoint)
+        try:
+            await self._run(endpoint, scraper, due)
+        finally:
+            scraper.http.close()
+
+    async def _run(self, endpoint: Endpoint, scraper: _Scraper, due: float) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(max(0.0, due - loop.time()))
-            now = loop.time()
             state = self.datastore.get(endpoint.key)
+            now = time.monotonic()  # the snapshots' clock (uvloop's loop.time() is its own)
             if state is not None and push_alive(state.metrics, now):
                 # The engine pushes its load: no scrape until its reports stop.
-                due = max(push_deadline(state.metrics), now + self.interval)
+                wait = max(push_deadline(state.metrics) - now, self.interval)
+                due = loop.time() + wait
                 continue
             await scraper.scrape()
             due += self.interval
@@ -79,9 +82,6 @@ class Collectors:
 
     async def stop(self) -> None:
         await self._tasks.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 class _Scraper:
@@ -91,6 +91,9 @@ class _Scraper:
         self.c = collectors
         self.endpoint = endpoint
         self.url = f"http://{endpoint.key}{collectors.path}"
+        self.http = KeepAliveGet(
+            endpoint.address, endpoint.port, collectors.path, collectors.timeout
+        )
         self.dialect = dialect_for(endpoint)
         self.failing = False
         self.last_page = b""
@@ -98,12 +101,10 @@ class _Scraper:
 
     async def scrape(self) -> None:
         c = self.c
-        assert c._session is not None
         try:
-            async with c._session.get(self.url) as response:
-                if response.status != 200:
-                    raise ValueError(f"HTTP {response.status}")
-                text = await response.read()
+            status, text = await self.http.get()
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
             started = time.thread_time()
             parsed = self._apply(text)
             if c.metrics is not None:

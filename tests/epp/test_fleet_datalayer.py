@@ -134,9 +134,10 @@ async def test_a_thousand_endpoint_file_is_loaded_and_watched(
     assert epp.datastore.get("10.0.0.1:8000") is None
     assert epp.datastore.get("10.9.9.9:8004") is not None
     relabelled = epp.datastore.get(f"10.0.{10}.1:8000")
-    assert relabelled is not None and relabelled.endpoint.label(
-        "inference.networking.k8s.io/engine-type"
-    ) == "sglang"
+    assert (
+        relabelled is not None
+        and relabelled.endpoint.label("inference.networking.k8s.io/engine-type") == "sglang"
+    )
     await eventually(lambda: len(epp.collectors._tasks.tasks) == 995)
     assert set(epp.collectors._tasks.tasks) == {s.key for s in epp.datastore.all()}
 
@@ -272,3 +273,66 @@ def test_engine_reporter_sends_on_change_and_heartbeat() -> None:
         reporter.close()
     with pytest.raises(ValueError):
         LoadReporter(lambda: (), sent.append, tick=1.0, heartbeat=0.5)
+
+
+async def test_keep_alive_get_reuses_one_connection_and_survives_bad_servers() -> None:
+    """The scrapers' HTTP client: one connection for many GETs; chunked bodies; a server
+    that closes after each response, answers garbage, or never answers, costs one failed
+    scrape each, and the next scrape dials again."""
+    from infergate.epp.datalayer.http_get import HttpError, KeepAliveGet
+
+    connections = 0
+    mode = "ok"
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                if mode == "ok":
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+                elif mode == "chunked":
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+                    )
+                elif mode == "close":
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                    )
+                    await writer.drain()
+                    writer.close()
+                    return
+                elif mode == "garbage":
+                    writer.write(b"\x00\x01 not http at all\r\n\r\n")
+                # "silent": never answer
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = KeepAliveGet("127.0.0.1", port, "/metrics", timeout=0.5)
+    try:
+        for _ in range(20):
+            assert await client.get() == (200, b"hello")
+        assert connections == 1
+        mode = "chunked"
+        assert await client.get() == (200, b"abcde")
+        mode = "close"
+        assert await client.get() == (200, b"ok")
+        assert await client.get() == (200, b"ok")
+        assert connections == 2  # the first closed after its answer, the second too
+        mode = "garbage"
+        with pytest.raises(HttpError):
+            await client.get()
+        mode = "silent"
+        with pytest.raises(TimeoutError):
+            await client.get()
+        mode = "ok"
+        assert await client.get() == (200, b"hello")
+    finally:
+        client.close()
+        server.close()
+    with pytest.raises(OSError):  # nothing listens any more
+        await KeepAliveGet("127.0.0.1", free_port(), "/metrics", timeout=0.5).get()
