@@ -68,14 +68,13 @@ async def test_load_reports_replace_scraping_and_stop_when_the_engine_dies(
     await eventually(lambda: push_state.metrics.pushed and scraped_state.metrics.updated_at > 0)
     assert push_state.metrics.block_size == 16 and push_state.metrics.num_gpu_blocks > 0
     assert not scraped_state.metrics.pushed  # no label: scraped, exactly as before
-    scrapes = epp.collectors.scrapes
     reports = epp.load_reports.received
-    await asyncio.sleep(1.5)  # three heartbeats
+    scraped_at = scraped_state.metrics.updated_at
+    for _ in range(30):  # three heartbeats: a scrape of the pusher would replace its snapshot
+        await asyncio.sleep(0.05)
+        assert push_state.metrics.pushed
     assert epp.load_reports.received >= reports + 2
-    # Only the unlabelled engine was scraped meanwhile (~30 times at 50 ms); the pusher
-    # at most once more (a scrape in flight when its first report came).
-    scraped_since = epp.collectors.scrapes - scrapes
-    assert 5 < scraped_since < 60
+    assert scraped_state.metrics.updated_at > scraped_at  # the unlabelled one is scraped
 
     # Load moves through the reports: a long stream runs on the pushing engine.
     async with httpx.AsyncClient(timeout=60) as client:
