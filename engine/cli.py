@@ -60,7 +60,15 @@ def serve(
         None,
         "--completion-events-port",
         help="Publish one completion record per EPP-routed request (ZMQ PUB on this port; "
-        "the Endpoint Picker's response accounting without response bodies).",
+        "the Endpoint Picker's response accounting without response bodies), and load "
+        "reports on change, so the Endpoint Picker need not scrape /metrics.",
+    ),
+    load_report_heartbeat: float = typer.Option(
+        0.5,
+        "--load-report-heartbeat",
+        min=0.01,
+        help="Seconds between load reports when nothing changes (keep it well under the "
+        "EPP's --metrics-staleness-threshold).",
     ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="INFERGATE_API_KEY", help="Require this bearer token on /v1."
@@ -174,6 +182,7 @@ def serve(
         kv_transfer_config=kv_transfer_config,
         kv_transfer_bandwidth_gbps=kv_transfer_bandwidth_gbps,
         completion_events_port=completion_events_port,
+        load_report_heartbeat=load_report_heartbeat,
         api_key=api_key,
         num_gpu_blocks_override=num_gpu_blocks_override,
         enable_prefix_caching=enable_prefix_caching,

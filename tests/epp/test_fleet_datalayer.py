@@ -37,13 +37,13 @@ def _report(**changes: Any) -> load.LoadReport:
     return load.LoadReport(**fields)
 
 
-def _engine(processes: ProcessGroup, model: Path, name: str) -> tuple[Any, int, int]:
+def _engine(processes: ProcessGroup, model: Path, name: str, *extra: str) -> tuple[Any, int, int]:
     port, events_port = free_port(), free_port()
     process = processes.start(
         name,
         [sys.executable, "-m", "infergate.cli", "engine", "serve", str(model), "--simulate",
          "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m",
-         "--completion-events-port", str(events_port)],
+         "--completion-events-port", str(events_port), *extra],
         ready=http_ready(f"http://127.0.0.1:{port}/health"),
         timeout=120,
     )  # fmt: skip
@@ -57,7 +57,9 @@ async def test_load_reports_replace_scraping_and_stop_when_the_engine_dies(
     it and reads its queue from the reports. A second real engine, seen without the
     port label (as a vLLM pod that cannot push), is scraped as before. SIGKILL the
     pushing engine: its reports stop and the endpoint goes stale, as a failed scrape's."""
-    pusher, push_port, events_port = _engine(processes, tiny_model, "engine-push")
+    pusher, push_port, events_port = _engine(
+        processes, tiny_model, "engine-push", "--load-report-heartbeat", "0.3"
+    )
     _, scraped_port, _ = _engine(processes, tiny_model, "engine-scraped")
     pushing = Endpoint("127.0.0.1", push_port, ((COMPLETION_EVENTS_PORT_LABEL, str(events_port)),))
     scraped = Endpoint("127.0.0.1", scraped_port)
@@ -67,10 +69,11 @@ async def test_load_reports_replace_scraping_and_stop_when_the_engine_dies(
 
     await eventually(lambda: push_state.metrics.pushed and scraped_state.metrics.updated_at > 0)
     assert push_state.metrics.block_size == 16 and push_state.metrics.num_gpu_blocks > 0
+    assert push_state.metrics.heartbeat == 0.3
     assert not scraped_state.metrics.pushed  # no label: scraped, exactly as before
     reports = epp.load_reports.received
     scraped_at = scraped_state.metrics.updated_at
-    for _ in range(30):  # three heartbeats: a scrape of the pusher would replace its snapshot
+    for _ in range(30):  # five heartbeats: a scrape of the pusher would replace its snapshot
         await asyncio.sleep(0.05)
         assert push_state.metrics.pushed
     assert epp.load_reports.received >= reports + 2
