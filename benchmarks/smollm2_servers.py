@@ -9,8 +9,9 @@ each request's first content chunk (mean and max). The servers run one after the
 per concurrency level (never at the same time), with the same thread count.
 
 The peer is llama.cpp through ``llama-cpp-python[server]`` (PyPI; builds llama.cpp from C++
-source, in its own venv: ``--llama-python``). Its server runs one request at a time, so
-concurrency queues there; the engine batches continuously.
+source, in its own venv: ``--llama-python``). Its server runs one request at a time
+(``--interrupt_requests False``: a new request waits instead of cutting the running one
+off), so concurrency queues there; the engine batches continuously.
 
     python benchmarks/smollm2_servers.py --llama-python .venv-llamacpp/bin/python \
         [--concurrency 1 8 32] [--tokens 64] [--threads 2]
@@ -103,7 +104,8 @@ def start_servers(group: ProcessGroup, gguf: Path, args: argparse.Namespace) -> 
         "llama.cpp",
         [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
          "127.0.0.1", "--port", str(theirs), "--n_threads", str(args.threads),
-         "--n_ctx", "2048", "--model_alias", "smollm2"],
+         "--n_threads_batch", str(args.threads), "--n_ctx", "2048", "--model_alias", "smollm2",
+         "--interrupt_requests", "False"],
         ready=http_ready(f"http://127.0.0.1:{theirs}/v1/models"), timeout=300, env=env,
     )  # fmt: skip
     return {

@@ -13,10 +13,12 @@ import contextvars
 import logging
 import queue
 import time
+from itertools import count
 from typing import Any
 
 from infergate.engine.kv_events import ZmqPublisher
 
+from infergate.wire import load
 from infergate.wire.completions import (
     CLIENT_GONE,
     KEY_HEADER,
@@ -70,14 +72,33 @@ class CompletionPublisher(ZmqPublisher):
     def publish(self, record: CompletionRecord) -> None:
         self._queue.put(record)
 
+    def publish_load(self, report: load.LoadReport) -> None:
+        """Queue a load report; it goes out on its own topic (:mod:`infergate.wire.load`)."""
+        self._queue.put(report)
+
+    def _send_load(self, report: load.LoadReport) -> None:
+        try:
+            seq = next(self._load_seq).to_bytes(8, "big")
+            self._sock.send_multipart((load.TOPIC, seq, load.encode(report)))
+        except Exception:  # a publishing hiccup must never take the engine down
+            log.exception("failed to publish a load report")
+
     def _run(self) -> None:
+        self._load_seq = count()
         stop = False
         while not stop:
             first = self._queue.get()
             if first is None:
                 break
-            records = [first]
-            while len(records) < 1024:
+            records: list[CompletionRecord] = []
+            item = first
+            while True:
+                if isinstance(item, load.LoadReport):  # the socket is this thread's alone
+                    self._send_load(item)
+                else:
+                    records.append(item)
+                if len(records) >= 1024:
+                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
@@ -85,8 +106,8 @@ class CompletionPublisher(ZmqPublisher):
                 if item is None:
                     stop = True
                     break
-                records.append(item)
-            self._send(CompletionBatch(ts=time.time(), records=records))
+            if records:
+                self._send(CompletionBatch(ts=time.time(), records=records))
         self._sock.close(linger=0)
 
 

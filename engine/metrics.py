@@ -63,6 +63,8 @@ class EngineMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         r, labels, m = self.registry, ["model_name"], model_name
+        self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
+        self._live: tuple[Callable[[], float], ...] = (float, float, float)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r)
@@ -179,12 +181,27 @@ class EngineMetrics:
         self._waiting.labels(self._model).set_function(num_waiting)
         self._kv_usage.labels(self._model).set_function(kv_usage)
         self._kv_usage_legacy.labels(self._model).set_function(kv_usage)
+        self._live = (num_running, num_waiting, kv_usage)
 
     def bind_lora(
         self, running: Callable[[], set[str]], waiting: Callable[[], set[str]], max_lora: int
     ) -> None:
         """Adapters of running and waiting requests, read at scrape time."""
         self._lora.running, self._lora.waiting, self._lora.max_lora = running, waiting, max_lora
+
+    def load_state(self) -> tuple[object, ...]:
+        """The engine's load as a load report carries it (:mod:`infergate.wire.load`), in
+        its field order from ``waiting``: read now, from the same sources as ``/metrics``."""
+        running, waiting, kv_usage = self._live
+        prefill = self.prefill_time
+        return (
+            int(waiting()), int(running()), min(1.0, max(0.0, float(kv_usage()))),
+            self.block_size, self.num_gpu_blocks, self._lora.max_lora,
+            sorted(self._lora.running()), sorted(self._lora.waiting()),
+            prefill._sum.get(), float(sum(b.get() for b in prefill._buckets)),
+            self.request_prompt_tokens._sum.get(),
+            self.prefix_hits._value.get(), self.prefix_queries._value.get(),
+        )  # fmt: skip
 
     def request_finished(self, reason: str) -> None:
         counter = self._success_by_reason.get(reason)

@@ -109,8 +109,18 @@ class ServeOptions:
         "--completion-events-port",
         default=None,
         help="Publish one completion record per EPP-routed request (ZMQ PUB on this port; "
-        "the Endpoint Picker's response accounting without response bodies).",
+        "the Endpoint Picker's response accounting without response bodies), and load "
+        "reports on change, so the Endpoint Picker need not scrape /metrics.",
     )
+    load_report_heartbeat: float = option(
+        "--load-report-heartbeat",
+        default=0.5,
+        min=0.01,
+        help="Seconds between load reports when nothing changes (keep it well under the "
+        "EPP's --metrics-staleness-threshold).",
+    )
+    #: How often the load reporter samples the engine's state (not a flag).
+    load_report_tick: float = 0.01
     api_key: str | None = option(
         "--api-key",
         default=None,
@@ -421,7 +431,7 @@ def build(opts: ServeOptions) -> Any:
         opts.max_num_seqs, opts.max_num_batched_tokens,
     )  # fmt: skip
     app = build_app(engine, tokenizer, server_config, metrics, kv_transfer=kv_transfer)
-    _report_completions(opts, app)
+    _report_completions(opts, app, metrics)
     return app
 
 
@@ -559,8 +569,9 @@ def _kv_events_publisher(opts: ServeOptions) -> Any:
     return events
 
 
-def _report_completions(opts: ServeOptions, app: Any) -> None:
-    """``--completion-events-port``: one completion record per EPP-routed request."""
+def _report_completions(opts: ServeOptions, app: Any, metrics: Any) -> None:
+    """``--completion-events-port``: one completion record per EPP-routed request, and load
+    reports (infergate/wire/load.py) on change plus a heartbeat, on the same socket."""
     if opts.completion_events_port is None:
         return
     from infergate.engine.completion_events import CompletionPublisher, CompletionReporter
@@ -572,7 +583,19 @@ def _report_completions(opts: ServeOptions, app: Any) -> None:
     except Exception as error:  # zmq.ZMQError: address in use
         raise ServeError(f"cannot open completion events endpoint {endpoint}: {error}") from None
     app.add_middleware(CompletionReporter, publisher=publisher)
-    log.info("publishing completion records on %s", endpoint)
+    from infergate.engine.load_reports import LoadReporter
+
+    try:
+        reporter = LoadReporter(
+            metrics.load_state,
+            publisher.publish_load,
+            tick=opts.load_report_tick,
+            heartbeat=opts.load_report_heartbeat,
+        )
+    except ValueError as error:
+        raise ServeError(str(error)) from None
+    reporter.start()
+    log.info("publishing completion records and load reports on %s", endpoint)
 
 
 def _kv_transfer(

@@ -23,6 +23,7 @@ from infergate.epp.datalayer.discovery.file import (
     load_endpoints_file,
     watch_file,
 )
+from infergate.epp.datalayer.load_reports import LoadReports
 from infergate.epp.datalayer.objectives import (
     ObjectivesError,
     ObjectiveStore,
@@ -85,11 +86,13 @@ class Epp:
             self.metrics,
             self.flow,
         )
+        self.load_reports = LoadReports(self.datastore, self.metrics)
         self.completions = CompletionSubscriptions(
             self.datastore,
             lambda endpoint, record: self.ext_proc.on_record(endpoint, record),
             options.completion_events_port,
             on_removed=self._endpoint_removed,
+            on_load=self.load_reports.on_payload,
         )
         self.ext_proc = ExtProcServer(
             self.director,
@@ -138,6 +141,7 @@ class Epp:
     def _endpoint_removed(self, key: str) -> None:
         if self.datastore.get(key) is None:  # gone, not relabelled: its records will not come
             self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
+            self.load_reports.forget(key)
 
     async def _expire_records(self) -> None:
         loop = asyncio.get_running_loop()

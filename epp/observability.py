@@ -7,6 +7,7 @@ plugins it names by the small protocols below, not by importing those parts.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -51,6 +52,10 @@ GIE_DURATION_BUCKETS = (
 GIE_TOKEN_BUCKETS = (
     1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32778, 65536, 131072,
     262144, 524288, 1048576,
+)  # fmt: skip
+#: Ages of load data: from a push's few milliseconds to the 2 s staleness threshold.
+AGE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
 )  # fmt: skip
 GIE_BYTES_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -208,8 +213,76 @@ class EppMetrics:
             "KV event batches applied from engines' replay sockets.",
             registry=r,
         )
+        self._init_datalayer(r)
         r.register(_EndpointGauges(datastore, saturation, pool_name))
         self._plugin_children: dict[tuple[int, str], Histogram] = {}
+
+    # -- the data layer's freshness and cost (issue 21) -----------------------------------
+    def _init_datalayer(self, r: CollectorRegistry) -> None:
+        self.pick_metrics_age = Histogram(
+            "infergate_epp_pick_metrics_age_seconds",
+            "Per routing decision: how old the picked endpoint's load data may be (a scrape: "
+            "its age; a live push stream: the engine's sampling tick plus delivery lag).",
+            ["source"],
+            buckets=AGE_BUCKETS,
+            registry=r,
+        )
+        self._age_children = {
+            source: self.pick_metrics_age.labels(source) for source in ("push", "scrape")
+        }
+        self.datalayer_updates = Counter(
+            "infergate_epp_datalayer_updates",
+            "Load updates taken in: push (a load report), scrape (a parsed page), "
+            "scrape_unchanged (a page equal to the endpoint's previous one, not parsed).",
+            ["source"],
+            registry=r,
+        )
+        self.datalayer_bytes = Counter(
+            "infergate_epp_datalayer_bytes",
+            "Bytes of load updates taken in, by source.",
+            ["source"],
+            registry=r,
+        )
+        self.datalayer_cpu = Counter(
+            "infergate_epp_datalayer_cpu_seconds",
+            "CPU spent decoding, parsing and applying load updates, by source (not the "
+            "sockets' and event loop's share). Divided by the endpoints of that source, its "
+            "rate is the per-endpoint cost of the data layer.",
+            ["source"],
+            registry=r,
+        )
+        self.datalayer_rejected = Counter(
+            "infergate_epp_datalayer_rejected",
+            "Load updates refused as malformed, by source.",
+            ["source"],
+            registry=r,
+        )
+        self._datalayer_children = {
+            source: (
+                self.datalayer_updates.labels(source),
+                self.datalayer_bytes.labels(source),
+                self.datalayer_cpu.labels(source),
+            )
+            for source in ("push", "scrape", "scrape_unchanged")
+        }
+
+    def datalayer_update(self, source: str, size: int, cpu_seconds: float) -> None:
+        updates, size_total, cpu = self._datalayer_children[source]
+        updates.inc()
+        size_total.inc(size)
+        cpu.inc(max(0.0, cpu_seconds))
+
+    def observe_pick_age(self, state: EndpointState, now: float) -> None:
+        """The freshness of the snapshot a decision used (the picked endpoint's)."""
+        metrics = state.metrics
+        self._age_children["push" if metrics.pushed else "scrape"].observe(
+            metrics.freshness(now)
+        )
+
+    def forget_endpoint(self, key: str) -> None:
+        """Drop a departed endpoint's labelled series (fleet churn must not grow them)."""
+        with contextlib.suppress(KeyError):
+            self.scrape_errors.remove(key)
 
     def plugin_timer(self, plugin: Named, point: str, seconds: float) -> None:
         key = (id(plugin), point)

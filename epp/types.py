@@ -57,6 +57,29 @@ class Metrics:
     prefix_hits_total: float = 0.0
     prefix_queries_total: float = 0.0
     updated_at: float = 0.0
+    #: Set when the snapshot is a pushed load report (:mod:`infergate.wire.load`): the
+    #: engine's sampling tick and heartbeat, and how long the report took to arrive.
+    #: 0 for a scrape.
+    tick: float = 0.0
+    heartbeat: float = 0.0
+    lag: float = 0.0
+
+    @property
+    def pushed(self) -> bool:
+        return self.heartbeat > 0.0
+
+    def freshness(self, now: float) -> float:
+        """How old the engine state behind this snapshot may be, in seconds.
+
+        A scrape is as old as the scrape. A pushed report is replaced as soon as the
+        engine's state changes (within its tick plus the delivery lag), so while its
+        heartbeats keep arriving (the last report is younger than 1.5 heartbeats) the
+        state can miss at most the last tick's changes; after that, its plain age.
+        """
+        age = self.age(now)
+        if self.heartbeat > 0.0 and age <= 1.5 * self.heartbeat:
+            return min(age, self.tick + self.lag)
+        return age
 
     @property
     def capacity_tokens(self) -> int:

@@ -1,21 +1,31 @@
 """The data layer: one scrape loop per endpoint, every ``interval`` seconds.
 
-All loops share one aiohttp session (keep-alive connections, one per endpoint). A failed
-scrape keeps the previous snapshot, which ages into staleness — and stale means
-saturated — so a dead engine drops out of scheduling without a special case.
+Each loop keeps one keep-alive connection to its endpoint (:mod:`.http_get`: an asyncio
+protocol and httptools' parser; aiohttp's client cost more CPU per request than the rest
+of a scrape together). Each loop starts at a random phase of the interval, so a pool's scrapes are
+spread over it rather than fired together, and then keeps a fixed rate. A page equal to
+the endpoint's previous one (an idle engine) is not parsed again: the snapshot only gets
+newer. A failed scrape keeps the previous snapshot, which ages into staleness — and stale
+means saturated — so a dead engine drops out of scheduling without a special case.
+
+An endpoint that pushes load reports (:mod:`infergate.epp.datalayer.load_reports`) is
+not scraped while its reports keep arriving; when they stop, scraping resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 
-import aiohttp
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import dialect_for, parse_metrics
 from infergate.epp.datalayer.endpoint_tasks import EndpointTasks
+from infergate.epp.datalayer.http_get import KeepAliveGet
+from infergate.epp.datalayer.load_reports import push_alive, push_deadline
 from infergate.epp.observability import EppMetrics
-from infergate.epp.types import Endpoint
+from infergate.epp.types import Endpoint, Metrics
 
 log = logging.getLogger("infergate.epp.datalayer.collector")
 
@@ -31,64 +41,108 @@ class Collectors:
     ) -> None:
         self.datastore = datastore
         self.interval = interval
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
         self.metrics = metrics
         self.path = path
         self._tasks = EndpointTasks(datastore, self._loop, "collector")
-        self._session: aiohttp.ClientSession | None = None
+        if metrics is not None:  # a departed endpoint's series go with it (bounded memory)
+            self._tasks.removed_listeners.append(lambda e: metrics.forget_endpoint(e.key))
         self.scrapes = 0
         self.failures = 0
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=30),
-            timeout=self.timeout,
-            auto_decompress=True,
-        )
         self._tasks.start()
 
     async def _loop(self, endpoint: Endpoint) -> None:
-        assert self._session is not None
-        url = f"http://{endpoint.key}{self.path}"
-        dialect = dialect_for(endpoint)
-        failing = False
+        loop = asyncio.get_running_loop()
+        # A random phase spreads the pool's scrapes over the interval instead of firing
+        # them all at once; after that each endpoint keeps a fixed rate.
+        due = loop.time() + random.uniform(0.0, self.interval)
+        scraper = _Scraper(self, endpoint)
+        try:
+            await self._run(endpoint, scraper, due)
+        finally:
+            scraper.http.close()
+
+    async def _run(self, endpoint: Endpoint, scraper: _Scraper, due: float) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            started = loop.time()
-            try:
-                async with self._session.get(url) as response:
-                    if response.status != 200:
-                        raise ValueError(f"HTTP {response.status}")
-                    text = await response.read()
-                snapshot = parse_metrics(text, dialect)
-                state = self.datastore.get(endpoint.key)
-                if state is not None:
-                    state.metrics = snapshot
-                    state.cost.observe_counters(
-                        snapshot.prefill_seconds_sum,
-                        snapshot.prefill_count,
-                        snapshot.prompt_tokens_total,
-                        snapshot.prefix_hits_total,
-                        snapshot.prefix_queries_total,
-                        observed=(state.completed_prompt_tokens, state.completed_cached_tokens),
-                    )
-                self.scrapes += 1
-                if failing:
-                    log.info("metrics from %s are back", endpoint.key)
-                    failing = False
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # network, HTTP, parse: keep the old snapshot
-                self.failures += 1
-                if self.metrics is not None:
-                    self.metrics.scrape_errors.labels(endpoint.key).inc()
-                if not failing:
-                    log.warning("scraping %s failed: %s", url, error or type(error).__name__)
-                    failing = True
-            await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            state = self.datastore.get(endpoint.key)
+            now = time.monotonic()  # the snapshots' clock (uvloop's loop.time() is its own)
+            if state is not None and push_alive(state.metrics, now):
+                # The engine pushes its load: no scrape until its reports stop.
+                wait = max(push_deadline(state.metrics) - now, self.interval)
+                due = loop.time() + wait
+                continue
+            await scraper.scrape()
+            due += self.interval
+            if due < loop.time():  # fell behind (a slow scrape, a busy loop): skip, don't burst
+                due = loop.time() + random.uniform(0.0, self.interval)
 
     async def stop(self) -> None:
         await self._tasks.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+
+
+class _Scraper:
+    """One endpoint's scrape: fetch, parse (or reuse an unchanged page), apply."""
+
+    def __init__(self, collectors: Collectors, endpoint: Endpoint) -> None:
+        self.c = collectors
+        self.endpoint = endpoint
+        self.url = f"http://{endpoint.key}{collectors.path}"
+        self.http = KeepAliveGet(
+            endpoint.address, endpoint.port, collectors.path, collectors.timeout
+        )
+        self.dialect = dialect_for(endpoint)
+        self.failing = False
+        self.last_page = b""
+        self.last: Metrics | None = None
+
+    async def scrape(self) -> None:
+        c = self.c
+        try:
+            status, text = await self.http.get()
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            started = time.thread_time()
+            parsed = self._apply(text)
+            if c.metrics is not None:
+                source = "scrape" if parsed else "scrape_unchanged"
+                c.metrics.datalayer_update(source, len(text), time.thread_time() - started)
+            c.scrapes += 1
+            if self.failing:
+                log.info("metrics from %s are back", self.endpoint.key)
+                self.failing = False
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # network, HTTP, parse: keep the old snapshot
+            c.failures += 1
+            if c.metrics is not None:
+                c.metrics.scrape_errors.labels(self.endpoint.key).inc()
+            if not self.failing:
+                log.warning("scraping %s failed: %s", self.url, error or type(error).__name__)
+                self.failing = True
+
+    def _apply(self, text: bytes) -> bool:
+        """Apply a page; False when it was the previous page again (nothing parsed)."""
+        state = self.c.datastore.get(self.endpoint.key)
+        if state is None:
+            return False
+        now = time.monotonic()
+        if self.last is not None and state.metrics is self.last and text == self.last_page:
+            # Same page as last time (an idle engine): the snapshot stands, only newer.
+            self.last.updated_at = now
+            return False
+        snapshot = parse_metrics(text, self.dialect)
+        self.last_page, self.last = text, snapshot
+        state.metrics = snapshot
+        state.cost.observe_counters(
+            snapshot.prefill_seconds_sum,
+            snapshot.prefill_count,
+            snapshot.prompt_tokens_total,
+            snapshot.prefix_hits_total,
+            snapshot.prefix_queries_total,
+            observed=(state.completed_prompt_tokens, state.completed_cached_tokens),
+        )
+        return True

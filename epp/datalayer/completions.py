@@ -11,7 +11,9 @@ One ZMQ SUB per endpoint that reports: the endpoint label
 ``infergate.io/completion-events-port`` names the port, or ``default_port`` applies to
 every endpoint. Endpoints without either are not subscribed and the EPP finishes their
 requests at the response headers (no usage), as before. Every EPP replica receives
-every record and keeps the ones it routed (``on_record`` looks the key up).
+every record and keeps the ones it routed (``on_record`` looks the key up). The same
+socket carries the engine's load reports (``on_load``; see
+:mod:`infergate.epp.datalayer.load_reports`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from infergate.epp.datalayer.endpoint_tasks import ZmqSubscriptions
 from infergate.epp.types import Endpoint
 
 from infergate.wire.completions import CompletionBatch, CompletionRecord
+from infergate.wire.load import TOPIC as LOAD_TOPIC
+
+#: The largest frame taken from an engine (a batch of 1,024 records is ~100 KB).
+MAX_FRAME = 8 << 20
 
 log = logging.getLogger("infergate.epp.completions")
 
@@ -41,10 +47,13 @@ class CompletionSubscriptions(ZmqSubscriptions):
         on_record: RecordSink,
         default_port: int | None = None,
         on_removed: Callable[[str], None] | None = None,
+        on_load: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self.datastore = datastore
         self.on_record = on_record
         self.default_port = default_port
+        #: Load reports (:mod:`infergate.wire.load`) ride the same socket: (key, payload).
+        self.on_load = on_load
         self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
         super().__init__(datastore, "completions")
         if on_removed is not None:
@@ -75,11 +84,17 @@ class CompletionSubscriptions(ZmqSubscriptions):
         host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
         socket = self._zmq.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"completions")
+        if self.on_load is not None:
+            socket.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)  # a peer sending more is cut off
         socket.connect(f"tcp://{host}:{port}")
         try:
             while True:
                 frames = await socket.recv_multipart()
+                if frames[0] == LOAD_TOPIC and self.on_load is not None:
+                    self.on_load(endpoint.key, frames[-1])
+                    continue
                 try:
                     batch = self._decoder.decode(frames[-1])
                 except (msgspec.DecodeError, ValueError) as error:

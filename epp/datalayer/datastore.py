@@ -43,12 +43,7 @@ class Datastore:
         if not added and not removed:
             return
         self._list_cache = None
-        log.info(
-            "endpoints now %d (+%s -%s)",
-            len(self._states),
-            ",".join(e.key for e in added) or "0",
-            ",".join(e.key for e in removed) or "0",
-        )
+        log.info("endpoints now %d (+%s -%s)", len(self._states), _keys(added), _keys(removed))
         for listener in self._listeners:
             try:
                 listener(added, removed)
@@ -65,3 +60,9 @@ class Datastore:
 
     def __len__(self) -> int:
         return len(self._states)
+
+
+def _keys(endpoints: list[Endpoint], shown: int = 8) -> str:
+    """A log-sized list: a 1,000-endpoint pool must not log a 20 KB line per change."""
+    keys = ",".join(e.key for e in endpoints[:shown]) or "0"
+    return keys if len(endpoints) <= shown else f"{keys},… {len(endpoints)} in all"

@@ -174,6 +174,7 @@ class Director:
         # The engine puts this tag in its response ids, so the next turn of a Responses
         # conversation can name its engine to any EPP (scheduling/plugins/response_affinity).
         result.request_headers[ROUTE_TAG_HEADER] = route_tag(result.targets[0].key)
+        self.metrics.observe_pick_age(result.targets[0], time.monotonic())
         elapsed = time.perf_counter() - started
         self.metrics.scheduling_latency.observe(elapsed)
         self.metrics.gie_scheduler_duration.observe(elapsed)

@@ -7,6 +7,8 @@ engine code (and with it torch), and the engine never loads Envoy or EPP code:
   protocol, llm-d's prefill header, the EPP's request id);
 * :mod:`~infergate.wire.completions` — the completion records an engine publishes and the
   EPP subscribes to;
+* :mod:`~infergate.wire.load` — the load reports an engine pushes on the same socket, so
+  the EPP need not scrape it;
 * :mod:`~infergate.wire.block_hash` — the chained KV-block hash the engine's KV events
   carry and the EPP's precise-prefix index recomputes;
 * :mod:`~infergate.wire.responses` — Responses API ids that carry the route tag of the

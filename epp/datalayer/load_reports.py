@@ -1,0 +1,124 @@
+"""Load reports from the engines (:mod:`infergate.wire.load`), as a data-layer feed.
+
+An infergate engine with ``--completion-events-port`` pushes its load (queue, running,
+KV usage, cache config, adapters, the prefill-cost counters) on the same socket as its
+completion records, when it changes and at least every heartbeat. The completion
+subscription (:mod:`infergate.epp.datalayer.completions`) receives both topics on one
+socket per endpoint and hands load payloads here. Each report replaces the endpoint's
+snapshot whole, exactly as a scrape does, so every plugin reads it unchanged; the
+collector stops scraping an endpoint while its reports keep arriving
+(:func:`push_alive`). When they stop (the engine died), the snapshot ages like a failed
+scrape's and the endpoint goes stale after ``--metrics-staleness-threshold``; the
+collector meanwhile falls back to scraping, which fails too for a dead engine.
+
+A report is checked at decode (bounds in the wire format); a bad one is counted, logged
+once per endpoint until a good one arrives, and dropped. Nothing here grows with the
+number of reports: each replaces the previous snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from infergate.epp.datalayer.datastore import Datastore
+from infergate.epp.types import EndpointState, Metrics
+
+from infergate.wire import load
+
+log = logging.getLogger("infergate.epp.load_reports")
+
+#: A pushing endpoint is not scraped while its last report is younger than this many
+#: heartbeats (a lost report or two is not a dead engine).
+PUSH_GRACE_HEARTBEATS = 2.5
+
+
+def push_alive(metrics: Metrics, now: float) -> bool:
+    """Whether ``metrics`` came from a push stream that is still reporting."""
+    return metrics.pushed and now - metrics.updated_at < PUSH_GRACE_HEARTBEATS * metrics.heartbeat
+
+
+def push_deadline(metrics: Metrics) -> float:
+    """When the push stream behind ``metrics`` counts as stopped, on the monotonic clock."""
+    return metrics.updated_at + PUSH_GRACE_HEARTBEATS * metrics.heartbeat
+
+
+def snapshot(report: load.LoadReport, now: float, wall: float) -> Metrics:
+    """The metrics snapshot a report stands for, received at ``now`` (monotonic)."""
+    return Metrics(
+        waiting=report.waiting,
+        running=report.running,
+        counts_reported=True,
+        kv_usage=report.kv_usage,
+        active_models=frozenset(report.running_adapters),
+        waiting_models=frozenset(report.waiting_adapters),
+        max_active_models=report.max_lora,
+        block_size=report.block_size,
+        num_gpu_blocks=report.num_gpu_blocks,
+        prefill_seconds_sum=report.prefill_seconds_sum,
+        prefill_count=report.prefill_count,
+        prompt_tokens_total=report.prompt_tokens_total,
+        prefix_hits_total=report.prefix_hits_total,
+        prefix_queries_total=report.prefix_queries_total,
+        updated_at=now,
+        tick=report.tick,
+        heartbeat=report.heartbeat,
+        # Wall clocks of two hosts may disagree: the lag only counts within a heartbeat.
+        lag=min(max(0.0, wall - report.sent_at), report.heartbeat),
+    )
+
+
+class LoadReports:
+    """Applies load-report payloads to the datastore (``on_payload``)."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        metrics: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.datastore = datastore
+        self.metrics = metrics
+        self.clock = clock
+        self.received = 0
+        self.rejected = 0
+        self._bad: set[str] = set()  # endpoints whose last report was bad (log once)
+
+    def on_payload(self, endpoint_key: str, payload: bytes) -> None:
+        state = self.datastore.get(endpoint_key)
+        if state is None:
+            return
+        started = time.thread_time()
+        try:
+            report = load.decode(payload)
+        except ValueError as error:
+            self.rejected += 1
+            if self.metrics is not None:
+                self.metrics.datalayer_rejected.labels("push").inc()
+            if endpoint_key not in self._bad and len(self._bad) < 10_000:
+                self._bad.add(endpoint_key)
+                log.warning("dropping load reports from %s: %s", endpoint_key, error)
+            return
+        self._bad.discard(endpoint_key)
+        self.apply(state, report)
+        if self.metrics is not None:
+            self.metrics.datalayer_update("push", len(payload), time.thread_time() - started)
+
+    def apply(self, state: EndpointState, report: load.LoadReport) -> None:
+        metrics = snapshot(report, self.clock(), time.time())
+        state.metrics = metrics
+        state.cost.observe_counters(
+            metrics.prefill_seconds_sum,
+            metrics.prefill_count,
+            metrics.prompt_tokens_total,
+            metrics.prefix_hits_total,
+            metrics.prefix_queries_total,
+            observed=(state.completed_prompt_tokens, state.completed_cached_tokens),
+        )
+        self.received += 1
+
+    def forget(self, endpoint_key: str) -> None:
+        """The endpoint left the pool."""
+        self._bad.discard(endpoint_key)
