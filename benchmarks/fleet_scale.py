@@ -1,6 +1,6 @@
 """EPP cost and freshness against fleet size, on a fake fleet (issue 21).
 
-For each case a fake fleet (:mod:`infergate.testing.fake_fleet`: one process, N loopback
+For each case a fake fleet (:mod:`infergate.bench.fake_fleet`: one process, N loopback
 engines with a real ~30 KB vLLM-names metrics page, optionally pushing load reports) and
 a real ``infergate epp`` process (``--endpoints FILE``, default 50 ms interval) run side
 by side. Measured, per case:
@@ -146,7 +146,7 @@ def run_case(python: str, case: str, args: argparse.Namespace) -> dict[str, Any]
         file, stats = Path(tmp) / "fleet.yaml", Path(tmp) / "stats.json"
         fleet = group.start(
             "fleet",
-            [sys.executable, "-m", "infergate.testing.fake_fleet", "--endpoints", n,
+            [sys.executable, "-m", "infergate.bench.fake_fleet", "--endpoints", n,
              "--file", str(file), "--stats", str(stats), *flags],
             ready=file.exists, timeout=300,
         )  # fmt: skip
