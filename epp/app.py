@@ -128,6 +128,10 @@ class Epp:
             options.scores_header,
             reports_completions=self.completions.reports,
         )
+        # What other replicas routed reaches this one's prefix index (admission records).
+        prefix_index = context.extras.get("prefix_index")
+        if prefix_index is not None:
+            self.ext_proc.on_admitted = prefix_index.learn
         if options.endpoints_file is not None:
             self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
         elif options.static_endpoints:

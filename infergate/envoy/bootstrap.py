@@ -54,6 +54,7 @@ import yaml
 from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    PREFIX_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
 )
@@ -263,7 +264,9 @@ def _strip_client_headers_filter() -> dict[str, Any]:
         "typed_config": {
             "@type": _HEADER_MUTATION,
             "mutations": {
-                "request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": REQUEST_ID_HEADER}]
+                "request_mutations": [
+                    {"remove": name} for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER)
+                ]
             },
         },
     }

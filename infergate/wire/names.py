@@ -22,3 +22,7 @@ REQUEST_ID_HEADER = "x-infergate-request-id"
 """The EPP's id for a routed request (observer stream, engines' completion records)."""
 PREFILL_HEADER = "x-prefiller-host-port"
 """llm-d's header: the prefill engine the EPP picked, ``host:port`` of its HTTP server."""
+PREFIX_HEADER = "x-infergate-prefix"
+"""The prompt's approximate-prefix block hashes, set by the EPP that routed a request; the
+engine echoes them in its admission record so every EPP replica learns where the prefix
+went (:mod:`infergate.wire.completions`). Client copies are stripped by the bootstrap."""
