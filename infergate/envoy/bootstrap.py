@@ -189,6 +189,45 @@ def _static_cluster(
     return cluster
 
 
+#: With several replicas: an ext-proc stream whose connection fails (a replica just died,
+#: not yet ejected) is opened again on another replica before any message went out.
+_EPP_STREAM_RETRY: dict[str, Any] = {
+    "retry_on": "connect-failure,refused-stream,reset",
+    "num_retries": 2,
+    "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+    "retry_host_predicate": [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            },
+        }
+    ],
+    "host_selection_retry_max_attempts": 3,
+}
+
+
+def _epp_replica_failover() -> dict[str, Any]:
+    """Ext_proc cluster settings for several EPP replicas: a replica whose connection
+    fails is ejected at its first local-origin failure (outlier detection), before the
+    next health check, so the next request's stream opens on a live one."""
+    return {
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "consecutive_5xx": 1000,
+            "enforcing_consecutive_5xx": 0,
+            "consecutive_gateway_failure": 1000,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
+    }
+
+
 def _ext_proc_filter(
     *,
     failure_mode_allow: bool,
@@ -265,7 +304,8 @@ def _strip_client_headers_filter() -> dict[str, Any]:
             "@type": _HEADER_MUTATION,
             "mutations": {
                 "request_mutations": [
-                    {"remove": name} for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER)
+                    {"remove": name}
+                    for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER)
                 ]
             },
         },
@@ -453,6 +493,7 @@ def build_envoy_config(
     response_accounting: str = "engine",
     epp_streams_per_connection: int = 100000,
     upstream: str = "eds",
+    epp_replicas: Sequence[tuple[str, int]] = (),
 ) -> dict[str, Any]:
     """Return an Envoy v3 bootstrap (as dicts) for one listener in front of an InferencePool.
 
@@ -490,6 +531,9 @@ def build_envoy_config(
     learns the endpoints from the EPP over EDS and honours its fallback list) or
     ``original_dst`` (GIE's reference ``ORIGINAL_DST`` cluster, for an EPP that serves
     no EDS; requests without a pick then get a 404 unless ``fallback_endpoints`` exist).
+
+    ``epp_replicas`` are further EPP replicas (host, port) beside ``epp_address``:
+    the ext_proc cluster then has one endpoint per replica (:func:`_epp_replica_failover`).
 
     ``epp_tls`` must match the EPP's ``--secure-serving``; a mismatch shows as an
     unhealthy EPP cluster (and FailOpen/FailClose applies), never as silent 500s.
@@ -575,7 +619,7 @@ def build_envoy_config(
         )
     epp_cluster = _static_cluster(
         EPP_CLUSTER,
-        [(epp_address, epp_port)],
+        [(epp_address, epp_port), *epp_replicas],
         connect_timeout_s=connect_timeout_s,
         max_requests=max_requests,
         http2=True,
@@ -600,6 +644,12 @@ def build_envoy_config(
             }
         ]
         epp_cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    if epp_replicas:
+        epp_cluster.update(_epp_replica_failover())
+        for http_filter in hcm["http_filters"]:
+            service = http_filter.get("typed_config", {}).get("grpc_service")
+            if service is not None:
+                service["retry_policy"] = _EPP_STREAM_RETRY
     if epp_tls:
         epp_cluster["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from infergate.stack.local import LocalStack
 
 _CURL = """curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -64,6 +66,14 @@ def up(
     epp_grpc_port: int = typer.Option(9002, "--epp-grpc-port", help="EPP ext-proc gRPC port."),
     epp_health_port: int = typer.Option(9003, "--epp-health-port", help="EPP gRPC health port."),
     epp_metrics_port: int = typer.Option(9090, "--epp-metrics-port", help="EPP Prometheus port."),
+    epp_replicas: int = typer.Option(
+        1,
+        "--epp-replicas",
+        min=1,
+        help="Run N EPP replicas behind Envoy's ext_proc cluster (replica i on the three "
+        "EPP ports + 10*i); they share prefix knowledge through the engines' records, and "
+        "when one dies Envoy sends the next request to a live one (it is restarted).",
+    ),
     epp_config: Path | None = typer.Option(
         None, "--epp-config", help="EndpointPickerConfig YAML for the EPP (plugins, profiles)."
     ),
@@ -175,6 +185,7 @@ def up(
         epp_grpc_port=epp_grpc_port,
         epp_health_port=epp_health_port,
         epp_metrics_port=epp_metrics_port,
+        epp_replicas=epp_replicas,
         failure_mode_allow=failure_mode == "FailOpen",
         epp_config_file=epp_config,
         objectives_file=objectives_file,
@@ -251,6 +262,7 @@ def _watch(stack: LocalStack) -> None:
     while True:
         time.sleep(0.5)
         engines.check()
+        _restart_dead_replicas(stack, lambda text: console.print(Text(text, style="yellow")))
         for name, _, process in stack.components():
             if name.startswith("engine-"):
                 continue
@@ -260,3 +272,17 @@ def _watch(stack: LocalStack) -> None:
                     f"{name} exited unexpectedly (code {code}); stopping the stack.\n"
                     f"--- last lines of {process.log_path} ---\n{process.log_tail()}"
                 )
+
+
+def _restart_dead_replicas(stack: LocalStack, say: Callable[[str], object]) -> None:
+    """With several EPP replicas, a dead one is reported and restarted while the others
+    route (Envoy ejects it); only when every replica is dead does the stack stop."""
+    replicas = stack.epps
+    if len(replicas) < 2 or not any(p is not None and p.alive() for p in replicas):
+        return
+    for index, process in enumerate(replicas):
+        if process is not None and not process.alive():
+            code = process.popen.returncode if process.popen else None
+            say(f"EPP replica {index} exited (code {code}); the others route; restarting it")
+            stack.stop_epp(index)
+            stack.start_epp(index)
