@@ -124,7 +124,7 @@ class Director:
             raise
         budget = self.flow.config.maxRequestsPerEndpoint
         if budget is not None:
-            under = [s for s in candidates if s.in_flight_requests < budget]
+            under = [s for s in candidates if s.load() < budget]
             candidates = under or candidates
         return ticket, candidates
 
@@ -168,7 +168,7 @@ class Director:
             if ticket is not None and self.flow is not None:
                 self.flow.release(ticket)
             raise
-        result.targets[0].in_flight_requests += 1
+        result.targets[0].note_pick()
         elapsed = time.perf_counter() - started
         self.metrics.scheduling_latency.observe(elapsed)
         self.metrics.gie_scheduler_duration.observe(elapsed)
@@ -206,7 +206,7 @@ class Director:
         """Release per-request accounting and run response-complete hooks (exactly once)."""
         primary = decision.result.primary
         if primary is not None:
-            primary.in_flight_requests = max(0, primary.in_flight_requests - 1)
+            primary.note_done()
             if response.prompt_tokens and response.cached_tokens is not None:
                 primary.completed_prompt_tokens += response.prompt_tokens
                 primary.completed_cached_tokens += min(

@@ -311,7 +311,7 @@ class StackSpec:
                     f"{len(self.epp_replica_ports)} ports given for {self.epp_replicas - 1} "
                     "further EPP replicas"
                 )
-            return [first, *(tuple(p) for p in self.epp_replica_ports)]  # type: ignore[misc]
+            return [first, *((a, b, c) for a, b, c in self.epp_replica_ports)]
         return [
             (first[0] + 10 * i, first[1] + 10 * i, first[2] + 10 * i)
             for i in range(self.epp_replicas)
