@@ -13,8 +13,6 @@ import time
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry
-
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.config import FlowControlConfig
 from infergate.epp.flowcontrol.controller import FlowController
@@ -23,6 +21,8 @@ from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult
 from infergate.epp.scheduling.plugins.prefix import PrefixCacheScorer
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
+from prometheus_client import CollectorRegistry
+
 from infergate.wire.completions import (
     ADMITTED,
     MAX_PREFIX_HASHES,
