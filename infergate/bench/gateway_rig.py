@@ -234,9 +234,7 @@ def start_rig(
     )
     start_envoy(
         group,
-        direct_twin(
-            build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)
-        ),
+        direct_twin(build_envoy_config(listen_port=direct_port, admin_port=free_port(), **common)),
         workdir / "direct.yaml",
         name="envoy-direct",
         concurrency=envoy_concurrency,

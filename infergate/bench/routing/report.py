@@ -40,14 +40,15 @@ def row_cells(r: RunResult) -> list[str]:
         f"{r.rate:g}",
         r.router,
         str(r.completed),
-        str(r.failed),
+        str(r.failed)
+        + (f" ({r.failed_before_engine} pre-engine)" if r.failed_before_engine >= 0 else ""),
         f"{r.ttft_p50_ms:.0f}",
         f"{r.ttft_p90_ms:.0f}",
         f"{r.ttft_p99_ms:.0f}",
         f"{r.e2e_p50_ms:.0f}",
         f"{r.e2e_p99_ms:.0f}",
         f"{r.output_tok_s:.0f}",
-        f"{r.prefix_hit_rate:.0%}",
+        f"{r.prefix_hit_rate:.1%}",
         f"{r.imbalance:.2f}",
         lag,
     ]
