@@ -208,7 +208,8 @@ def run_one(
             result.failed_before_engine = _failed_before_engine(stack.workdir / "envoy.log")
         if stack.epp is not None:  # keep what the EPP learned, for a person to read
             spec.output_dir.mkdir(parents=True, exist_ok=True)
-            name = f"epp-metrics-{workload.name}-{rate:g}-{router.name.replace(':', '_').replace('/', '_')}.txt"
+            safe = re.sub(r"[^A-Za-z0-9_.@-]+", "_", result.router)
+            name = f"epp-metrics-{workload.name}-{rate:g}-{safe}.txt"
             with urllib.request.urlopen(stack.epp_metrics_url, timeout=5.0) as response:
                 (spec.output_dir / name).write_bytes(response.read())
     finally:
