@@ -266,6 +266,12 @@ def routing(
         help="SIGKILL EPP replica 1 this many seconds into every multi-replica run; the "
         "failed column then counts the failures that never reached an engine (Envoy's log).",
     ),
+    epp_idle_control: bool = typer.Option(
+        False,
+        "--epp-idle-control",
+        help="Also run each multi-replica count with Envoy dialling only the first replica "
+        "(the rest run idle): what the extra replicas cost in CPU, apart from their routing.",
+    ),
 ) -> None:
     """The routing lab: each router on a fresh simulated fleet, same seeded workload.
 
@@ -309,7 +315,8 @@ def routing(
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
     console.print(f"seed {seed} (rerun with --seed {seed})", markup=False)
-    runs_per_rate = sum(len(replica_counts) if r.epp else 1 for r in routers)
+    extra = sum(1 for n in replica_counts if n > 1) if epp_idle_control else 0
+    runs_per_rate = sum(len(replica_counts) + extra if r.epp else 1 for r in routers)
     total = sum(len(per_workload[w.name]) for w in chosen) * runs_per_rate
     spec = LabSpec(
         engines=engines,
@@ -320,6 +327,7 @@ def routing(
         output_len=output_len,
         epp_replicas=replica_counts,
         kill_epp_replica_at=kill_epp_replica_at,
+        idle_control=epp_idle_control,
     )
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("routing lab", total=total)

@@ -176,6 +176,9 @@ class StackSpec:
     ``epp_replica_ports[i - 1]`` (gRPC, health, metrics), by default the three ports
     ``+ 10 * i``."""
     epp_replica_ports: Sequence[tuple[int, int, int]] | None = None
+    envoy_epp_replicas: int | None = None
+    """Envoy dials only the first k replicas (None: all); the routing lab's control runs
+    the others idle, to tell their CPU cost from their routing."""
     failure_mode_allow: bool = False
     """FailOpen (True) or FailClose (False), as InferencePool's ``endpointPickerRef.failureMode``."""
     epp_config_file: Path | None = None
@@ -498,7 +501,10 @@ class LocalStack:
             "admin_address": LOOPBACK,
             "epp_address": LOOPBACK,
             "epp_port": self.spec.epp_grpc_port,
-            "epp_replicas": [(LOOPBACK, p[0]) for p in self.spec.resolved_epp_ports()[1:]],
+            "epp_replicas": [
+                (LOOPBACK, p[0])
+                for p in self.spec.resolved_epp_ports()[1 : self.spec.envoy_epp_replicas]
+            ],
             "failure_mode_allow": self.spec.failure_mode_allow,
             "fallback_endpoints": fallback if self.spec.failure_mode_allow else (),
             "debug_headers": True,

@@ -57,6 +57,10 @@ class LabSpec:
     epp_replicas: Sequence[int] = (1,)
     #: Seconds into a multi-replica run at which EPP replica 1 is SIGKILLed (None: never).
     kill_epp_replica_at: float | None = None
+    #: Also run each multi-replica count as a control: the replicas all run (scraping,
+    #: subscribing) but Envoy dials only the first, so its row differs from the single
+    #: replica's by the extra replicas' CPU alone.
+    idle_control: bool = False
 
 
 @dataclass
@@ -157,10 +161,13 @@ def run_one(
     spec: LabSpec,
     tokens: Tokens,
     epp_replicas: int = 1,
+    control: bool = False,
 ) -> RunResult:
     """One router at one rate on a fresh fleet (an EPP router with ``epp_replicas``)."""
     name = router.name if epp_replicas == 1 else f"{router.name} x{epp_replicas}"
-    killing = epp_replicas > 1 and spec.kill_epp_replica_at is not None
+    if control:
+        name += " idle-control"
+    killing = epp_replicas > 1 and spec.kill_epp_replica_at is not None and not control
     if killing:
         name += f" kill@{spec.kill_epp_replica_at:g}s"
     result = RunResult(workload.name, name, rate, epp_replicas=epp_replicas)
@@ -170,6 +177,8 @@ def run_one(
         for sample in samples:
             sample.output_len = spec.output_len
     fleet = fleet_spec(workload, spec, epp_replicas)
+    if control:
+        fleet.envoy_epp_replicas = 1
     if router.kv_events:
         fleet.precise_prefix = True
         fleet.kv_events_ports = [free_port() for _ in range(engine_count(workload, spec))]
@@ -263,8 +272,12 @@ def run_lab(
     for workload in workloads:
         for rate in rates.get(workload.name) or workload.rates:
             for router in routers:
-                for replicas in spec.epp_replicas if router.epp else (1,):
-                    row = run_one(workload, router, rate, spec, tokens, replicas)
+                counts = spec.epp_replicas if router.epp else (1,)
+                runs = [(n, False) for n in counts]
+                if router.epp and spec.idle_control:
+                    runs += [(n, True) for n in counts if n > 1]
+                for replicas, control in runs:
+                    row = run_one(workload, router, rate, spec, tokens, replicas, control)
                     results.append(row)
                     on_result(row)
     return results
