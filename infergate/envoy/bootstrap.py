@@ -316,6 +316,10 @@ def _header(key: str, value: str) -> dict[str, Any]:
     return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
+#: Envoy closes an idle engine connection after this, before the engine's own 5 s.
+UPSTREAM_IDLE_S = 4.0
+
+
 def _pool_cluster(
     *, connect_timeout_s: float, max_requests: int, initial_fetch_timeout_s: float
 ) -> dict[str, Any]:
@@ -330,6 +334,16 @@ def _pool_cluster(
         "type": "EDS",
         "connect_timeout": _duration(connect_timeout_s),
         "circuit_breakers": _circuit_breakers(max_requests),
+        # Engines' servers (uvicorn, vLLM's too) close a keep-alive connection idle for
+        # 5 s; a request Envoy writes on it as it closes fails with "connection
+        # termination" (a 503, not retried: the request went out). Closing first avoids it.
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _HTTP_OPTIONS,
+                "common_http_protocol_options": {"idle_timeout": _duration(UPSTREAM_IDLE_S)},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "eds_cluster_config": {
             "eds_config": {
                 "resource_api_version": "V3",

@@ -86,6 +86,8 @@ class RunResult:
     #: Failed requests that never reached an engine (Envoy's access log: an error and no
     #: upstream host); -1 when not counted (runs without a replica killed).
     failed_before_engine: int = -1
+    #: Up to three distinct error messages of the failed requests (the client's view).
+    errors: list[str] = field(default_factory=list)
 
     @property
     def lag_warning(self) -> bool:
@@ -235,6 +237,8 @@ def _fill(
 ) -> None:
     result.completed = int(report["completed"])
     result.failed = int(report.get("failed", 0))
+    distinct = dict.fromkeys(str(e) for e in report.get("errors", ()) if e)
+    result.errors = list(distinct)[:3]
     result.ttft_p50_ms = float(report["median_ttft_ms"])
     result.ttft_p90_ms = float(report["p90_ttft_ms"])
     result.ttft_p99_ms = float(report["p99_ttft_ms"])
