@@ -6,7 +6,8 @@ replica reaches an engine, whose admission record carries the prompt's block has
 every replica; the replica that never saw the request must then score that prompt's
 prefix as cached on that engine (asked directly over ext-proc, so nothing but the
 records can have told it). Then one replica is SIGKILLed and every later request still
-gets through Envoy (the next stream opens on the live replica).
+gets through Envoy (the next stream opens on the live replica), and the dead one is
+restarted as ``infergate up`` does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
+from infergate.stack.cli import _restart_dead_replicas
 from infergate.stack.local import LocalStack, StackSpec
 
 from ..epp.conftest import Stream, body, headers, set_headers
@@ -120,3 +122,11 @@ def test_envoy_sends_to_a_live_replica_after_one_is_killed(stack: LocalStack) ->
             )
             statuses.append(response.status_code)
     assert statuses == [200] * 20
+    # `infergate up` restarts the dead replica while the other routes; it routes again.
+    said: list[str] = []
+    _restart_dead_replicas(stack, said.append)
+    assert said and "EPP replica 1 exited" in said[0]
+    restarted = stack.epps[1]
+    assert restarted is not None and restarted.alive() and restarted is not victim
+    totals = asyncio.run(_scores(stack.spec.resolved_epp_ports()[1][0], _prompt(0, "back")))
+    assert len(totals) == 2  # it serves ext-proc and sees both engines
