@@ -95,6 +95,7 @@ class Epp:
         if options.objectives_file is not None:
             self.objectives.replace(*load_objectives_file(options.objectives_file))
         context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
+        self.plugin_context = context
         self.scheduler = Scheduler.from_config(config, context, self.metrics.plugin_timer)
         self.flow = build_flow_controller(
             config.flowControl,

@@ -9,7 +9,9 @@ requests through the engine's report, and the flow controller's shared budget.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -34,6 +36,8 @@ from infergate.wire.completions import (
     prefix_hashes,
 )
 from infergate.wire.names import PREFIX_HEADER
+
+from .conftest import Stream, body, headers
 
 
 def test_prefix_header_round_trips_and_is_bounded() -> None:
@@ -157,3 +161,46 @@ async def test_flow_control_budget_is_shared_through_engine_reports() -> None:
     flow.release(first)
     flow.release(waiter.result())
     await flow.close()
+
+
+POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+
+
+async def _route_once(channel: Any, prompt: str, extra: dict[str, str]) -> tuple[Any, Stream]:
+    """Route one request; its header mutation and its still open stream (the request is
+    in flight until the stream closes)."""
+    stream = Stream(channel)
+    payload = json.dumps({"model": "tiny", "prompt": prompt}).encode()
+    await stream.send(headers({**POST, **extra}), body(payload))
+    answer, _ = await stream.recv(2)
+    return answer.request_headers.response.header_mutation, stream
+
+
+async def test_the_epp_learns_other_replicas_admissions_not_its_own(
+    epp_factory: Any, channel_for: Any
+) -> None:
+    engines = [Endpoint("127.0.0.1", 18001), Endpoint("127.0.0.1", 18002)]
+    epp = await epp_factory(static_endpoints=engines)
+    scorer = epp.plugin_context.extras["prefix_index"]
+    channel = channel_for(epp)
+    mutation, stream = await _route_once(channel, "a long shared document " * 30, {})
+    sent = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    packed = decode_prefix(sent[PREFIX_HEADER])
+    key, picked = sent["x-infergate-request-id"], sent["x-gateway-destination-endpoint"]
+    other = next(e.key for e in engines if e.key != picked)
+    # Its own request's admission record: already in its index, not counted again.
+    epp.ext_proc.on_record(picked, CompletionRecord(key, ADMITTED, 0, 0, 0, 1.0, packed))
+    assert scorer.learned_blocks == 0
+    await stream.close()
+    # Another replica sent the same prompt to the other engine: learned there.
+    epp.ext_proc.on_record(other, CompletionRecord("elsewhere", ADMITTED, 0, 0, 0, 1.0, packed))
+    assert scorer.learned_blocks == len(prefix_hashes(packed))
+    assert scorer.index.match(prefix_hashes(packed)).get(other) == len(prefix_hashes(packed))
+    # A bad record changes nothing and finishes nothing.
+    epp.ext_proc.on_record(other, CompletionRecord("bad", ADMITTED, 0, 0, 0, 1.0, b"x" * 9))
+    assert scorer.learned_blocks == len(prefix_hashes(packed))
+    # A client's own copy of the header never reaches an engine.
+    short, stream = await _route_once(channel, "hi", {PREFIX_HEADER: "AAAAAAAAAAA"})
+    await stream.close()
+    assert PREFIX_HEADER in short.remove_headers
+    assert PREFIX_HEADER not in {h.header.key for h in short.set_headers}
