@@ -7,6 +7,7 @@ ext_proc) give the rig's own ceiling, so a low gateway figure can be told apart 
 slow load generator. The EPP's CPU per request comes from /proc.
 
     .venv/bin/python benchmarks/epp_throughput.py [--concurrency 8,32,128] [--seconds 5]
+        [--epp-replicas N]   # N replicas behind Envoy's ext_proc cluster
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def main() -> None:
     parser.add_argument("--prompt-bytes", type=int, default=0, help="2048, 225280; 0: 7 bytes")
     parser.add_argument("--workers", type=int, default=1, help="infergate epp --workers")
     parser.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="EPP replicas behind Envoy's ext_proc cluster (one endpoint each); CPU per "
+        "request sums them",
+    )
+    parser.add_argument(
         "--streams-per-connection",
         type=int,
         default=100000,
@@ -54,7 +62,8 @@ def main() -> None:
         f"(shared), Python {platform.python_version()}; upstream={args.upstream}, "
         f"{args.endpoints} endpoints, Envoy --concurrency {args.envoy_concurrency}, "
         f"response accounting {args.accounting}, prompt {args.prompt_bytes} B, "
-        f"EPP workers {args.workers}, {args.streams_per_connection} streams/connection"
+        f"EPP workers {args.workers}, {args.streams_per_connection} streams/connection, "
+        f"{args.epp_replicas} EPP replica(s)"
     )
     best = 0.0
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
@@ -68,6 +77,7 @@ def main() -> None:
             response_accounting="none" if args.no_response_body else args.accounting,
             epp_args=["--workers", str(args.workers)] if args.workers > 1 else [],
             bootstrap={"epp_streams_per_connection": args.streams_per_connection},
+            epp_replicas=args.epp_replicas,
         )
         body = body_of_size(args.prompt_bytes)
         print(
@@ -76,9 +86,9 @@ def main() -> None:
         )
         for clients in levels:
             for path, url in (("direct", rig.direct_url), ("gateway", rig.gateway_url)):
-                cpu_before = process_cpu_seconds(rig.epp_pid)
+                cpu_before = sum(process_cpu_seconds(pid) for pid in rig.epp_pids)
                 result = asyncio.run(closed_loop(url, clients, args.seconds, body))
-                cpu = process_cpu_seconds(rig.epp_pid) - cpu_before
+                cpu = sum(process_cpu_seconds(pid) for pid in rig.epp_pids) - cpu_before
                 served = result["rps"] * args.seconds
                 per_request = f"{cpu * 1000 / served:.2f}" if path == "gateway" and served else "-"
                 if path == "gateway":
@@ -87,7 +97,10 @@ def main() -> None:
                     f"{clients:>7} {path:>8} {result['rps']:>9.0f} {int(result['failures']):>5} "
                     f"{result['p50_ms']:>8.2f} {result['p99_ms']:>8.2f} {per_request:>15}"
                 )
-    print(f"\nmost requests/s through the EPP ({args.workers} worker(s)): {best:.0f}")
+    print(
+        f"\nmost requests/s through the EPP ({args.workers} worker(s), "
+        f"{args.epp_replicas} replica(s)): {best:.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,11 +20,14 @@ from infergate.engine.kv_events import ZmqPublisher
 
 from infergate.wire import load
 from infergate.wire.completions import (
+    ADMITTED,
     CLIENT_GONE,
     KEY_HEADER,
+    PREFIX_KEY_HEADER,
     TOPIC,
     CompletionBatch,
     CompletionRecord,
+    decode_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,10 @@ class CompletionReporter:
     It makes the request's :class:`Usage` current (the async engine adds each finished
     engine request to it) and publishes when the last body byte has been handed to the
     server, or when the handler ends any other way (client gone, error).
+
+    A request that also carries the EPP's prefix-hashes header gets an admission record
+    first, as it arrives, echoing those hashes (a malformed or oversized value is dropped,
+    never an error): the other EPP replicas learn where the prefix went.
     """
 
     def __init__(self, app: Any, publisher: CompletionPublisher) -> None:
@@ -128,13 +135,17 @@ class CompletionReporter:
             await self.app(scope, receive, send)
             return
         key = ""
+        prefix = b""
         for name, value in scope.get("headers", ()):
             if name == KEY_HEADER:
                 key = value.decode("latin-1")
-                break
+            elif name == PREFIX_KEY_HEADER:
+                prefix = decode_prefix(value)
         if not key:
             await self.app(scope, receive, send)
             return
+        if prefix:
+            self.publisher.publish(CompletionRecord(key, ADMITTED, 0, 0, 0, time.time(), prefix))
         usage = Usage()
         status = 0
         sent = False

@@ -70,6 +70,7 @@ class Epp:
         if options.objectives_file is not None:
             self.objectives.replace(*load_objectives_file(options.objectives_file))
         context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
+        self.plugin_context = context
         self.scheduler = Scheduler.from_config(config, context, self.metrics.plugin_timer)
         self.flow = build_flow_controller(
             config.flowControl,
@@ -105,6 +106,10 @@ class Epp:
             options.scores_header,
             reports_completions=self.completions.reports,
         )
+        # What other replicas routed reaches this one's prefix index (admission records).
+        prefix_index = context.extras.get("prefix_index")
+        if prefix_index is not None:
+            self.ext_proc.on_admitted = prefix_index.learn
         if options.endpoints_file is not None:
             self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
         elif options.static_endpoints:

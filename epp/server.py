@@ -42,12 +42,13 @@ from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
 from infergate.epp.types import InferenceRequest
 
-from infergate.wire.completions import CompletionRecord
+from infergate.wire.completions import ADMITTED, CompletionRecord
 from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     PREFILL_HEADER,
     PRIORITY_HEADER,
+    PREFIX_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
     SUBSET_KEY,
@@ -60,7 +61,7 @@ DESTINATION_NAMESPACE = LB_METADATA_NAMESPACE
 SERVED_KEY = SERVED_HEADER
 #: Request headers only the EPP may set: removed from what the client sent unless the
 #: scheduling result sets them (P/D's prefill pick tells the decode engine whom to call).
-OWNED_REQUEST_HEADERS = (PREFILL_HEADER,)
+OWNED_REQUEST_HEADERS = (PREFILL_HEADER, PREFIX_HEADER)
 SCORES_HEADER = "x-infergate-epp-scores"
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 USAGE_BUFFER_LIMIT = 4 << 20
@@ -644,6 +645,8 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         #: before its record is given up (see :meth:`_counted_out`).
         self.record_settle_s = record_settle_s
         self.awaiting: dict[str, StreamState] = {}  # streams ended, record not yet in
+        #: Called with (endpoint, packed hashes) of requests another replica routed.
+        self.on_admitted: Callable[[str, bytes], Any] | None = None
 
     def await_record(self, state: StreamState) -> None:
         if state.key not in self.awaiting:
@@ -653,8 +656,13 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
             self.awaiting[state.key] = state
 
     def on_record(self, endpoint: str, record: CompletionRecord) -> None:
-        """A completion record from ``endpoint``; records of other replicas are ignored."""
+        """A record from ``endpoint``. Completion records of other replicas are ignored;
+        admission records of other replicas go to ``on_admitted`` (the prefix index)."""
         state = self.routed.get(record.key)
+        if record.status == ADMITTED:
+            if state is None and record.prefix and self.on_admitted is not None:
+                self.on_admitted(endpoint, record.prefix)
+            return
         if state is not None:
             state.take_record(record)
 

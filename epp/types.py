@@ -110,10 +110,48 @@ class EndpointState:
     #: histograms describe.
     completed_prompt_tokens: int = 0
     completed_cached_tokens: int = 0
+    #: This EPP's picks of the endpoint, and its requests there that finished, since the
+    #: engine's latest load report (``metrics.updated_at`` as of ``_report_seen``).
+    picks_since_report: int = 0
+    done_since_report: int = 0
+    _report_seen: float = 0.0
 
     @property
     def key(self) -> str:
         return self.endpoint.key
+
+    def _sync_report(self) -> None:
+        if self.metrics.updated_at != self._report_seen:
+            self._report_seen = self.metrics.updated_at
+            self.picks_since_report = 0
+            self.done_since_report = 0
+
+    def note_pick(self) -> None:
+        """This EPP sent a request here (counted in :attr:`in_flight_requests` too)."""
+        self._sync_report()
+        self.in_flight_requests += 1
+        self.picks_since_report += 1
+
+    def note_done(self) -> None:
+        """A request this EPP sent here finished."""
+        self._sync_report()
+        self.in_flight_requests = max(0, self.in_flight_requests - 1)
+        self.done_since_report += 1
+
+    def load(self) -> int:
+        """Requests on the endpoint, whoever sent them.
+
+        The engine's report (running + waiting) counts every router's requests, EPP
+        replicas included, as of the report; this EPP's own picks and finishes since then
+        correct it. Never less than this EPP's own in-flight count (an engine that
+        reports no counts, or a report that has not yet seen a burst of picks). With one
+        replica and a fresh report the two agree."""
+        self._sync_report()
+        m = self.metrics
+        if m.updated_at == 0.0:
+            return self.in_flight_requests
+        reported = m.running + m.waiting + self.picks_since_report - self.done_since_report
+        return max(self.in_flight_requests, reported)
 
 
 #: The APIs whose bodies the EPP parses (``InferenceRequest.api``). For the Responses and

@@ -7,8 +7,9 @@ stream of one of its worker threads over one HTTP/2 connection, so streams sprea
 the EPP workers only as far as Envoy opens several connections: one per Envoy worker
 thread (``--concurrency``), more when the EPP cluster caps streams per connection
 (``EnvoyConfig(epp_streams_per_connection=...)``), or one per Envoy replica.
-State is per process: prefix affinity and fairness hold within a worker, not across
-them (as with several replicas). Worker i serves metrics on ``--metrics-port + i``.
+State is per process, as with several replicas: fairness and flow-control order hold
+within a worker; prefix knowledge and load are shared through the engines (admission
+records, load reports; docs/epp.md, "Several replicas"). Worker i serves metrics on ``--metrics-port + i``.
 
 The parent only supervises: SIGTERM/SIGINT go to every worker; if one exits, the others
 are stopped and the parent exits with its status (a supervisor restarts the whole set).

@@ -320,6 +320,36 @@ def build_service(pool: PoolSpec) -> Obj:
     }
 
 
+def replicas_service_name(pool: PoolSpec) -> str:
+    return f"{pool.picker_name}-replicas"
+
+
+def build_replicas_service(pool: PoolSpec) -> Obj | None:
+    """A headless Service over the ready EPP pods (standalone Envoy, 2+ replicas): its DNS
+    name resolves to every replica, so each sidecar Envoy's ext_proc cluster has them all
+    and a request goes to another replica when its own pod's EPP is down."""
+    if not (pool.standalone_envoy and pool.epp_replicas > 1):
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(pool, replicas_service_name(pool)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(pool),
+            "ports": [
+                {
+                    "name": "grpc-ext-proc",
+                    "port": c.EPP_GRPC_PORT,
+                    "targetPort": c.EPP_GRPC_PORT,
+                    "protocol": "TCP",
+                    "appProtocol": "http2",
+                }
+            ],
+        },
+    }
+
+
 def build_pdb(pool: PoolSpec) -> Obj | None:
     """Keep one EPP up through voluntary disruptions; only meaningful with 2+ replicas."""
     if pool.epp_replicas <= 1:
@@ -347,6 +377,12 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
             epp_tls=True,  # the EPP container runs with --secure-serving
             # `observer` unless the pool's engines publish completion records (parse_pool).
             response_accounting=pool.response_accounting,
+            # Every replica (the headless Service's DNS), beside the pod's own EPP.
+            epp_replicas=(
+                ((f"{replicas_service_name(pool)}.{pool.namespace}.svc", c.EPP_GRPC_PORT),)
+                if build_replicas_service(pool) is not None
+                else ()
+            ),
         )
     )
 
@@ -375,6 +411,9 @@ def desired_objects(pool: PoolSpec, settings: OperatorSettings, epp_config: str)
         build_deployment(pool, settings, config_hash),
         build_service(pool),
     ]
+    replicas_service = build_replicas_service(pool)
+    if replicas_service is not None:
+        objects.append(replicas_service)
     pdb = build_pdb(pool)
     if pdb is not None:
         objects.append(pdb)

@@ -11,6 +11,16 @@ Capacity (when the head of the queue may go):
 - ``maxRequestsPerEndpoint = B``: the pool takes ``B * ready_endpoints`` requests that the
   flow controller dispatched and that have not finished (``in_flight`` counts them from
   dispatch to ``release``). This is exact and immediate, so it is the recommended gate.
+  With several EPP replicas the budget is the pool's, shared: the pool's load is the
+  larger of ``in_flight`` and the sum of every endpoint's :meth:`EndpointState.load`
+  (the engines' reported running + waiting, which count every replica's requests,
+  corrected by this replica's picks and finishes since each report). Replicas admit
+  against what the engines say is there, not against a fixed share of ``B``: an idle
+  replica does not strand capacity, and a dead one frees its share at the next report.
+  The price is a race: between two reports (one refresh interval, 50 ms by default) each
+  of N replicas may admit into the same free slots, so the pool can overshoot ``B`` per
+  endpoint by up to (N - 1) × the slots free at the report. docs/epp.md compares this
+  with a static ``B / N`` split.
 - ``useSaturationDetector``: hold while every endpoint is saturated (queue depth / KV
   usage / stale metrics, the same detector the shed path uses). Scraped metrics lag by
   up to one refresh, so alone it can over-dispatch a burst; with the budget it is a brake
@@ -42,6 +52,7 @@ from infergate.epp.flowcontrol.config import FlowControlConfig
 from infergate.epp.flowcontrol.metrics import FlowControlMetrics
 from infergate.epp.flowcontrol.queues import DEFAULT_FLOW, BandQueues, QueueItem
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.types import EndpointState
 
 log = logging.getLogger("infergate.epp.flowcontrol")
 
@@ -178,9 +189,20 @@ class FlowController:
         if not states:
             return False
         budget = self.config.maxRequestsPerEndpoint
-        if budget is not None and self.in_flight >= budget * len(states):
+        if budget is not None and self.pool_load(states) >= budget * len(states):
             return False
         return not (self.config.useSaturationDetector and self.saturation.pool_saturated(states))
+
+    def pool_load(self, states: list[EndpointState]) -> int:
+        """Requests in the pool, whoever admitted them (this replica's ``in_flight`` at
+        least; with other replicas or routers, what the engines report)."""
+        load = own = 0
+        for state in states:
+            load += state.load()
+            own += state.in_flight_requests
+        # Dispatched but not yet scheduled: in no endpoint's count yet.
+        unpicked = max(0, self.in_flight - own)
+        return max(self.in_flight, load + unpicked)
 
     def pump(self) -> int:
         """Dispatch while there is capacity and anything waits; returns how many went."""

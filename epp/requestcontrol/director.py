@@ -126,7 +126,7 @@ class Director:
             raise
         budget = self.flow.config.maxRequestsPerEndpoint
         if budget is not None:
-            under = [s for s in candidates if s.in_flight_requests < budget]
+            under = [s for s in candidates if s.load() < budget]
             candidates = under or candidates
         return ticket, candidates
 
@@ -170,7 +170,7 @@ class Director:
             if ticket is not None and self.flow is not None:
                 self.flow.release(ticket)
             raise
-        result.targets[0].in_flight_requests += 1
+        result.targets[0].note_pick()
         # The engine puts this tag in its response ids, so the next turn of a Responses
         # conversation can name its engine to any EPP (scheduling/plugins/response_affinity).
         result.request_headers[ROUTE_TAG_HEADER] = route_tag(result.targets[0].key)
@@ -212,7 +212,7 @@ class Director:
         """Release per-request accounting and run response-complete hooks (exactly once)."""
         primary = decision.result.primary
         if primary is not None:
-            primary.in_flight_requests = max(0, primary.in_flight_requests - 1)
+            primary.note_done()
             if response.prompt_tokens and response.cached_tokens is not None:
                 primary.completed_prompt_tokens += response.prompt_tokens
                 primary.completed_cached_tokens += min(

@@ -262,6 +262,25 @@ def routing(
         "--sim-arg",
         help="Extra engine flag for every engine, e.g. --sim-arg=--sim-us-per-token=40 (repeat).",
     ),
+    epp_replicas: str = typer.Option(
+        "1",
+        "--epp-replicas",
+        help="EPP replica counts, comma-separated (e.g. 1,4): every EPP router runs once per "
+        "count, the replicas behind Envoy's ext_proc cluster, side by side in one table.",
+    ),
+    kill_epp_replica_at: float | None = typer.Option(
+        None,
+        "--kill-epp-replica-at",
+        min=0.0,
+        help="SIGKILL EPP replica 1 this many seconds into every multi-replica run; the "
+        "failed column then counts the failures that never reached an engine (Envoy's log).",
+    ),
+    epp_idle_control: bool = typer.Option(
+        False,
+        "--epp-idle-control",
+        help="Also run each multi-replica count with Envoy dialling only the first replica "
+        "(the rest run idle): what the extra replicas cost in CPU, apart from their routing.",
+    ),
 ) -> None:
     """The routing lab: each router on a fresh simulated fleet, same seeded workload.
 
@@ -298,13 +317,16 @@ def routing(
             for n in wanted
         ]
         sweep = [float(x) for x in rates.split(",")] if rates else None
+        replica_counts = _replica_counts(epp_replicas)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     per_workload = {w.name: sweep or list(w.rates) for w in chosen}
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
     console.print(f"seed {seed} (rerun with --seed {seed})", markup=False)
-    total = sum(len(per_workload[w.name]) for w in chosen) * len(routers)
+    extra = sum(1 for n in replica_counts if n > 1) if epp_idle_control else 0
+    runs_per_rate = sum(len(replica_counts) + extra if r.epp else 1 for r in routers)
+    total = sum(len(per_workload[w.name]) for w in chosen) * runs_per_rate
     spec = LabSpec(
         engines=engines,
         num_prompts=num_prompts,
@@ -313,6 +335,9 @@ def routing(
         sim_args=sim_arg,
         output_len=output_len,
         model=model,
+        epp_replicas=replica_counts,
+        kill_epp_replica_at=kill_epp_replica_at,
+        idle_control=epp_idle_control,
     )
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("routing lab", total=total)
@@ -343,6 +368,20 @@ def routing(
         heat = plot_regret(results, output_dir)
         plots = [heat] if heat else []
     console.print(f"results: {output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")
+
+
+def _replica_counts(text: str) -> list[int]:
+    """``--epp-replicas 1,4`` as [1, 4] (ValueError naming the bad item)."""
+    counts = []
+    for item in text.split(","):
+        try:
+            count = int(item)
+        except ValueError:
+            raise ValueError(f"--epp-replicas: {item!r} is not a whole number") from None
+        if not 1 <= count <= 16:
+            raise ValueError(f"--epp-replicas: {count} is not between 1 and 16")
+        counts.append(count)
+    return counts
 
 
 def _lab_workloads(

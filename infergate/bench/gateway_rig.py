@@ -137,6 +137,8 @@ class Rig:
     epp_metrics_url: str
     epp_pid: int
     group: ProcessGroup = field(repr=False)
+    #: Every EPP replica's pid (``epp_pid`` first).
+    epp_pids: list[int] = field(default_factory=list)
 
 
 def start_rig(
@@ -151,6 +153,7 @@ def start_rig(
     response_accounting: str | None = None,
     epp_args: Sequence[str] = (),
     bootstrap: dict[str, Any] | None = None,
+    epp_replicas: int = 1,
 ) -> Rig:
     """``response_accounting`` (``build_envoy_config``'s) wins over the two older flags;
     with ``engine`` and ``upstream="engine"`` the engines publish completion records."""
@@ -193,7 +196,6 @@ def start_rig(
     else:
         raise ValueError(f"--upstream must be static or engine, not {upstream!r}")
 
-    grpc, health, metrics = free_port(), free_port(), free_port()
     argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
     endpoints_file = workdir / "endpoints.yaml"
     endpoints_file.write_text(
@@ -211,15 +213,24 @@ def start_rig(
         )
     )
     argv += ["--endpoints", str(endpoints_file), *epp_args]
-    argv += ["--grpc-port", str(grpc), "--grpc-health-port", str(health)]
-    argv += ["--metrics-port", str(metrics)]
-    epp = group.start("epp", argv, ready=grpc_serving(LOOPBACK, health), timeout=120)
+    replicas = []  # (process, gRPC port, metrics port): several replicas behind one cluster
+    for index in range(epp_replicas):
+        grpc, health, metrics = free_port(), free_port(), free_port()
+        ports_argv = ["--grpc-port", str(grpc), "--grpc-health-port", str(health)]
+        ports_argv += ["--metrics-port", str(metrics)]
+        name = f"epp-{index}" if index else "epp"
+        process = group.start(
+            name, [*argv, *ports_argv], ready=grpc_serving(LOOPBACK, health), timeout=120
+        )
+        replicas.append((process, grpc, metrics))
+    epp, grpc, metrics = replicas[0]
 
     gateway_port, direct_port = free_port(), free_port()
     common: dict[str, Any] = {
         "listen_address": LOOPBACK,
         "epp_address": LOOPBACK,
         "epp_port": grpc,
+        "epp_replicas": [(LOOPBACK, port) for _, port, _ in replicas[1:]],
         "fallback_endpoints": [(LOOPBACK, p) for p in ports],
         "access_log": False,
         "response_accounting": response_accounting,
@@ -249,6 +260,7 @@ def start_rig(
         epp_metrics_url=f"http://{LOOPBACK}:{metrics}/metrics",
         epp_pid=epp.pid,
         group=group,
+        epp_pids=[process.pid for process, _, _ in replicas],
     )
 
 

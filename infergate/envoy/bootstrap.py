@@ -56,6 +56,7 @@ from infergate.options import option
 from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    PREFIX_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
 )
@@ -192,6 +193,45 @@ def _static_cluster(
     return cluster
 
 
+#: With several replicas: an ext-proc stream whose connection fails (a replica just died,
+#: not yet ejected) is opened again on another replica before any message went out.
+_EPP_STREAM_RETRY: dict[str, Any] = {
+    "retry_on": "connect-failure,refused-stream,reset",
+    "num_retries": 2,
+    "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+    "retry_host_predicate": [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            },
+        }
+    ],
+    "host_selection_retry_max_attempts": 3,
+}
+
+
+def _epp_replica_failover() -> dict[str, Any]:
+    """Ext_proc cluster settings for several EPP replicas: a replica whose connection
+    fails is ejected at its first local-origin failure (outlier detection), before the
+    next health check, so the next request's stream opens on a live one."""
+    return {
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "consecutive_5xx": 1000,
+            "enforcing_consecutive_5xx": 0,
+            "consecutive_gateway_failure": 1000,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        },
+    }
+
+
 def _ext_proc_filter(
     *,
     failure_mode_allow: bool,
@@ -267,7 +307,10 @@ def _strip_client_headers_filter() -> dict[str, Any]:
         "typed_config": {
             "@type": _HEADER_MUTATION,
             "mutations": {
-                "request_mutations": [{"remove": DESTINATION_HEADER}, {"remove": REQUEST_ID_HEADER}]
+                "request_mutations": [
+                    {"remove": name}
+                    for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER)
+                ]
             },
         },
     }
@@ -275,6 +318,10 @@ def _strip_client_headers_filter() -> dict[str, Any]:
 
 def _header(key: str, value: str) -> dict[str, Any]:
     return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+
+
+#: Envoy closes an idle engine connection after this, before the engine's own 5 s.
+UPSTREAM_IDLE_S = 4.0
 
 
 def _pool_cluster(
@@ -289,6 +336,16 @@ def _pool_cluster(
     return {
         "name": POOL_CLUSTER,
         "type": "EDS",
+        # Engines' servers (uvicorn, vLLM's too) close a keep-alive connection idle for
+        # 5 s; a request Envoy writes on it as it closes fails with "connection
+        # termination" (a 503, not retried: the request went out). Closing first avoids it.
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _HTTP_OPTIONS,
+                "common_http_protocol_options": {"idle_timeout": _duration(UPSTREAM_IDLE_S)},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "connect_timeout": _duration(connect_timeout_s),
         "circuit_breakers": _circuit_breakers(max_requests),
         "eds_cluster_config": {
@@ -507,6 +564,10 @@ class EnvoyConfig:
     )
     upstream: str = "eds"
     epp_tls: bool = False
+    epp_replicas: Sequence[tuple[str, int]] = ()
+    """Further EPP replicas (host, port) beside ``epp_address``: the ext_proc cluster then
+    has one endpoint per replica, ejects a replica at its first failed connection and
+    retries a stream that could not open on another (:func:`_epp_replica_failover`)."""
     listen_address: str = "0.0.0.0"
     admin_port: int | None = 19000
     admin_address: str = "127.0.0.1"
@@ -638,6 +699,11 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }
+    if config.epp_replicas:
+        for http_filter in hcm["http_filters"]:
+            service = http_filter.get("typed_config", {}).get("grpc_service")
+            if service is not None:
+                service["retry_policy"] = _EPP_STREAM_RETRY
     if config.access_log:
         hcm["access_log"] = [
             {
@@ -681,7 +747,7 @@ def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
     """HTTP/2 to the EPP, health-checked over the ext-proc transport, TLS when it serves it."""
     cluster = _static_cluster(
         EPP_CLUSTER,
-        [(config.epp_address, config.epp_port)],
+        [(config.epp_address, config.epp_port), *config.epp_replicas],
         connect_timeout_s=config.connect_timeout_s,
         max_requests=config.max_requests,
         http2=True,
@@ -706,6 +772,8 @@ def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
             }
         ]
         cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
+    if config.epp_replicas:
+        cluster.update(_epp_replica_failover())
     if config.epp_tls:
         cluster["transport_socket"] = {
             "name": "envoy.transport_sockets.tls",

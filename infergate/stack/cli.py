@@ -13,6 +13,8 @@ from infergate.options import command
 from infergate.stack.local import StackSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
     from infergate.stack.local import LocalStack
@@ -116,6 +118,7 @@ def _watch(stack: LocalStack) -> None:
     while True:
         time.sleep(0.5)
         engines.check()
+        _restart_dead_replicas(stack, lambda text: console.print(Text(text, style="yellow")))
         for name, _, process in stack.components():
             if name.startswith("engine-"):
                 continue
@@ -125,3 +128,17 @@ def _watch(stack: LocalStack) -> None:
                     f"{name} exited unexpectedly (code {code}); stopping the stack.\n"
                     f"--- last lines of {process.log_path} ---\n{process.log_tail()}"
                 )
+
+
+def _restart_dead_replicas(stack: LocalStack, say: Callable[[str], object]) -> None:
+    """With several EPP replicas, a dead one is reported and restarted while the others
+    route (Envoy ejects it); only when every replica is dead does the stack stop."""
+    replicas = stack.epps
+    if len(replicas) < 2 or not any(p is not None and p.alive() for p in replicas):
+        return
+    for index, process in enumerate(replicas):
+        if process is not None and not process.alive():
+            code = process.popen.returncode if process.popen else None
+            say(f"EPP replica {index} exited (code {code}); the others route; restarting it")
+            stack.stop_epp(index)
+            stack.start_epp(index)

@@ -201,6 +201,21 @@ class StackSpec:
     epp_metrics_port: int = inherit(
         EppOptions, "metrics_port", "--epp-metrics-port", help="EPP {help}"
     )
+    epp_replicas: int = option(
+        "--epp-replicas",
+        default=1,
+        min=1,
+        help="Run N EPP replicas behind Envoy's ext_proc cluster (replica i on the three "
+        "EPP ports + 10*i); they share prefix knowledge through the engines' records, and "
+        "when one dies Envoy sends the next request to a live one (it is restarted).",
+    )
+    """EPP replicas behind Envoy's ext_proc cluster; replica i > 0 listens on
+    ``epp_replica_ports[i - 1]`` (gRPC, health, metrics), by default the three ports
+    ``+ 10 * i``."""
+    epp_replica_ports: Sequence[tuple[int, int, int]] | None = None
+    envoy_epp_replicas: int | None = None
+    """Envoy dials only the first k replicas (None: all); the routing lab's control runs
+    the others idle, to tell their CPU cost from their routing."""
     failure_mode_allow: bool = inherit(EnvoyConfig, "failure_mode_allow")
     """FailOpen (True) or FailClose (False), as InferencePool's ``endpointPickerRef.failureMode``."""
     epp_config_file: Path | None = inherit(
@@ -325,8 +340,11 @@ class StackSpec:
     def on_free_ports(cls, engines: int, **fields: Any) -> StackSpec:
         """A spec whose listener, admin, engine and EPP ports are free loopback ports (for
         tests, benchmarks and the routing lab, which run beside other stacks)."""
-        free = _distinct_free_ports(5 + 3 * engines)
-        ports = {
+        replicas = int(fields.get("epp_replicas", 1))
+        free = _distinct_free_ports(5 + 3 * engines + 3 * max(0, replicas - 1))
+        extra = free[5 + 3 * engines :]
+        ports: dict[str, Any] = {
+            "epp_replica_ports": [tuple(extra[3 * i : 3 * i + 3]) for i in range(replicas - 1)],
             "port": free[0],
             "admin_port": free[1],
             "epp_grpc_port": free[2],
@@ -336,7 +354,7 @@ class StackSpec:
             "completion_events_ports": free[5 + engines : 5 + 2 * engines],
         }
         if fields.get("roles"):
-            ports["kv_transfer_ports"] = free[5 + 2 * engines :]
+            ports["kv_transfer_ports"] = free[5 + 2 * engines : 5 + 3 * engines]
         return cls(engines=engines, **{**ports, **fields})
 
     def resolved_roles(self) -> list[str]:
@@ -397,6 +415,23 @@ class StackSpec:
             return list(self.completion_events_ports)
         return [self.completion_events_port + i for i in range(self.engines)]
 
+    def resolved_epp_ports(self) -> list[tuple[int, int, int]]:
+        """(gRPC, health, metrics) port of each EPP replica, replica 0 first."""
+        if self.epp_replicas < 1:
+            raise StackError("--epp-replicas must be at least 1")
+        first = (self.epp_grpc_port, self.epp_health_port, self.epp_metrics_port)
+        if self.epp_replica_ports is not None:
+            if len(self.epp_replica_ports) != self.epp_replicas - 1:
+                raise StackError(
+                    f"{len(self.epp_replica_ports)} ports given for {self.epp_replicas - 1} "
+                    "further EPP replicas"
+                )
+            return [first, *((a, b, c) for a, b, c in self.epp_replica_ports)]
+        return [
+            (first[0] + 10 * i, first[1] + 10 * i, first[2] + 10 * i)
+            for i in range(self.epp_replicas)
+        ]
+
     def resolved_engine_ports(self) -> list[int]:
         if self.engine_ports is not None:
             if len(self.engine_ports) != self.engines:
@@ -417,6 +452,8 @@ class LocalStack:
     workdir: Path | None = None
     engines: list[ManagedProcess] = field(default_factory=list)
     epp: ManagedProcess | None = None
+    """Replica 0 of the EPP (``epps`` holds every replica, this one first)."""
+    epps: list[ManagedProcess | None] = field(default_factory=list)
     envoy: ManagedProcess | None = None
     _own_workdir: bool = False
 
@@ -473,9 +510,16 @@ class LocalStack:
             [
                 ("Envoy listener", self.spec.port, "--port"),
                 ("Envoy admin", self.spec.admin_port, "--admin-port"),
-                ("EPP gRPC", self.spec.epp_grpc_port, "--epp-grpc-port"),
-                ("EPP health", self.spec.epp_health_port, "--epp-health-port"),
-                ("EPP metrics", self.spec.epp_metrics_port, "--epp-metrics-port"),
+            ]
+            + [
+                (f"EPP{f'-{i}' if i else ''} {what}", port, flag)
+                for i, ports in enumerate(self.spec.resolved_epp_ports())
+                for what, port, flag in zip(
+                    ("gRPC", "health", "metrics"),
+                    ports,
+                    ("--epp-grpc-port", "--epp-health-port", "--epp-metrics-port"),
+                    strict=True,
+                )
             ]
             + [
                 (f"engine-{i}", port, "--engine-port")
@@ -540,7 +584,8 @@ class LocalStack:
     def start_gateway(self) -> None:
         """Start the EPP (file discovery of the engines) and the Envoy in front of it."""
         self.write_endpoints(self.engine_addresses)
-        self.start_epp()
+        for index in range(self.spec.epp_replicas):
+            self.start_epp(index)
         self.envoy = self._start(
             "envoy",
             lambda log: start_envoy(
@@ -569,6 +614,10 @@ class LocalStack:
             admin_address=LOOPBACK,
             epp_address=LOOPBACK,
             epp_port=self.spec.epp_grpc_port,
+            epp_replicas=tuple(
+                (LOOPBACK, p[0])
+                for p in self.spec.resolved_epp_ports()[1 : self.spec.envoy_epp_replicas]
+            ),
             failure_mode_allow=self.spec.failure_mode_allow,
             debug_headers=True,
             access_log=self.spec.access_log,
@@ -604,8 +653,9 @@ class LocalStack:
         scratch.write_text(yaml.safe_dump({"endpoints": endpoints}, sort_keys=False))
         scratch.replace(self.endpoints_file)
 
-    def start_epp(self) -> ManagedProcess:
-        """Start (or restart, after :meth:`stop_epp`) the Endpoint Picker."""
+    def start_epp(self, index: int = 0) -> ManagedProcess:
+        """Start (or restart, after :meth:`stop_epp`) EPP replica ``index``."""
+        grpc_port, health_port, metrics_port = self.spec.resolved_epp_ports()[index]
         argv = [
             *infergate_argv(),
             "epp",
@@ -614,11 +664,11 @@ class LocalStack:
             "--host",
             LOOPBACK,
             "--grpc-port",
-            str(self.spec.epp_grpc_port),
+            str(grpc_port),
             "--grpc-health-port",
-            str(self.spec.epp_health_port),
+            str(health_port),
             "--metrics-port",
-            str(self.spec.epp_metrics_port),
+            str(metrics_port),
         ]
         from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML, pd_config
 
@@ -639,22 +689,31 @@ class LocalStack:
         if self.spec.secure_serving:
             argv.append("--secure-serving")
         argv += list(self.spec.epp_args)
-        self.epp = self._start(
-            "epp",
+        name = f"epp-{index}" if index else "epp"
+        process = self._start(
+            name,
             lambda log: self.group.start(
-                "epp",
+                name,
                 argv,
-                ready=grpc_serving(LOOPBACK, self.spec.epp_health_port),
+                ready=grpc_serving(LOOPBACK, health_port),
                 timeout=self.spec.start_timeout,
                 log_path=log,
             ),
         )
-        return self.epp
+        while len(self.epps) <= index:
+            self.epps.append(None)
+        self.epps[index] = process
+        if index == 0:
+            self.epp = process
+        return process
 
-    def stop_epp(self) -> None:
-        if self.epp is not None:
-            self.epp.stop()
-            self.group.processes.remove(self.epp)
+    def stop_epp(self, index: int = 0) -> None:
+        process = self.epps[index] if index < len(self.epps) else None
+        if process is not None:
+            process.stop()
+            self.group.processes.remove(process)
+            self.epps[index] = None
+        if index == 0:
             self.epp = None
 
     def _start_engine(self, index: int, port: int) -> ManagedProcess:
@@ -727,14 +786,15 @@ class LocalStack:
             if kv_ports:
                 where += f", KV events tcp://{LOOPBACK}:{kv_ports[i]}"
             rows.append((f"engine-{i}", where, proc))
-        rows.append(
-            (
-                "epp",
-                f"ext-proc {LOOPBACK}:{self.spec.epp_grpc_port}, health :{self.spec.epp_health_port}, "
-                f"metrics {self.epp_metrics_url}",
-                self.epp,
+        for i, (grpc_port, health_port, metrics_port) in enumerate(self.spec.resolved_epp_ports()):
+            rows.append(
+                (
+                    f"epp-{i}" if i else "epp",
+                    f"ext-proc {LOOPBACK}:{grpc_port}, health :{health_port}, "
+                    f"metrics http://{LOOPBACK}:{metrics_port}/metrics",
+                    self.epps[i] if i < len(self.epps) else None,
+                )
             )
-        )
         mode = "FailOpen" if self.spec.failure_mode_allow else "FailClose"
         rows.append(
             (

@@ -17,6 +17,16 @@ the array ``[key, status, prompt_tokens, completion_tokens, cached_tokens, finis
 request's ``x-infergate-request-id`` header (:data:`KEY_HEADER`), which the EPP set when
 it routed the request; a request without it (not routed by an EPP) produces no record.
 
+**Admission records** (status :data:`ADMITTED`, 0) tell the *other* EPP replicas where a
+prefix went. The EPP that routes a request puts its approximate-prefix block hashes in the
+:data:`~infergate.wire.names.PREFIX_HEADER` header (:func:`encode_prefix`: at most
+:data:`MAX_PREFIX_HASHES` little-endian u64s, base64url); the engine, as the request
+arrives, publishes a record with status 0, zero token counts and those bytes as a seventh
+element ``prefix`` (empty in completion records). Every replica but the routing one adds
+the hashes to its prefix index for that engine, so replicas that never saw a request
+still score its prefix as cached there. The engine does not interpret the hashes: the
+text-chunk hashing stays the EPP's, configured in one place.
+
 Every subscribed EPP replica receives every record and keeps those it routed. PUB/SUB
 drops what a subscriber is not connected for, so the EPP bounds how long it waits for a
 record. The publisher is :mod:`infergate.engine.completion_events`; the subscriber
@@ -25,13 +35,26 @@ record. The publisher is :mod:`infergate.engine.completion_events`; the subscrib
 
 from __future__ import annotations
 
+import base64
+import binascii
+import struct
+from collections.abc import Sequence
+
 import msgspec
 
-from infergate.wire.names import REQUEST_ID_HEADER
+from infergate.wire.names import PREFIX_HEADER, REQUEST_ID_HEADER
 
 TOPIC = b"completions"
 #: The request header whose value keys a record (lower-case bytes, as ASGI gives headers).
 KEY_HEADER = REQUEST_ID_HEADER.encode()
+#: The prefix-hashes header as ASGI gives it.
+PREFIX_KEY_HEADER = PREFIX_HEADER.encode()
+#: The status of an admission record (the engine accepted the request; no usage yet).
+ADMITTED = 0
+#: At most this many hashes travel (256 × 8 bytes: a 2,732-character header).
+MAX_PREFIX_HASHES = 256
+#: The longest header value :func:`decode_prefix` reads; anything longer is ignored.
+MAX_PREFIX_HEADER_CHARS = (MAX_PREFIX_HASHES * 8 + 2) // 3 * 4
 #: The status of a record whose client went away before the response ended (nginx's 499).
 CLIENT_GONE = 499
 
@@ -43,6 +66,8 @@ class CompletionRecord(msgspec.Struct, array_like=True, gc=False):
     completion_tokens: int
     cached_tokens: int
     finished_at: float
+    #: Admission records only: the packed hashes of :func:`encode_prefix` (raw bytes).
+    prefix: bytes = b""
 
 
 class CompletionBatch(msgspec.Struct, array_like=True, gc=False):
@@ -52,3 +77,32 @@ class CompletionBatch(msgspec.Struct, array_like=True, gc=False):
 
 def decode_batch(payload: bytes) -> CompletionBatch:
     return msgspec.msgpack.decode(payload, type=CompletionBatch)
+
+
+def encode_prefix(hashes: Sequence[int]) -> str:
+    """The header value for a prompt's leading block hashes (at most MAX_PREFIX_HASHES)."""
+    head = hashes[:MAX_PREFIX_HASHES]
+    packed = struct.pack(f"<{len(head)}Q", *head)
+    return base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
+
+
+def decode_prefix(value: bytes | str) -> bytes:
+    """The packed hashes of a header value; ``b""`` for anything malformed or too long
+    (the engine echoes them unread, so it must not fail a request over them)."""
+    if not value or len(value) > MAX_PREFIX_HEADER_CHARS:
+        return b""
+    raw = value.encode("ascii", "replace") if isinstance(value, str) else value
+    try:
+        packed = base64.urlsafe_b64decode(raw + b"=" * (-len(raw) % 4))
+    except (binascii.Error, ValueError):
+        return b""
+    if len(packed) % 8 or len(packed) > MAX_PREFIX_HASHES * 8:
+        return b""
+    return packed
+
+
+def prefix_hashes(packed: bytes) -> list[int]:
+    """The hashes of a record's ``prefix`` (empty when its length is not whole hashes)."""
+    if len(packed) % 8 or len(packed) > MAX_PREFIX_HASHES * 8:
+        return []
+    return list(struct.unpack(f"<{len(packed) // 8}Q", packed))

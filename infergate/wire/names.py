@@ -27,3 +27,7 @@ PREFILL_HEADER = "x-prefiller-host-port"
 PRIORITY_HEADER = "x-infergate-priority"
 """The engine priority the EPP asks for: minus the InferenceObjective's priority (GIE: higher
 is more important; vLLM: lower runs first). A body's own ``priority`` takes precedence."""
+PREFIX_HEADER = "x-infergate-prefix"
+"""The prompt's approximate-prefix block hashes, set by the EPP that routed a request; the
+engine echoes them in its admission record so every EPP replica learns where the prefix
+went (:mod:`infergate.wire.completions`). Client copies are stripped by the bootstrap."""

@@ -348,3 +348,25 @@ def test_responses_sessions_land_on_their_holder_through_the_epp(
     missed = round(follow_ups * (1.0 - rr["follow_ups_on_holder"]))
     assert rr["failed"] == missed and rr["completed"] == 24 - missed
     assert "on holder" in result.stdout
+
+
+def test_bad_epp_replica_counts_are_refused(infergate_cli: list[str]) -> None:
+    word = _run(infergate_cli, "--epp-replicas", "1,four")
+    assert word.returncode == 2 and "'four' is not a whole number" in word.stderr
+    zero = _run(infergate_cli, "--epp-replicas", "0")
+    assert zero.returncode == 2 and "0 is not between 1 and 16" in zero.stderr
+
+
+def test_failures_before_an_engine_are_read_from_envoys_access_log(tmp_path: Path) -> None:
+    from infergate.bench.routing.lab import _failed_before_engine
+
+    log = tmp_path / "envoy.log"
+    log.write_text(
+        '[t] "POST /v1/completions" 200 - picked=a:1 upstream=a:1 duration_ms=5 upstream_ms=4\n'
+        '[t] "POST /v1/completions" 500 - picked=a:1 upstream=a:1 duration_ms=5 upstream_ms=-\n'
+        '[t] "POST /v1/completions" 500 UF picked=- upstream=- duration_ms=1 upstream_ms=-\n'
+        '[t] "POST /v1/completions" 0 DC picked=- upstream=- duration_ms=1 upstream_ms=-\n'
+        '[t] "POST /v1/completions" 429 - picked=- upstream=- duration_ms=1 upstream_ms=-\n'
+        "[2026] envoy log line without an access record\n"
+    )
+    assert _failed_before_engine(log) == 2

@@ -23,7 +23,15 @@ from infergate.engine.completion_events import (
 from infergate.engine.kv_events import bind_endpoint
 
 from infergate.procs import free_port
-from infergate.wire.completions import TOPIC, CompletionRecord, decode_batch
+from infergate.wire.completions import (
+    ADMITTED,
+    TOPIC,
+    CompletionRecord,
+    decode_batch,
+    encode_prefix,
+    prefix_hashes,
+)
+from infergate.wire.names import PREFIX_HEADER
 
 
 def test_n_choices_of_one_prompt_count_the_prompt_once() -> None:
@@ -92,6 +100,33 @@ def test_one_record_per_routed_request_with_its_usage_and_status(channel: Any) -
     assert (k1.status, k1.prompt_tokens, k1.completion_tokens, k1.cached_tokens) == (200, 7, 3, 5)
     assert k1.finished_at > 0
     assert records["k2"].status == 499  # the response never reached the client
+
+
+def test_an_admission_record_echoes_the_prefix_header_and_bad_ones_are_dropped(
+    channel: Any,
+) -> None:
+    publisher, sub = channel
+    app = CompletionReporter(_app, publisher)
+    hashes = [1, 2, 2**64 - 1]
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as client:
+            await asyncio.sleep(0.3)  # the SUB connects (PUB drops what nobody receives)
+            routed = {"x-infergate-request-id": "k1", PREFIX_HEADER: encode_prefix(hashes)}
+            assert (await client.get("/ok", headers=routed)).status_code == 200
+            for key, bad in (("k2", "not base64!"), ("k3", "QUJD"), ("k4", "A" * 5000)):
+                headers = {"x-infergate-request-id": key, PREFIX_HEADER: bad}
+                assert (await client.get("/ok", headers=headers)).status_code == 200
+            # Without the EPP's key no record at all, whatever the prefix header says.
+            await client.get("/unrouted", headers={PREFIX_HEADER: encode_prefix(hashes)})
+
+    asyncio.run(run())
+    records = _records(sub, 5)
+    admitted = [r for r in records if r.status == ADMITTED]
+    assert [(r.key, prefix_hashes(r.prefix)) for r in admitted] == [("k1", hashes)]
+    done = sorted((r.key, r.status, r.prefix) for r in records if r.status != ADMITTED)
+    assert done == [(k, 200, b"") for k in ("k1", "k2", "k3", "k4")]
 
 
 @pytest.mark.parametrize(

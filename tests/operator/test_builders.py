@@ -405,3 +405,28 @@ def test_policy_conditions() -> None:
     rewrite = {"kind": "InferenceModelRewrite", "spec": {"poolRef": {"name": "p", "kind": "Other"}}}
     cond = policy_condition(rewrite, True)
     assert (cond.type, cond.status, cond.reason) == ("Accepted", "False", "UnsupportedPoolRef")
+
+
+def test_standalone_envoy_with_replicas_dials_every_replica_through_a_headless_service() -> None:
+    pytest.importorskip("infergate.envoy.bootstrap")
+    pool = spec(**{c.ANNOTATION_STANDALONE_ENVOY: "true", c.ANNOTATION_EPP_REPLICAS: "3"})
+    objects = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in desired_objects(pool, SETTINGS, DEFAULT_EPP_CONFIG)
+    }
+    headless = objects[("Service", "qwen-pool-epp-replicas")]["spec"]
+    assert headless["clusterIP"] == "None" and headless["ports"][0]["port"] == 9002
+    assert objects[("Deployment", "qwen-pool-epp")]["spec"]["replicas"] == 3
+    bootstrap = yaml.safe_load(objects[("ConfigMap", "qwen-pool-epp-envoy")]["data"]["envoy.yaml"])
+    (epp,) = [cl for cl in bootstrap["static_resources"]["clusters"] if cl["name"] == "infergate_epp"]
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["address"]
+        for e in epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == ["127.0.0.1", "qwen-pool-epp-replicas.default.svc"]
+    assert epp["type"] == "STRICT_DNS" and "outlier_detection" in epp
+    # One replica: no headless Service, the sidecar dials its own EPP only.
+    single = desired_objects(
+        spec(**{c.ANNOTATION_STANDALONE_ENVOY: "true"}), SETTINGS, DEFAULT_EPP_CONFIG
+    )
+    assert [o for o in single if o["metadata"]["name"].endswith("-replicas")] == []

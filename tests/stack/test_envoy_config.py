@@ -51,6 +51,9 @@ def _ext_proc(config: dict) -> dict:
             "failure_mode_allow": True,
             "fallback_endpoints": [("127.0.0.1", 8000)],
         },
+        {"epp_replicas": [("127.0.0.1", 9012), ("127.0.0.1", 9022)]},
+        {"epp_tls": True, "epp_replicas": [("epp-replicas.default.svc", 9002)]},
+        {"response_accounting": "observer", "epp_replicas": [("127.0.0.1", 9012)]},
     ],
 )
 def test_real_envoy_accepts_the_config(kwargs: dict, tmp_path: Path, envoy_binary: Path) -> None:
@@ -244,3 +247,38 @@ def test_dead_epp_fail_open_serves_from_fallback_and_fail_close_refuses(
         )
         assert nopick.status_code == 503
         assert "no healthy upstream" in nopick.text
+
+
+def test_several_epp_replicas_are_one_cluster_that_routes_around_a_dead_one() -> None:
+    config = build_envoy_config(
+        EnvoyConfig(
+            listen_port=8081,
+            epp_address="127.0.0.1",
+            epp_port=9002,
+            epp_replicas=(("127.0.0.1", 9012), ("127.0.0.1", 9022)),
+            response_accounting="observer",
+        )
+    )
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    epp = clusters[EPP_CLUSTER]
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports == [9002, 9012, 9022]
+    assert epp["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    services = [
+        f["typed_config"]["grpc_service"]
+        for f in hcm["typed_config"]["http_filters"]
+        if "grpc_service" in f.get("typed_config", {})
+    ]
+    assert len(services) == 2  # the routing filter and the observer
+    assert all("connect-failure" in s["retry_policy"]["retry_on"] for s in services)
+    # One replica: neither (its behaviour is unchanged).
+    single = build_envoy_config(
+        EnvoyConfig(listen_port=8081, epp_address="127.0.0.1", epp_port=9002)
+    )
+    one = {c["name"]: c for c in single["static_resources"]["clusters"]}[EPP_CLUSTER]
+    assert "outlier_detection" not in one
+    assert "retry_policy" not in _ext_proc(single)["grpc_service"]

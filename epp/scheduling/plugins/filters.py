@@ -88,11 +88,9 @@ class HeaderBasedTestingFilter(Filter):
 
 
 def endpoint_load(state: EndpointState) -> int:
-    """Requests on an endpoint: the larger of what this EPP has in flight there and what
-    the engine last reported (running + waiting; it counts other routers' requests too,
-    the EPP's count covers those sent since the last report)."""
-    m = state.metrics
-    return max(state.in_flight_requests, m.running + m.waiting)
+    """Requests on an endpoint, whoever sent them (:meth:`EndpointState.load`: the
+    engine's last report corrected by this EPP's picks and finishes since)."""
+    return state.load()
 
 
 class BoundedLoadParams(BaseModel):

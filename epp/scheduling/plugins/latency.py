@@ -176,7 +176,8 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
                 free = prefix.free_tokens(e, model)
                 if free is not None and uncached > free:
                     ttft += (uncached - free) * cost.per_token * self.p.evictionPenalty * reuse
-            ttft += max(e.in_flight_requests, e.metrics.running) * self.p.decodeSecondsPerRequest
+            batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
+            ttft += batch * self.p.decodeSecondsPerRequest
             if stale(e, now):
                 ttft += STALE_PENALTY_S
             out.append((ttft, uncached))

@@ -27,6 +27,13 @@ Three things keep the index true to the engines rather than to a fixed guess:
   the engine's cache being LRU, so was every block last used before it. Those entries
   are dropped (a per-entry sequence number records when each was last used). Both
   numbers are exported as metrics, with a hit-prediction accuracy.
+
+Several EPP replicas keep one index each. So that a replica also knows the prefixes the
+others routed, the routing replica sends the request's block hashes to the engine in
+:data:`~infergate.wire.names.PREFIX_HEADER`; the engine publishes them in an admission
+record (:mod:`infergate.wire.completions`) and every other replica adds them for that
+engine (:meth:`PrefixCacheScorer.learn`), as if it had routed the request itself. The
+replicas must share the scorer's block size (one config), or the hashes do not match.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ from infergate.epp.types import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 
+from infergate.wire.completions import encode_prefix, prefix_hashes
+from infergate.wire.names import PREFIX_HEADER
+
 log = logging.getLogger("infergate.epp.prefix")
 
 #: GIE's characters per token, used only to size hash blocks (never for capacity).
@@ -81,6 +91,11 @@ class PrefixParams(BaseModel):
     )
     capacityStep: float = Field(
         0.02, ge=0, lt=1, description="Correction of that share per wrong hit prediction."
+    )
+    shareWithReplicas: bool = Field(
+        True,
+        description="Send the prompt's block hashes to the engine, which echoes them to "
+        "every EPP replica (off: a single replica saves the header and the record).",
     )
     autoTune: bool = True  # accepted for GIE compatibility; the block size stays fixed here
 
@@ -256,6 +271,9 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
         self.hit_blocks = 0
         self.total_blocks = 0
         self.dropped_stale = 0
+        #: Hashes learned from other replicas' routing (admission records).
+        self.learned_blocks = 0
+        self._datastore = context.datastore
         #: Per endpoint: the share of its reported KV cache the index models.
         self.capacity_scale: dict[str, float] = {}
 
@@ -343,6 +361,19 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
         cycle["prefix.hit_ratio"] = matched / len(hashes)
         cycle["prefix.hit_bytes"] = min(matched * self.block_chars, prediction_chars)
         self.index.add(primary.key, hashes)
+        if self.p.shareWithReplicas:
+            result.request_headers[PREFIX_HEADER] = encode_prefix(hashes)
+
+    def learn(self, endpoint_key: str, packed: bytes) -> int:
+        """Add the hashes another replica routed to ``endpoint_key`` (an admission record's
+        ``prefix``); returns how many. Unknown endpoints and malformed input add nothing."""
+        if self._datastore.get(endpoint_key) is None:
+            return 0
+        hashes = prefix_hashes(packed)[: self.max_blocks]
+        if hashes:
+            self.index.add(endpoint_key, hashes)
+            self.learned_blocks += len(hashes)
+        return len(hashes)
 
     def response_complete(
         self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo

@@ -14,6 +14,10 @@ means this machine could not keep the simulation faithful and the row is flagged
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
+import threading
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +59,14 @@ class LabSpec:
     # whose byte-level vocabulary makes about 1.2 characters per token where a real one
     # makes 4-6, so prompts of the same token length are 4-5x shorter in characters.
     model: Path | None = None
+    #: EPP replica counts each EPP router runs with (a row per count).
+    epp_replicas: Sequence[int] = (1,)
+    #: Seconds into a multi-replica run at which EPP replica 1 is SIGKILLed (None: never).
+    kill_epp_replica_at: float | None = None
+    #: Also run each multi-replica count as a control: the replicas all run (scraping,
+    #: subscribing) but Envoy dials only the first, so its row differs from the single
+    #: replica's by the extra replicas' CPU alone.
+    idle_control: bool = False
 
 
 @dataclass
@@ -81,6 +93,10 @@ class RunResult:
     #: The first few distinct errors the client saw (a failed row says why).
     errors: list[str] = field(default_factory=list)
     per_engine_requests: list[float] = field(default_factory=list)
+    epp_replicas: int = 1
+    #: Failed requests that never reached an engine (Envoy's access log: an error and no
+    #: upstream host); -1 when not counted (runs without a replica killed).
+    failed_before_engine: int = -1
 
     @property
     def lag_warning(self) -> bool:
@@ -104,7 +120,7 @@ def engine_count(workload: Workload, spec: LabSpec) -> int:
     return workload.engines or spec.engines
 
 
-def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
+def fleet_spec(workload: Workload, spec: LabSpec, epp_replicas: int = 1) -> StackSpec:
     engine_args: list[str] = [*workload.engine_args, *spec.sim_args]
     engines = engine_count(workload, spec)
     if workload.kv_blocks is not None:
@@ -114,25 +130,67 @@ def fleet_spec(workload: Workload, spec: LabSpec) -> StackSpec:
     return StackSpec.on_free_ports(
         engines=engines,
         model=spec.model,
-        access_log=False,
         engine_args=engine_args,
         per_engine_args=per_engine,
         lora=workload.lora,
         max_loras=workload.max_loras,
+        epp_replicas=epp_replicas,
+        # The access log tells failed requests that reached an engine from those that did not.
+        access_log=epp_replicas > 1 and spec.kill_epp_replica_at is not None,
     )
 
 
+def _failed_before_engine(envoy_log: Path) -> int:
+    """Requests Envoy answered with an error (or lost) without any upstream host."""
+    failed = 0
+    for line in envoy_log.read_text(errors="replace").splitlines():
+        match = _ACCESS_LINE.search(line)
+        if match and (int(match[1]) >= 500 or match[1] == "0") and match[2] == "-":
+            failed += 1
+    return failed
+
+
+_ACCESS_LINE = re.compile(r'" (\d{1,3}) .*\bupstream=(\S+)')
+
+
+def _killer(stack: LocalStack, after_s: float | None) -> threading.Timer | None:
+    """A timer that SIGKILLs EPP replica 1 ``after_s`` seconds from its start."""
+    if after_s is None or len(stack.epps) < 2 or stack.epps[1] is None:
+        return None
+    victim = stack.epps[1]
+
+    def kill() -> None:
+        if victim.alive():
+            os.kill(victim.pid, signal.SIGKILL)
+
+    return threading.Timer(after_s, kill)
+
+
 def run_one(
-    workload: Workload, router: Router, rate: float, spec: LabSpec, tokens: Tokens
+    workload: Workload,
+    router: Router,
+    rate: float,
+    spec: LabSpec,
+    tokens: Tokens,
+    epp_replicas: int = 1,
+    control: bool = False,
 ) -> RunResult:
-    """One router at one rate on a fresh fleet."""
-    result = RunResult(workload.name, router.name, rate)
+    """One router at one rate on a fresh fleet (an EPP router with ``epp_replicas``)."""
+    name = router.name if epp_replicas == 1 else f"{router.name} x{epp_replicas}"
+    if control:
+        name += " idle-control"
+    killing = epp_replicas > 1 and spec.kill_epp_replica_at is not None and not control
+    if killing:
+        name += f" kill@{spec.kill_epp_replica_at:g}s"
+    result = RunResult(workload.name, name, rate, epp_replicas=epp_replicas)
     n = spec.num_prompts or workload.num_prompts
     samples = workload.build(tokens, n, spec.seed)
     if spec.output_len is not None:
         for sample in samples:
             sample.output_len = spec.output_len
-    fleet = fleet_spec(workload, spec)
+    fleet = fleet_spec(workload, spec, epp_replicas)
+    if control:
+        fleet.envoy_epp_replicas = 1
     if router.kv_events:
         fleet.precise_prefix = True
         fleet.kv_events_ports = [free_port() for _ in range(engine_count(workload, spec))]
@@ -146,11 +204,19 @@ def run_one(
             return result
         metrics_urls = [f"{u}/metrics" for u in stack.engine_urls]
         before = [scrape_counters(u) for u in metrics_urls]
+        killer = _killer(stack, spec.kill_epp_replica_at) if killing else None
+        if killer is not None:
+            killer.start()
         report = asyncio.run(_drive(workload, samples, base_url, stack.model_name, rate, spec))
         after = [scrape_counters(u) for u in metrics_urls]
+        if killer is not None:
+            killer.cancel()
+            assert stack.workdir is not None
+            result.failed_before_engine = _failed_before_engine(stack.workdir / "envoy.log")
         if stack.epp is not None:  # keep what the EPP learned, for a person to read
             spec.output_dir.mkdir(parents=True, exist_ok=True)
-            name = f"epp-metrics-{workload.name}-{rate:g}-{router.name.replace(':', '_').replace('/', '_')}.txt"
+            safe = re.sub(r"[^A-Za-z0-9_.@-]+", "_", result.router)
+            name = f"epp-metrics-{workload.name}-{rate:g}-{safe}.txt"
             with urllib.request.urlopen(stack.epp_metrics_url, timeout=5.0) as response:
                 (spec.output_dir / name).write_bytes(response.read())
     finally:
@@ -203,6 +269,8 @@ def _fill(
 ) -> None:
     result.completed = int(report["completed"])
     result.failed = int(report.get("failed", 0))
+    distinct = dict.fromkeys(str(e) for e in report.get("errors", ()) if e)
+    result.errors = list(distinct)[:3]
     result.ttft_p50_ms = float(report["median_ttft_ms"])
     result.ttft_p90_ms = float(report["p90_ttft_ms"])
     result.ttft_p99_ms = float(report["p99_ttft_ms"])
@@ -255,7 +323,12 @@ def run_lab(
     for workload in workloads:
         for rate in rates.get(workload.name) or workload.rates:
             for router in routers:
-                row = run_one(workload, router, rate, spec, tokens)
-                results.append(row)
-                on_result(row)
+                counts = spec.epp_replicas if router.epp else (1,)
+                runs = [(n, False) for n in counts]
+                if router.epp and spec.idle_control:
+                    runs += [(n, True) for n in counts if n > 1]
+                for replicas, control in runs:
+                    row = run_one(workload, router, rate, spec, tokens, replicas, control)
+                    results.append(row)
+                    on_result(row)
     return results

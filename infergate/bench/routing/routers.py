@@ -45,6 +45,7 @@ class Router:
     description: str
     start: Callable[[LocalStack], str]  # starts it in the stack's process group; base URL
     kv_events: bool = False  # the engines must publish KV events (precise prefix routing)
+    epp: bool = False  # our EPP (it can run as several replicas: --epp-replicas)
 
 
 def _envoy_lb(policy: str) -> Callable[[LocalStack], str]:
@@ -168,22 +169,27 @@ ROUTERS: dict[str, Router] = {
         Router("round-robin", "Envoy ROUND_ROBIN", _envoy_lb("ROUND_ROBIN")),
         Router("least-request", "Envoy LEAST_REQUEST", _envoy_lb("LEAST_REQUEST")),
         Router("sglang-cache-aware", "sglang-router --policy cache_aware", _sglang),
-        Router("epp-gie", "infergate EPP, GIE's default profile", _epp("builtin:gie-default")),
+        Router(
+            "epp-gie", "infergate EPP, GIE's default profile", _epp("builtin:gie-default"), epp=True
+        ),
         Router(
             "epp-infergate",
             "infergate EPP, infergate's default profile",
             _epp("builtin:infergate-default"),
+            epp=True,
         ),
         Router(
             "epp-precise",
             "infergate EPP, default profile plus the engines' KV events (up --precise-prefix)",
             _epp("builtin:precise-prefix"),
             kv_events=True,
+            epp=True,
         ),
         Router(
             "epp-lora",
             "infergate EPP, builtin:lora (now a name for the default, which has LoRA affinity)",
             _epp("builtin:lora"),
+            epp=True,
         ),
         external_router(None),
     )
@@ -210,7 +216,7 @@ def resolve(
         if not path.startswith("builtin:") and not Path(path).is_file():
             raise ValueError(f"router {name!r}: no EndpointPickerConfig file at {path}")
         precise = path == "builtin:precise-prefix" or path == "builtin:gie-precise-prefix"
-        return Router(name, f"infergate EPP, {path}", _epp(path), kv_events=precise)
+        return Router(name, f"infergate EPP, {path}", _epp(path), kv_events=precise, epp=True)
     raise ValueError(
         f"unknown router {name!r}: choose from {', '.join(ROUTERS)} or epp:CONFIG.yaml"
     )
