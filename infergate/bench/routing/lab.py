@@ -269,8 +269,6 @@ def _fill(
 ) -> None:
     result.completed = int(report["completed"])
     result.failed = int(report.get("failed", 0))
-    distinct = dict.fromkeys(str(e) for e in report.get("errors", ()) if e)
-    result.errors = list(distinct)[:3]
     result.ttft_p50_ms = float(report["median_ttft_ms"])
     result.ttft_p90_ms = float(report["p90_ttft_ms"])
     result.ttft_p99_ms = float(report["p99_ttft_ms"])
