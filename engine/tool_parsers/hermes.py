@@ -23,7 +23,7 @@ class HermesToolParser(ToolParser):
         calls = []
         for body in _CALL.findall(text[start:]):
             try:
-                call = call_from_json(json.loads(body))
+                call = call_from_json(json.loads(body, strict=False))
             except json.JSONDecodeError:
                 call = None
             if call is None:

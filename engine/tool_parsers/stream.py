@@ -42,10 +42,12 @@ class ToolCallState:
         mode = self.plan.mode
         if mode == "named":
             assert self.plan.name is not None
-            return None, [ToolCall(self.plan.name, text)]
+            return None, [ToolCall(self.plan.name, _strict_json(text))]
         if mode == "required":
             try:
-                items = json.loads(text)
+                # strict=False: xgrammar's JSON string rule admits raw control characters,
+                # which strict JSON refuses; the arguments are re-serialized, escaped.
+                items = json.loads(text, strict=False)
             except json.JSONDecodeError:
                 items = _first_complete_item(text)  # the array was not closed
             calls = (
@@ -116,7 +118,19 @@ def _first_complete_item(text: str) -> list[Any] | None:
         return None
     rest = start[1:]
     try:
-        item, _ = json.JSONDecoder().raw_decode(rest, len(rest) - len(rest.lstrip()))
+        item, _ = json.JSONDecoder(strict=False).raw_decode(rest, len(rest) - len(rest.lstrip()))
     except json.JSONDecodeError:
         return None
     return [item]
+
+
+def _strict_json(text: str) -> str:
+    """`text` with raw control characters escaped when it holds any (xgrammar's string
+    rule admits them, clients' ``json.loads`` refuses them); otherwise unchanged, so the
+    whole answer's arguments equal the streamed ones."""
+    if not any(ord(c) < 0x20 for c in text):
+        return text
+    try:
+        return json.dumps(json.loads(text, strict=False), ensure_ascii=False)
+    except json.JSONDecodeError:  # cut by max_tokens: leave it as generated
+        return text

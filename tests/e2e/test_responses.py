@@ -95,7 +95,9 @@ def test_tools_and_json_schema_through_the_gateway(real_engine: LocalStack) -> N
     called = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER],
                                      tool_choice="required", parallel_tool_calls=False,
                                      max_output_tokens=160)  # fmt: skip
-    (call,) = [item for item in called.output if item.type == "function_call"]
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1, called.output
+    call = calls[0]
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
     answer = client.responses.create(
         model="tiny", previous_response_id=called.id, max_output_tokens=8,

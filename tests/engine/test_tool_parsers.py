@@ -44,7 +44,9 @@ def test_streamed_pieces_match_whole(parser: str, text: str, content: str | None
         streamed += c or ""
         deltas += d
     assert streamed.strip() == (content or "")
-    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == calls
+    assert [
+        (d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas
+    ] == calls
     assert [d["index"] for d in deltas] == list(range(len(calls)))
 
 
@@ -89,3 +91,15 @@ def test_required_with_parallel_calls_stops_at_the_first_complete_call_when_not_
     assert (streamed_content or None) == content
     functions = [d["function"] for d in streamed]
     assert [(f["name"], json.loads(f["arguments"])) for f in functions] == calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_raw_control_characters_in_forced_arguments_become_strict_json(choice: object) -> None:
+    """xgrammar's JSON string rule admits raw control characters (a random model writes
+    them); the call is still recognised and its arguments are JSON a strict client reads."""
+    plan = plan_tools(TOOLS, choice, False, True)
+    args = '{"city": "Pa\x1eris\x07"}'
+    text = f'[{{"name": "f", "parameters": {args}}}]' if choice == "required" else args
+    content, calls = ToolCallState(plan, None).split(text)
+    assert content is None and [c.name for c in calls] == ["f"]
+    assert json.loads(calls[0].arguments) == {"city": "Pa\x1eris\x07"}
