@@ -78,7 +78,7 @@ def real_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
             _STACKS.remove(running)
 
 
-WEATHER = {
+WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city.",

@@ -141,13 +141,15 @@ def test_infergates_defaults_name_fallbacks_for_every_envoy_retry() -> None:
     return the primary plus fallbacks: one endpoint per attempt Envoy makes, so a pick of
     an engine that died since its last scrape moves on to a live one (issue 27 item 9).
     An explicitly configured picker keeps GIE's default of one."""
-    import inspect
+    import dataclasses
 
     from infergate.epp.scheduling.plugins.pickers import DEFAULT_FALLBACK_ENDPOINTS
 
-    from infergate.envoy.bootstrap import build_envoy_config
+    from infergate.envoy.bootstrap import EnvoyConfig
 
-    retries = inspect.signature(build_envoy_config).parameters["fallback_retries"].default
+    (field,) = [f for f in dataclasses.fields(EnvoyConfig) if f.name == "fallback_retries"]
+    retries = field.default
+    assert isinstance(retries, int)
     assert retries + 1 == DEFAULT_FALLBACK_ENDPOINTS
     for name in ("infergate-default", "precise-prefix", "flow-control"):
         (profile,) = build(BUILTIN_CONFIGS[name]).profiles
