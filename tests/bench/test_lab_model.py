@@ -32,5 +32,6 @@ def test_a_real_tokenizer_writes_longer_text_per_token() -> None:
 
 def test_the_fleet_serves_the_lab_model() -> None:
     workload = WORKLOADS["tight-prefix"]
-    assert fleet_spec(workload, LabSpec(model=Path("smollm2"))).model == Path("smollm2")
+    spec = fleet_spec(workload, LabSpec(model=Path("smollm2")))
+    assert spec.model == Path("smollm2") and spec.simulate is True  # never the real weights
     assert fleet_spec(workload, LabSpec()).model is None

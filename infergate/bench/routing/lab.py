@@ -130,6 +130,7 @@ def fleet_spec(workload: Workload, spec: LabSpec, epp_replicas: int = 1) -> Stac
     return StackSpec.on_free_ports(
         engines=engines,
         model=spec.model,
+        simulate=True,  # a --model gives config and tokenizer; the lab never runs weights
         engine_args=engine_args,
         per_engine_args=per_engine,
         lora=workload.lora,
