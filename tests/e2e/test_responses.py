@@ -23,17 +23,24 @@ from infergate.wire.responses import route_tag_of
 from .conftest import _STACKS
 
 
-@pytest.fixture(scope="module")
-def one_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalStack]:
-    workdir = tmp_path_factory.mktemp("responses-stack")
+def _one_engine(
+    factory: pytest.TempPathFactory, tiny_model: Path, *, simulate: bool
+) -> Iterator[LocalStack]:
+    """One engine behind the real Envoy and EPP, registered for the e2e failure logs."""
+    workdir = factory.mktemp("responses-stack")
     spec = StackSpec.on_free_ports(engines=1, model=tiny_model, served_model_name="tiny",
-                                   simulate=True, workdir=workdir, start_timeout=180.0)  # fmt: skip
+                                   simulate=simulate, workdir=workdir, start_timeout=180.0)  # fmt: skip
     with LocalStack(spec) as running:
         _STACKS.append(running)
         try:
             yield running
         finally:
             _STACKS.remove(running)
+
+
+@pytest.fixture(scope="module")
+def one_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalStack]:
+    yield from _one_engine(tmp_path_factory, tiny_model, simulate=True)
 
 
 def _client(stack: LocalStack) -> openai.OpenAI:
@@ -67,15 +74,7 @@ def test_stream_through_the_gateway(one_engine: LocalStack) -> None:
 @pytest.fixture(scope="module")
 def real_engine(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[LocalStack]:
     """The tiny model really computed (grammars need logits; simulated mode has none)."""
-    workdir = tmp_path_factory.mktemp("responses-real-stack")
-    spec = StackSpec.on_free_ports(engines=1, model=tiny_model, served_model_name="tiny",
-                                   simulate=False, workdir=workdir, start_timeout=180.0)  # fmt: skip
-    with LocalStack(spec) as running:
-        _STACKS.append(running)
-        try:
-            yield running
-        finally:
-            _STACKS.remove(running)
+    yield from _one_engine(tmp_path_factory, tiny_model, simulate=False)
 
 
 WEATHER: Any = {

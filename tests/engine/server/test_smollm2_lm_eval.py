@@ -31,27 +31,14 @@ from infergate.engine.gguf_model import prepare_model_dir
 from infergate.procs import ProcessGroup
 
 from .conftest import API_KEY, MODEL, Server, _start
-from .test_lm_eval import lm_eval_python, samples
+from .test_lm_eval import MC_TASK, lm_eval_python, samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 DATA = Path(__file__).with_name("data") / "facts_mc.jsonl"
 TASK_NAME = "infergate_facts_mc"
-TASK = """
-task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
+# test_lm_eval.py's multiple-choice task under this task's name, scoring acc_norm too.
+TASK = MC_TASK.replace("task: infergate_tiny_mc", f"task: {TASK_NAME}") + "  - metric: acc_norm\n"
 ACC_POINTS = 0.01
 LOGLIK_ATOL = 1e-2
 
@@ -91,7 +78,7 @@ def test_engine_scores_like_lm_evals_hf_backend(
 ) -> None:
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "facts.yaml").write_text(TASK.format(name=TASK_NAME, data=DATA))
+    (tasks / "facts.yaml").write_text(TASK.format(data=DATA))
     tokenizer_dir = prepare_model_dir(smollm2_gguf, tmp_path / "tokenizer")
 
     engine_out, hf_out = tmp_path / "engine", tmp_path / "hf"
