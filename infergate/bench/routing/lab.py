@@ -298,15 +298,15 @@ def _fill(
 
 
 def tokenizer_dir(model: Path | None) -> Path:
-    """The directory holding ``tokenizer.json`` for the lab's model (see LabSpec.model)."""
+    """The directory holding ``tokenizer.json`` for the lab's model (see LabSpec.model):
+    fetched if it is a known name (the stack's resolution), then the directory the engines
+    themselves serve it from (``engine serve``'s, a GGUF's derived one included)."""
     if model is None:
         return ensure_tiny_model()
-    from infergate.engine.fetch import cache_dir
-    from infergate.engine.gguf_model import find_gguf, prepare_model_dir
+    from infergate.engine.serve import ServeOptions
+    from infergate.engine.serve import resolve_model as engine_model_dir
 
-    resolved = resolve_model(model)
-    gguf = find_gguf(resolved)
-    return resolved if gguf is None else prepare_model_dir(gguf, cache_dir())
+    return engine_model_dir(ServeOptions(model_dir=resolve_model(model)))
 
 
 def run_lab(
