@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
 import statistics
 import sys
 import time
+from typing import Any
 
 from infergate.epp.config import load_config
 from infergate.epp.datalayer.datastore import Datastore
@@ -102,15 +104,14 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def extproc(requests: int, endpoints: int) -> None:
-    import grpc
+@functools.cache
+def _stream_messages() -> tuple[Any, list[Any], Any, Any]:
+    """One ext-proc stream's messages: request headers, request bodies (one per stream,
+    cycled), response headers, and a response body carrying usage."""
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    from infergate.procs import ProcessGroup, free_port, tcp_ready
-
-    def hdrs(items: dict[str, str]) -> pb.HttpHeaders:
+    def hdrs(items: dict[str, str]) -> Any:
         values = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
         return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values))
 
@@ -124,6 +125,30 @@ async def extproc(requests: int, endpoints: int) -> None:
         pb.ProcessingRequest(request_body=pb.HttpBody(body=b, end_of_stream=True))
         for b in bodies(256)
     ]
+    return request_headers, payloads, response_headers, response_body
+
+
+async def run_stream(stub: Any, i: int) -> None:
+    """One whole ext-proc stream as Envoy drives it: headers and body (body i of the
+    cycle) for the pick, then the response headers and the usage-bearing body."""
+    request_headers, payloads, response_headers, response_body = _stream_messages()
+    call = stub.Process()
+    await call.write(request_headers)
+    await call.write(payloads[i % len(payloads)])
+    await call.read()
+    await call.read()
+    await call.write(response_headers)
+    await call.read()
+    await call.write(response_body)
+    await call.read()
+    await call.done_writing()
+
+
+async def extproc(requests: int, endpoints: int) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from infergate.procs import ProcessGroup, free_port, tcp_ready
 
     port = free_port()
     argv = [sys.executable, "-m", "infergate.cli", "epp", "--host", "127.0.0.1", "--grpc-port", str(port),
@@ -137,16 +162,7 @@ async def extproc(requests: int, endpoints: int) -> None:
             stub = pb_grpc.ExternalProcessorStub(channel)
 
             async def one(i: int) -> None:
-                call = stub.Process()
-                await call.write(request_headers)
-                await call.write(payloads[i % len(payloads)])
-                await call.read()
-                await call.read()
-                await call.write(response_headers)
-                await call.read()
-                await call.write(response_body)
-                await call.read()
-                await call.done_writing()
+                await run_stream(stub, i)
 
             for i in range(200):
                 await one(i)

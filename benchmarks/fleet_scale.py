@@ -40,7 +40,7 @@ from typing import Any
 from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 sys.path.insert(0, str(Path(__file__).parent))
-from epp_decision import _cpu_seconds, bodies
+from epp_decision import _cpu_seconds, run_stream
 
 
 def _age_histogram(metrics_port: int) -> dict[str, dict[float, float]]:
@@ -83,40 +83,15 @@ def _quantiles(before: dict[float, float], after: dict[float, float]) -> str:
 async def _drive(port: int, rate: float, seconds: float) -> list[float]:
     """Ext-proc streams at ``rate``/s (open loop) for ``seconds``; their latencies."""
     import grpc
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    def hdrs(items: dict[str, str]) -> pb.HttpHeaders:
-        values = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in items.items()]
-        return pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=values))
-
-    request_headers = pb.ProcessingRequest(
-        request_headers=hdrs({":method": "POST", ":path": "/v1/chat/completions"})
-    )
-    response_headers = pb.ProcessingRequest(response_headers=hdrs({":status": "200"}))
-    usage = b'{"usage":{"prompt_tokens":300,"completion_tokens":64}}'
-    response_body = pb.ProcessingRequest(response_body=pb.HttpBody(body=usage, end_of_stream=True))
-    payloads = [
-        pb.ProcessingRequest(request_body=pb.HttpBody(body=b, end_of_stream=True))
-        for b in bodies(256)
-    ]
     latencies: list[float] = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
 
         async def one(i: int) -> None:
             started = time.perf_counter()
-            call = stub.Process()
-            await call.write(request_headers)
-            await call.write(payloads[i % len(payloads)])
-            await call.read()
-            await call.read()
-            await call.write(response_headers)
-            await call.read()
-            await call.write(response_body)
-            await call.read()
-            await call.done_writing()
+            await run_stream(stub, i)
             latencies.append(time.perf_counter() - started)
 
         tasks = []
