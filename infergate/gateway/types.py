@@ -56,6 +56,11 @@ class ClusterObjects:
     services: tuple[Obj, ...] = ()
     pods: tuple[Obj, ...] = ()
     namespaces: tuple[Obj, ...] = ()
+    #: What the operator knows of each Gateway's proxies, for status: the addresses its
+    #: Service exposes, and whether its Deployment is available and its Envoy acked the
+    #: current snapshot (then the Gateway is Programmed).
+    gateway_addresses: Mapping[Key, tuple[str, ...]] = field(default_factory=dict)
+    gateway_programmed: Mapping[Key, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
