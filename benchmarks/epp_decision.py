@@ -53,8 +53,12 @@ def build(n: int) -> Director:
     saturation = SaturationDetector(5, 0.8, 2.0)
     metrics = EppMetrics(datastore, saturation)
     context = PluginContext(datastore, saturation, {"metrics": metrics})
-    scheduler = Scheduler.from_config(load_config(None), context, metrics.plugin_timer)
+    scheduler = Scheduler.from_config(load_config(CONFIG), context, metrics.plugin_timer)
     return Director(datastore, scheduler, saturation, ObjectiveStore(), metrics)
+
+
+#: EndpointPickerConfig file to run (``--config``); None: the built-in default profile.
+CONFIG: str | None = None
 
 
 def bodies(count: int, groups: int = 32) -> list[bytes]:
@@ -199,7 +203,12 @@ def main() -> None:
     parser.add_argument("--sizes", default="8,64,256")
     parser.add_argument("--extproc", action="store_true", help="drive a real EPP over gRPC")
     parser.add_argument("--endpoints", type=int, default=8, help="pool size for --extproc")
+    parser.add_argument(
+        "--config", help="EndpointPickerConfig file (default: the built-in default)"
+    )
     args = parser.parse_args()
+    global CONFIG
+    CONFIG = args.config
     random.seed(0)
     if args.extproc:
         asyncio.run(extproc(args.requests, args.endpoints))

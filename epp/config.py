@@ -128,12 +128,16 @@ schedulingProfiles:
 #: runs first: a Responses turn that names ``previous_response_id`` goes to the engine
 #: holding it (another engine's store cannot answer it), whatever its load. The picker
 #: names up to 4 endpoints, best first: the rest are the gateway's fallbacks when the best
-#: one refuses the connection (an engine killed since its last scrape).
+#: one refuses the connection (an engine killed since its last scrape). On pools of more
+#: than 64 endpoints the candidate-sampling filter keeps the prefix and adapter holders
+#: plus 32 random others (power of d choices), so a decision's cost does not grow with
+#: the pool; smaller pools are kept whole.
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
 plugins:
 - type: response-affinity-filter
+- type: candidate-sampling-filter
 - type: bounded-load-filter
 - type: prefix-cache-scorer
 - type: predicted-latency-scorer
@@ -144,6 +148,7 @@ schedulingProfiles:
 - name: default
   plugins:
   - pluginRef: response-affinity-filter
+  - pluginRef: candidate-sampling-filter
   - pluginRef: bounded-load-filter
   - pluginRef: predicted-latency-scorer
     weight: 1

@@ -33,6 +33,7 @@ def test_default_profile_is_predicted_latency_fed_by_the_prefix_index() -> None:
     assert weights == {"predicted-latency-scorer": 1, "lora-affinity-scorer": 2}
     assert [f.type_name for f in profile.filters] == [
         "response-affinity-filter",
+        "candidate-sampling-filter",
         "bounded-load-filter",
     ]
     # The prefix index is in no profile but still runs its lifecycle hooks.

@@ -129,16 +129,17 @@ def test_index_capacity_follows_the_engine_and_drops_older_entries() -> None:
 
 
 async def test_prefix_index_sized_from_cache_config_and_learned_chars_per_token() -> None:
+    """An endpoint's index capacity follows its reported cache where it is read (its free
+    room scored), not in a pass over the pool on every request."""
     states = fleet(1, blocks=100)  # 1,600 tokens
     ctx = context(states)
     prefix = plugin("prefix-cache-scorer", ctx)  # 64-character blocks
-    cycle = CycleState()
-    await prefix.prepare(cycle, InferenceRequest("r", {}, prompt_text="x" * 640), states)
-    # 4 chars/token until calibrated: 1,600 tokens × 4 / 64 = 100 blocks.
+    # 4 chars/token until calibrated: 1,600 tokens × 4 / 64 = 100 blocks, all free.
+    assert prefix.free_tokens(states[0], "") == prefix.tokens_for_blocks("", 100)
     assert prefix.index.capacity_of(states[0].key) == 100
     for _ in range(30):
         ctx.calibration.observe("", 1600, 1000)  # 1.6 chars/token
-    await prefix.prepare(cycle, InferenceRequest("r", {}, prompt_text="x" * 640), states)
+    prefix.free_tokens(states[0], "")
     assert prefix.index.capacity_of(states[0].key) == 40
 
 

@@ -12,6 +12,7 @@ from infergate.epp.scheduling.plugins import (  # noqa: F401  (imported for regi
     profile_handlers,
     response_affinity,
     roles,
+    sampling,
     scorers,
     testing,
 )

@@ -291,11 +291,21 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
         chars = tokens * self.calibration.chars_per_token(model) * scale
         return max(1, int(chars // self.block_chars))
 
+    def refresh_capacity(self, state: EndpointState, model: str) -> None:
+        """Bound ``state``'s index LRU by what its engine reports now. Done where an
+        endpoint's capacity is read (its free room is scored, or a prefix is added to it),
+        not for the whole pool on every request: that pass would cost O(pool) per
+        decision."""
+        capacity = self.capacity_blocks(state, model)
+        if capacity is not None:
+            self.index.set_capacity(state.key, capacity)
+
     def free_tokens(self, state: EndpointState, model: str) -> float | None:
         """Tokens of ``state``'s cache the index believes hold no routed prefix (None:
         the engine reports no capacity)."""
         if state.metrics.capacity_tokens <= 0:
             return None
+        self.refresh_capacity(state, model)
         free_blocks = self.index.capacity_of(state.key) - self.index.size(state.key)
         return self.tokens_for_blocks(model, max(0, free_blocks))
 
@@ -308,10 +318,6 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
     ) -> None:
         data = prompt_bytes(request)
         model = request.target_model or request.model
-        for state in endpoints:
-            capacity = self.capacity_blocks(state, model)
-            if capacity is not None:
-                self.index.set_capacity(state.key, capacity)
         hashes = block_hashes(model, request.cache_salt, data, self.block_chars, self.max_blocks)
         matches = self.index.match(hashes) if hashes else {}
         cycle["prefix.chars"] = len(data)
@@ -360,6 +366,7 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
         self.hit_blocks += matched
         cycle["prefix.hit_ratio"] = matched / len(hashes)
         cycle["prefix.hit_bytes"] = min(matched * self.block_chars, prediction_chars)
+        self.refresh_capacity(primary, request.target_model or request.model)
         self.index.add(primary.key, hashes)
         if self.p.shareWithReplicas:
             result.request_headers[PREFIX_HEADER] = encode_prefix(hashes)
