@@ -4,8 +4,8 @@
 operator calls it on every change with everything it watches, publishes the snapshots
 on the ADS server and writes the statuses. It implements Gateway API v1 (standard
 channel: GatewayClass, Gateway with HTTP listeners, HTTPRoute, ReferenceGrant) with
-InferencePool (GIE v1) and core Service backends; see docs/gateway.md for what is
-covered. Bad input becomes status conditions, never an exception, and a request is never
+InferencePool (GIE v1) and core Service backends; the modules beside this one say what
+each part covers. Bad input becomes status conditions, never an exception, and a request is never
 sent to a pool its route did not name.
 
 Output conventions:
