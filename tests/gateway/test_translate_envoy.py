@@ -256,7 +256,7 @@ def test_real_envoy_validates_routes_and_endpoints(
 
 class _Echo(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        host, port = self.server.server_address[:2]
+        host, port = self.connection.getsockname()[:2]
         body = json.dumps(
             {"server": f"{host}:{port}", "path": self.path, "headers": dict(self.headers)}
         ).encode()
