@@ -62,7 +62,7 @@ from gateway_objects import (
 )
 from google.protobuf.json_format import ParseDict
 
-from infergate.envoy.process import start_envoy, validate_config, write_config
+from infergate.envoy.process import start_envoy, validate_config
 from infergate.gateway.static import static_bootstrap
 from infergate.gateway.translate import TranslateOptions, translate
 from infergate.gateway.types import (
@@ -241,14 +241,16 @@ def test_real_envoy_validates_the_ads_view(
             "clusters": [*rich_snapshot.resources[CLUSTER_TYPE], xds],
         },
     }
-    validate_config(write_config(config, tmp_path / "ads.yaml"), envoy=envoy_binary)
+    (tmp_path / "ads.json").write_text(json.dumps(config))
+    validate_config(tmp_path / "ads.json", envoy=envoy_binary)
 
 
 def test_real_envoy_validates_routes_and_endpoints(
     rich_snapshot: Snapshot, tmp_path: Path, envoy_binary: Path
 ) -> None:
     config = static_bootstrap(rich_snapshot, "infra/gw")
-    validate_config(write_config(config, tmp_path / "static.yaml"), envoy=envoy_binary)
+    (tmp_path / "static.json").write_text(json.dumps(config))
+    validate_config(tmp_path / "static.json", envoy=envoy_binary)
 
 
 # --- Envoy serving a translation ----------------------------------------------------
