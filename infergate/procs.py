@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ReadyCheck = Callable[[], bool]
 
@@ -69,11 +70,23 @@ def http_ready(url: str, expect_status: int = 200) -> ReadyCheck:
     return check
 
 
+def _load_prctl() -> Any:
+    """libc's ``prctl``, resolved once in the parent: loading a library (``dlopen``,
+    which takes the allocator's locks) in a child forked from a process with threads (a
+    gRPC server, say) can deadlock or crash it before it reaches ``exec``."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl() if sys.platform == "linux" else None
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """Ask Linux to SIGTERM this child if the parent dies, so nothing is left behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(eq=False)
@@ -103,7 +116,7 @@ class ManagedProcess:
                 env=env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
         _LIVE.add(self)
         return self
