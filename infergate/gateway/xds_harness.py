@@ -68,7 +68,13 @@ class SseBackend:
 
 class _QuietServer(ThreadingHTTPServer):
     """A client that hangs up mid-stream (a cut stream, what the tests look for) is
-    not an error of the backend: no traceback on stderr."""
+    not an error of the backend: no traceback on stderr.
+
+    A listen backlog like a real server's: a cluster Envoy re-creates opens all its
+    connections at once, and socketserver's default of 5 would drop SYNs (each then
+    costing a 1 s retransmit) and blame the config change for a backend limit."""
+
+    request_queue_size = 1024
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass
@@ -77,6 +83,9 @@ class _QuietServer(ThreadingHTTPServer):
 def _handler(name: str, gate: threading.Event) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in separate writes: with Nagle on, the body would wait
+        # for the proxy's delayed ACK (~40 ms) and every answer would look that slow.
+        disable_nagle_algorithm = True
 
         def do_GET(self) -> None:
             url = urlsplit(self.path)
