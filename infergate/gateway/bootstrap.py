@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infergate.gateway.static import runtime_layer
 from infergate.gateway.xds import BIND_ADDRESS_KEY
 
 XDS_CLUSTER = "infergate_xds"
@@ -125,6 +126,9 @@ def build_gateway_bootstrap(proxy: GatewayProxy) -> dict[str, Any]:
         },
         "static_resources": {"clusters": [_xds_cluster(proxy)]},
         "overload_manager": _overload_manager(proxy.max_downstream_connections),
+        # The translator's regexes may exceed Envoy's default RE2 program-size limit (100),
+        # which would reject a whole route table; it bounds them itself (static.py).
+        "layered_runtime": runtime_layer(),
     }
     admin = _admin(proxy)
     if admin is not None:
