@@ -51,9 +51,39 @@ def test_echo_reports_identity_rank_and_body(processes: ProcessGroup) -> None:
         )
         assert body["bodyBytes"] == len(b'{"model": "m-1", "prompt": "hi"}')
         assert body["headers"]["X-Test"] == ["a"]
-        other = client.delete(f"http://127.0.0.1:{ports[0]}/anything")
+        other = client.delete(
+            f"http://127.0.0.1:{ports[0]}/anything",
+            headers={"X-Echo-Set-Header": "x-conformance-test-served-endpoint:10.1.2.3:3000"},
+        )
         assert other.status_code == 200 and other.json()["httpPort"] == str(ports[0])
-        assert other.json()["model"] is None
+        assert other.json()["model"] is None and other.json()["proto"] == "HTTP/1.1"
+        # echo-basic's contract: the request names response headers to set
+        assert other.headers["x-conformance-test-served-endpoint"] == "10.1.2.3:3000"
+
+
+def test_echo_serves_h2c_with_prior_knowledge_and_refuses_http1(processes: ProcessGroup) -> None:
+    """The h2c port (InferencePoolAppProtocol's backend) speaks HTTP/2 without TLS and
+    says so in ``proto``; an HTTP/1.1 request there is refused, as echo-basic does."""
+    http_port, h2c_port = free_port(), free_port()
+    argv = [sys.executable, str(ECHO_SERVER), "--host", "127.0.0.1", "--pod-name", "echo-h2"]
+    env = dict(os.environ, HTTP_PORT=str(http_port), H2C_PORT=str(h2c_port))
+    processes.start("echo-h2c", argv, env=env, ready=tcp_ready("127.0.0.1", h2c_port))
+    with httpx.Client(http1=False, http2=True) as h2c:
+        for _ in range(2):  # two streams on one connection
+            reply = h2c.post(
+                f"http://127.0.0.1:{h2c_port}/v1/completions",
+                json={"model": "m-2", "prompt": "x" * 100_000},
+                headers={"X-Echo-Set-Header": "a:1,a:2"},
+            )
+            assert reply.http_version == "HTTP/2" and reply.status_code == 200
+            body = reply.json()
+            assert (body["proto"], body["pod"], body["model"]) == ("HTTP/2.0", "echo-h2", "m-2")
+            assert body["httpPort"] == str(h2c_port) and body["path"] == "/v1/completions"
+            assert reply.headers["a"] == "1,2"
+    refused = httpx.post(f"http://127.0.0.1:{h2c_port}/", json={})
+    assert refused.status_code == 400 and refused.text == "Expected h2c request"
+    plain = httpx.get(f"http://127.0.0.1:{http_port}/")
+    assert plain.status_code == 200 and plain.json()["proto"] == "HTTP/1.1"
 
 
 def test_weighted_front_config_is_valid_envoy(tmp_path: Path) -> None:
