@@ -240,7 +240,8 @@ class H2cConnection:
         text = b"Expected h2c request"
         self.sock.sendall(
             b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
-            + f"Content-Length: {len(text)}\r\n\r\n".encode() + text
+            + f"Content-Length: {len(text)}\r\n\r\n".encode()
+            + text
         )
 
     def _receive(self, data: bytes) -> bool:
@@ -255,9 +256,7 @@ class H2cConnection:
                 stream = self.streams.get(event.stream_id)
                 if stream is not None:
                     stream.body += event.data or b""
-                self.conn.acknowledge_received_data(
-                    event.flow_controlled_length, event.stream_id
-                )
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             elif isinstance(event, h2.events.StreamEnded):
                 self._answer(event.stream_id)
             elif isinstance(event, h2.events.WindowUpdated):
@@ -372,7 +371,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     h2c_ports = _ports(args.h2c_port, "H2C_PORT", "")
     pod_ip = args.pod_ip or (args.host if args.host not in ("0.0.0.0", "::") else "")
     try:
-        servers = serve(args.host, ports, Identity(args.pod_name, args.namespace, pod_ip), h2c_ports)
+        servers = serve(
+            args.host, ports, Identity(args.pod_name, args.namespace, pod_ip), h2c_ports
+        )
     except (OSError, ImportError) as error:
         print(f"echo: cannot serve on {args.host}:{ports}+h2c{h2c_ports}: {error}", file=sys.stderr)
         raise SystemExit(1) from None
