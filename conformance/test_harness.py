@@ -1,5 +1,5 @@
 """Tests of the suite's own parts (not conformance tests: no report entry): the echo
-backend, the weighted front listener, the report, and kind.sh's tool checks."""
+backend, the pod runtime's rewrites, the report, and kind.sh's tool checks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,20 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from conformance.drivers.local import ECHO_SERVER, weighted_front_config
-from conformance.report import FAILED, PASSED, SKIPPED, build_report
-from infergate.envoy.process import validate_config, write_config
+from conformance.drivers.runtime import (
+    ECHO_SERVER,
+    PodRuntime,
+    container_env,
+    container_kind,
+    expand,
+    rewrite_bootstrap,
+)
+from conformance.report import FAILED, GIE_TESTS, PASSED, SKIPPED, build_report
 from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 KIND_SH = Path(__file__).resolve().parent / "kind.sh"
@@ -86,33 +93,101 @@ def test_echo_serves_h2c_with_prior_knowledge_and_refuses_http1(processes: Proce
     assert plain.status_code == 200 and plain.json()["proto"] == "HTTP/1.1"
 
 
-def test_weighted_front_config_is_valid_envoy(tmp_path: Path) -> None:
-    config = weighted_front_config(
-        listen_port=18080, admin_port=18081, backends=[("pool_a", 18001, 70), ("pool_b", 18002, 30)]
-    )
-    validate_config(write_config(config, tmp_path / "front.yaml"))
+def test_runtime_fills_env_and_args_as_the_kubelet_does() -> None:
+    pod = {
+        "metadata": {"name": "p-1", "namespace": "ns", "uid": "u"},
+        "spec": {"serviceAccountName": "sa"},
+        "status": {"podIP": "127.9.9.4"},
+    }
+    container = {
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "WHERE", "value": "$(POD_IP):80"},
+            {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ]
+    }
+    env = container_env(pod, container)
+    assert env == {"POD_IP": "127.9.9.4", "WHERE": "127.9.9.4:80", "NS": "ns"}
+    assert expand("--ip=$(POD_IP) $(UNSET) $$(POD_IP)", env) == "--ip=127.9.9.4 $(UNSET) $(POD_IP)"
+    assert [container_kind(i) for i in ("infergate/conformance-echo:dev",
+            "ghcr.io/infergate/epp:conformance", "docker.io/envoyproxy/envoy:v1.33", "busybox")] == [
+        "echo", "epp", "envoy", None]  # fmt: skip
+    mounts = {"/config": Path("/tmp/x/config")}
+    assert PodRuntime._mounted("/config/config.yaml", mounts) == "/tmp/x/config/config.yaml"
+    assert PodRuntime._mounted("/configs", mounts) == "/configs"
 
 
-def test_report_merges_parts_and_never_hides_failures() -> None:
-    report = build_report(
-        {
-            "A": [PASSED, PASSED],
-            "B": [PASSED, SKIPPED],
-            "C": [SKIPPED],
-            "D": [PASSED, FAILED],
+def test_runtime_points_only_the_ads_cluster_and_local_binds_elsewhere() -> None:
+    """Listeners, routes and clusters stay the operator's: only what cluster DNS (the xDS
+    Service) and the pod's network namespace (wildcard/loopback binds) provide changes."""
+
+    def sock(host: str, port: int) -> dict[str, Any]:
+        return {"socket_address": {"address": host, "port_value": port}}
+
+    bootstrap: dict[str, Any] = {
+        "node": {"id": "ns/gw", "metadata": {"infergate.io/bind-address": "127.9.9.4"}},
+        "admin": {"address": sock("0.0.0.0", 19000)},
+        "dynamic_resources": {
+            "ads_config": {"api_type": "GRPC", "grpc_services": [{"envoy_grpc": {"cluster_name": "xds"}}]},
+            "lds_config": {"ads": {}}, "cds_config": {"ads": {}},
         },
-        mode="local",
+        "static_resources": {
+            "listeners": [{"name": "ready", "address": sock("127.0.0.1", 19001)}],
+            "clusters": [
+                {"name": "xds", "type": "STRICT_DNS", "dns_lookup_family": "V4_ONLY",
+                 "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [
+                     {"endpoint": {"address": sock("infergate-xds.infergate-system.svc", 18000)}}]}]}},
+                {"name": "other", "type": "STATIC", "load_assignment": {"cluster_name": "other",
+                 "endpoints": [{"lb_endpoints": [{"endpoint": {"address": sock("127.0.0.1", 1)}}]}]}},
+            ],
+        },
+    }  # fmt: skip
+    out = rewrite_bootstrap(bootstrap, "127.9.9.4", ("127.0.0.1", 41000))
+    xds, other = out["static_resources"]["clusters"]
+    assert xds["type"] == "STATIC" and "dns_lookup_family" not in xds
+    endpoint = xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"] == sock("127.0.0.1", 41000)
+    assert other == bootstrap["static_resources"]["clusters"][1]
+    assert out["admin"]["address"] == sock("127.9.9.4", 19000)
+    assert out["static_resources"]["listeners"][0]["address"] == sock("127.9.9.4", 19001)
+    assert (
+        out["node"] == bootstrap["node"]
+        and out["dynamic_resources"] == bootstrap["dynamic_resources"]
+    )
+    assert bootstrap["admin"]["address"] == sock("0.0.0.0", 19000)  # the input is untouched
+
+
+def test_report_counts_every_gie_test_and_never_hides_failures() -> None:
+    """GIE's format and wording; a GIE test that did not run counts as skipped, parts of
+    one test merge (any failure fails it), infergate's own tests stay out."""
+    outcomes = {name: [PASSED] for name in GIE_TESTS[2:]}
+    outcomes |= {
+        GIE_TESTS[2]: [PASSED, FAILED],
+        GIE_TESTS[3]: [SKIPPED],
+        "EppUnAvailableFailClose": [FAILED],
+    }
+    report = build_report(
+        outcomes,
         root=Path(__file__).resolve().parents[1],
-        gateway="test",
         date=datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
     )
     assert report["kind"] == "ConformanceReport" and report["date"] == "2026-01-02T03:04:05Z"
+    assert report["GatewayAPIInferenceExtensionVersion"] == "v1.6.0"
+    assert report["mode"] == "default"
     (profile,) = report["profiles"]
     assert profile["name"] == "Gateway"
-    assert profile["core"]["statistics"] == {"Failed": 1, "Passed": 2, "Skipped": 1}
-    assert profile["core"]["result"] == "failure"
-    assert profile["core"]["failedTests"] == ["D"]
-    assert profile["core"]["skippedTests"] == ["C"]
+    core = profile["core"]
+    assert core["statistics"] == {"Failed": 1, "Passed": 10, "Skipped": 3}
+    assert core["result"] == "failure"
+    assert core["failedTests"] == [GIE_TESTS[2]]
+    assert core["skippedTests"] == sorted([GIE_TESTS[0], GIE_TESTS[1], GIE_TESTS[3]])
+    assert profile["summary"] == "Core tests failed with 1 test failures."
+    passing = build_report({name: [PASSED] for name in GIE_TESTS}, root=Path("."))
+    assert passing["profiles"][0]["core"] == {
+        "result": "success",
+        "statistics": {"Failed": 0, "Passed": 14, "Skipped": 0},
+    }
+    assert passing["profiles"][0]["summary"] == "Core tests succeeded."
 
 
 def _kind_sh(
@@ -140,7 +215,7 @@ def _kind_sh(
 @pytest.mark.parametrize(
     ("present", "missing"),
     [((), "docker"), (("docker",), "kind"), (("docker", "kind"), "kubectl"),
-     (("docker", "kind", "kubectl"), "helm"), (("docker", "kind", "kubectl", "helm"), "istioctl")],
+     (("docker", "kind", "kubectl"), "helm")],
 )  # fmt: skip
 def test_kind_driver_names_the_missing_tool(
     tmp_path: Path, present: tuple[str, ...], missing: str
@@ -163,7 +238,7 @@ def test_kind_driver_steps_in_order_and_always_deletes_the_cluster(tmp_path: Pat
     collects. The script must make each call in order and delete the cluster at the end."""
     calls = tmp_path / "calls.log"
     record = f'echo "$(basename "$0") $*" >> {calls}; exit 0'
-    stubs = {tool: record for tool in ("docker", "kind", "kubectl", "helm", "istioctl")}
+    stubs = {tool: record for tool in ("docker", "kind", "kubectl", "helm")}
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("grep", "mkdir", "rm", "basename"):
@@ -179,9 +254,7 @@ def test_kind_driver_steps_in_order_and_always_deletes_the_cluster(tmp_path: Pat
         "docker build -f docker/epp.Dockerfile -t ghcr.io/infergate/epp:conformance .",
         "docker build -t infergate/conformance-echo:dev conformance/echo",
         "kind load docker-image infergate/conformance-echo:dev --name infergate-conformance",
-        "kubectl apply --server-side -f https://github.com/kubernetes-sigs/gateway-api/releases/download/v1.5.1/standard-install.yaml",
         "helm install infergate charts/infergate",
-        "istioctl install -y --set profile=minimal",
         "kind delete cluster --name infergate-conformance",
     ]
     position = 0
