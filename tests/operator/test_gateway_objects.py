@@ -149,7 +149,7 @@ def test_service_type_annotation_and_infrastructure_metadata() -> None:
 
 def test_addresses_and_availability_read_from_the_live_objects() -> None:
     assert gateway_addresses(None) == ()
-    service = {"spec": {"clusterIP": "10.96.0.7", "clusterIPs": ["10.96.0.7"]}}
+    service: Obj = {"spec": {"clusterIP": "10.96.0.7", "clusterIPs": ["10.96.0.7"]}}
     assert gateway_addresses(service) == ("10.96.0.7",)
     service["status"] = {
         "loadBalancer": {"ingress": [{"ip": "203.0.113.9"}, {"hostname": "lb.example"}]}
@@ -200,17 +200,17 @@ def test_transition_time_moves_only_when_status_flips() -> None:
 
 
 def test_parents_keep_other_controllers_entries_and_replace_ours() -> None:
-    other_gw = {
+    other_gw: Obj = {
         "parentRef": {"name": "theirs"},
         "controllerName": "example.com/gw",
         "conditions": [],
     }
-    standalone = {
+    standalone: Obj = {
         "parentRef": dict(c.OPERATOR_PARENT_REF),
         "controllerName": c.CONTROLLER_NAME,
         "conditions": [],
     }
-    stale = {
+    stale: Obj = {
         "parentRef": {"name": "gone", "namespace": "ns"},
         "controllerName": GATEWAY_CONTROLLER_NAME,
         "conditions": [],
@@ -220,7 +220,7 @@ def test_parents_keep_other_controllers_entries_and_replace_ours() -> None:
         "controllerName": GATEWAY_CONTROLLER_NAME,
         "conditions": [cond("Accepted", "True", since="t0")],
     }  # fmt: skip
-    live = [standalone, other_gw, stale, ours_before]
+    live: list[Obj] = [standalone, other_gw, stale, ours_before]
     wanted = [{"parentRef": {"name": "gw"}, "conditions": [cond("Accepted", "True")]}]
     merged = gs.merge_parents(live, wanted, "ns", "t1")
     assert merged[:2] == [standalone, other_gw]
@@ -352,9 +352,9 @@ def test_a_status_conflict_asks_for_another_pass() -> None:
 @pytest.mark.parametrize("kind", ["HTTPRoute", c.POOL_KIND])
 def test_route_and_pool_parents_written_only_with_something_of_ours(kind: str) -> None:
     kube = RecordingKube()
-    obj = {"kind": kind, "metadata": {"name": "x", "namespace": "ns", "resourceVersion": "1"}, "status": {"parents": [{"parentRef": {"name": "o"}, "controllerName": "example.com/gw", "conditions": []}]}}  # fmt: skip
+    obj: Obj = {"kind": kind, "metadata": {"name": "x", "namespace": "ns", "resourceVersion": "1"}, "status": {"parents": [{"parentRef": {"name": "o"}, "controllerName": "example.com/gw", "conditions": []}]}}  # fmt: skip
     field = "http_routes" if kind == "HTTPRoute" else "inference_pools"
-    objects = ClusterObjects(**{field: (obj,)})
+    objects = ClusterObjects(**{field: (obj,)})  # type: ignore[arg-type]
     assert not _sync(kube).sync(objects, Translation(), {})
     parents = {
         ("ns", "x"): [{"parentRef": {"name": "gw"}, "conditions": [cond("Accepted", "True")]}]
