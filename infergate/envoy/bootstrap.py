@@ -65,6 +65,7 @@ __all__ = [
     "DESTINATION_HEADER",
     "EPP_CLUSTER",
     "EPP_HEALTH_SERVICE",
+    "EPP_STREAM_RETRY",
     "FALLBACK_CLUSTER",
     "LB_METADATA_NAMESPACE",
     "PICKED_HEADER",
@@ -76,7 +77,21 @@ __all__ = [
     "UPSTREAM_HOST_HEADER",
     "EnvoyConfig",
     "build_envoy_config",
+    "circuit_breakers",
+    "duration",
+    "engine_protocol_options",
+    "epp_health_checks",
+    "epp_tls_transport_socket",
+    "ext_proc_filter",
+    "fallback_retry_policy",
+    "grpc_protocol_options",
+    "header_value_option",
+    "is_ip",
+    "override_host_policy",
     "render_envoy_yaml",
+    "served_to_metadata_filter",
+    "socket_address",
+    "strip_client_headers_filter",
 ]
 
 RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
@@ -114,20 +129,20 @@ _ACCESS_LOG_FORMAT = (
 )
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """Envoy's JSON duration: a decimal number of seconds with an ``s`` suffix."""
     if seconds < 0:
         raise ValueError(f"durations must be >= 0, got {seconds}")
     return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
 
 
-def _socket(address: str, port: int) -> dict[str, Any]:
+def socket_address(address: str, port: int) -> dict[str, Any]:
     if not 0 < port < 65536:
         raise ValueError(f"port out of range: {port}")
     return {"socket_address": {"address": address, "port_value": port}}
 
 
-def _is_ip(address: str) -> bool:
+def is_ip(address: str) -> bool:
     try:
         ipaddress.ip_address(address)
     except ValueError:
@@ -135,7 +150,7 @@ def _is_ip(address: str) -> bool:
     return True
 
 
-def _circuit_breakers(max_requests: int) -> dict[str, Any]:
+def circuit_breakers(max_requests: int) -> dict[str, Any]:
     # Envoy's defaults (1024 each) would throttle long streaming generations well below
     # what an inference pool can hold in flight.
     return {
@@ -160,42 +175,48 @@ def _static_cluster(
 ) -> dict[str, Any]:
     cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC" if all(_is_ip(host) for host, _ in endpoints) else "STRICT_DNS",
-        "connect_timeout": _duration(connect_timeout_s),
+        "type": "STATIC" if all(is_ip(host) for host, _ in endpoints) else "STRICT_DNS",
+        "connect_timeout": duration(connect_timeout_s),
         "lb_policy": "LEAST_REQUEST",
-        "circuit_breakers": _circuit_breakers(max_requests),
+        "circuit_breakers": circuit_breakers(max_requests),
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
                 {
                     "lb_endpoints": [
-                        {"endpoint": {"address": _socket(host, port)}} for host, port in endpoints
+                        {"endpoint": {"address": socket_address(host, port)}}
+                        for host, port in endpoints
                     ]
                 }
             ],
         },
     }
-    if not _is_ip(endpoints[0][0]):
+    if not is_ip(endpoints[0][0]):
         cluster["dns_lookup_family"] = "V4_PREFERRED"
     if http2:
-        cluster["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _HTTP_OPTIONS,
-                "explicit_http_config": {
-                    "http2_protocol_options": {
-                        # One gRPC stream per HTTP request: allow plenty per connection.
-                        "max_concurrent_streams": streams_per_connection,
-                        "connection_keepalive": {"interval": "30s", "timeout": "5s"},
-                    }
-                },
-            }
-        }
+        cluster["typed_extension_protocol_options"] = grpc_protocol_options(streams_per_connection)
     return cluster
+
+
+def grpc_protocol_options(streams_per_connection: int = 100000) -> dict[str, Any]:
+    """HTTP/2 toward an EPP: one gRPC stream per HTTP request, so allow plenty per
+    connection, and keep idle connections alive."""
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _HTTP_OPTIONS,
+            "explicit_http_config": {
+                "http2_protocol_options": {
+                    "max_concurrent_streams": streams_per_connection,
+                    "connection_keepalive": {"interval": "30s", "timeout": "5s"},
+                }
+            },
+        }
+    }
 
 
 #: With several replicas: an ext-proc stream whose connection fails (a replica just died,
 #: not yet ejected) is opened again on another replica before any message went out.
-_EPP_STREAM_RETRY: dict[str, Any] = {
+EPP_STREAM_RETRY: dict[str, Any] = {
     "retry_on": "connect-failure,refused-stream,reset",
     "num_retries": 2,
     "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
@@ -232,12 +253,13 @@ def _epp_replica_failover() -> dict[str, Any]:
     }
 
 
-def _ext_proc_filter(
+def ext_proc_filter(
     *,
     failure_mode_allow: bool,
     message_timeout_s: float,
     grpc_authority: str,
     response_bodies: bool,
+    cluster_name: str = EPP_CLUSTER,
 ) -> dict[str, Any]:
     """The routing filter; without ``response_bodies`` Envoy ends its stream after the
     response headers (the EPP learns the rest from the engine or the observer)."""
@@ -246,7 +268,7 @@ def _ext_proc_filter(
         "typed_config": {
             "@type": _EXT_PROC,
             "grpc_service": {
-                "envoy_grpc": {"cluster_name": EPP_CLUSTER, "authority": grpc_authority},
+                "envoy_grpc": {"cluster_name": cluster_name, "authority": grpc_authority},
             },
             "failure_mode_allow": failure_mode_allow,
             "processing_mode": {
@@ -259,8 +281,8 @@ def _ext_proc_filter(
                 "response_trailer_mode": "SEND" if response_bodies else "SKIP",
             },
             # The EPP answers headers only after the full body: give uploads time.
-            "message_timeout": _duration(message_timeout_s),
-            "max_message_timeout": _duration(max(message_timeout_s, 300.0)),
+            "message_timeout": duration(message_timeout_s),
+            "max_message_timeout": duration(max(message_timeout_s, 300.0)),
             # Lets the EPP skip response-body streaming per request (e.g. non-streaming).
             "allow_mode_override": True,
             "metadata_options": {
@@ -301,7 +323,7 @@ def _observer_filter(*, grpc_authority: str) -> dict[str, Any]:
     }
 
 
-def _strip_client_headers_filter() -> dict[str, Any]:
+def strip_client_headers_filter() -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.header_mutation",
         "typed_config": {
@@ -316,7 +338,7 @@ def _strip_client_headers_filter() -> dict[str, Any]:
     }
 
 
-def _header(key: str, value: str) -> dict[str, Any]:
+def header_value_option(key: str, value: str) -> dict[str, Any]:
     return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
@@ -339,21 +361,15 @@ def _pool_cluster(
         # Engines' servers (uvicorn, vLLM's too) close a keep-alive connection idle for
         # 5 s; a request Envoy writes on it as it closes fails with "connection
         # termination" (a 503, not retried: the request went out). Closing first avoids it.
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": _HTTP_OPTIONS,
-                "common_http_protocol_options": {"idle_timeout": _duration(UPSTREAM_IDLE_S)},
-                "explicit_http_config": {"http_protocol_options": {}},
-            }
-        },
-        "connect_timeout": _duration(connect_timeout_s),
-        "circuit_breakers": _circuit_breakers(max_requests),
+        "typed_extension_protocol_options": engine_protocol_options(http2=False),
+        "connect_timeout": duration(connect_timeout_s),
+        "circuit_breakers": circuit_breakers(max_requests),
         "eds_cluster_config": {
             "eds_config": {
                 "resource_api_version": "V3",
                 # Past this Envoy serves without the pool (picks then fail over to
                 # nothing) rather than holding its listener back; EDS keeps retrying.
-                "initial_fetch_timeout": _duration(initial_fetch_timeout_s),
+                "initial_fetch_timeout": duration(initial_fetch_timeout_s),
                 "api_config_source": {
                     "api_type": "GRPC",
                     "transport_api_version": "V3",
@@ -362,30 +378,53 @@ def _pool_cluster(
                 },
             }
         },
-        "load_balancing_policy": {
-            "policies": [
-                {
-                    "typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.override_host",
-                        "typed_config": {
-                            "@type": _OVERRIDE_HOST,
-                            # Only the EPP can set it: client copies are stripped first.
-                            "override_host_sources": [{"header": DESTINATION_HEADER}],
-                            "fallback_policy": {
-                                "policies": [
-                                    {
-                                        "typed_extension_config": {
-                                            "name": "envoy.load_balancing_policies.least_request",
-                                            "typed_config": {"@type": _LEAST_REQUEST},
-                                        }
+        "load_balancing_policy": override_host_policy(),
+    }
+
+
+def engine_protocol_options(*, http2: bool) -> dict[str, Any]:
+    """Upstream HTTP options toward engines: HTTP/1.1, or h2c when ``http2`` (GIE's
+    ``appProtocol: kubernetes.io/h2c``), closing idle connections before the engine does."""
+    protocol: dict[str, Any] = (
+        {"http2_protocol_options": {"max_concurrent_streams": 100000}}
+        if http2
+        else {"http_protocol_options": {}}
+    )
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _HTTP_OPTIONS,
+            "common_http_protocol_options": {"idle_timeout": duration(UPSTREAM_IDLE_S)},
+            "explicit_http_config": protocol,
+        }
+    }
+
+
+def override_host_policy() -> dict[str, Any]:
+    """The pool cluster's load balancing: dial the EPP's pick and walk its fallback list
+    on retries; without a pick, least-request over the pool."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _OVERRIDE_HOST,
+                        # Only the EPP can set it: client copies are stripped first.
+                        "override_host_sources": [{"header": DESTINATION_HEADER}],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {"@type": _LEAST_REQUEST},
                                     }
-                                ]
-                            },
+                                }
+                            ]
                         },
-                    }
+                    },
                 }
-            ]
-        },
+            }
+        ]
     }
 
 
@@ -399,13 +438,31 @@ def _original_dst_cluster(*, connect_timeout_s: float, max_requests: int) -> dic
     return {
         "name": POOL_CLUSTER,
         "type": "ORIGINAL_DST",
-        "connect_timeout": _duration(connect_timeout_s),
+        "connect_timeout": duration(connect_timeout_s),
         "lb_policy": "CLUSTER_PROVIDED",
-        "circuit_breakers": _circuit_breakers(max_requests),
+        "circuit_breakers": circuit_breakers(max_requests),
         "original_dst_lb_config": {
             "use_http_header": True,
             "http_header_name": DESTINATION_HEADER,
         },
+    }
+
+
+def fallback_retry_policy(retries: int) -> dict[str, Any]:
+    """Retries that walk the EPP's fallback list: only failures before any byte went
+    upstream, so a generation never runs twice; ``previous_hosts`` keeps the
+    least-request fallback off the hosts already tried."""
+    return {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": retries,
+        "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _PREVIOUS_HOSTS},
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
     }
 
 
@@ -418,9 +475,9 @@ def _routes(
     unpicked_to_pool: bool = True,
 ) -> list[dict[str, Any]]:
     route_action: dict[str, Any] = {
-        "timeout": _duration(route_timeout_s),
+        "timeout": duration(route_timeout_s),
         # Streaming generations may idle between tokens; only a silent stream is cut.
-        "idle_timeout": _duration(max(route_timeout_s, 60.0)),
+        "idle_timeout": duration(max(route_timeout_s, 60.0)),
     }
     # Match on the EPP's dynamic metadata, which a client cannot forge (a header it could).
     picked = {
@@ -443,18 +500,7 @@ def _routes(
         # least-request fallback, which knows nothing of the failed tries: previous_hosts
         # keeps it off the hosts already tried (a SIGKILLed engine stays in EDS until the
         # EPP drops it, and was redialled before: issue 27 item 9).
-        picked["route"]["retry_policy"] = {
-            "retry_on": "connect-failure,refused-stream,reset-before-request",
-            "num_retries": fallback_retries,
-            "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
-            "retry_host_predicate": [
-                {
-                    "name": "envoy.retry_host_predicates.previous_hosts",
-                    "typed_config": {"@type": _PREVIOUS_HOSTS},
-                }
-            ],
-            "host_selection_retry_max_attempts": 5,
-        }
+        picked["route"]["retry_policy"] = fallback_retry_policy(fallback_retries)
     # No pick: the EPP was unreachable and failure_mode_allow let the request through.
     # An ORIGINAL_DST pool cannot take it (without the header it would dial the listener
     # itself): then such a request finds no route (404) unless a fallback cluster exists.
@@ -464,16 +510,16 @@ def _routes(
         routes.append({"match": {"prefix": "/"}, "route": {"cluster": cluster, **route_action}})
     for route in routes:
         # The served endpoint goes back to the EPP (header -> envoy.lb metadata, see
-        # _served_to_metadata_filter); the debug pair is for people and tests.
-        headers = [_header(SERVED_HEADER, "%UPSTREAM_HOST%")]
+        # served_to_metadata_filter); the debug pair is for people and tests.
+        headers = [header_value_option(SERVED_HEADER, "%UPSTREAM_HOST%")]
         if debug_headers:
-            headers.append(_header(UPSTREAM_HOST_HEADER, "%UPSTREAM_HOST%"))
-            headers.append(_header(PICKED_HEADER, f"%REQ({DESTINATION_HEADER})%"))
+            headers.append(header_value_option(UPSTREAM_HOST_HEADER, "%UPSTREAM_HOST%"))
+            headers.append(header_value_option(PICKED_HEADER, f"%REQ({DESTINATION_HEADER})%"))
         route["response_headers_to_add"] = headers
     return routes
 
 
-def _served_to_metadata_filter() -> dict[str, Any]:
+def served_to_metadata_filter() -> dict[str, Any]:
     """Copy the served endpoint into ``envoy.lb`` on the response path (before ext_proc
     sees the response headers), per GIE's protocol; the EPP then reports it itself."""
     return {
@@ -616,7 +662,7 @@ def build_envoy_config(config: EnvoyConfig) -> dict[str, Any]:
             "listeners": [
                 {
                     "name": f"{config.stat_prefix}_listener",
-                    "address": _socket(config.listen_address, config.listen_port),
+                    "address": socket_address(config.listen_address, config.listen_port),
                     "filter_chains": [
                         {
                             "filters": [
@@ -647,7 +693,7 @@ def build_envoy_config(config: EnvoyConfig) -> dict[str, Any]:
         },
     }
     if config.admin_port is not None:
-        bootstrap["admin"] = {"address": _socket(config.admin_address, config.admin_port)}
+        bootstrap["admin"] = {"address": socket_address(config.admin_address, config.admin_port)}
     return bootstrap
 
 
@@ -660,7 +706,7 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
         "codec_type": "AUTO",
         # Generations stream for minutes: no whole-request deadline, only an idle one.
         "request_timeout": "0s",
-        "stream_idle_timeout": _duration(config.stream_idle_timeout_s),
+        "stream_idle_timeout": duration(config.stream_idle_timeout_s),
         "request_headers_timeout": "10s",
         "common_http_protocol_options": {"idle_timeout": "3600s"},
         "use_remote_address": True,
@@ -683,8 +729,8 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
             ],
         },
         "http_filters": [
-            _strip_client_headers_filter(),
-            _ext_proc_filter(
+            strip_client_headers_filter(),
+            ext_proc_filter(
                 failure_mode_allow=config.failure_mode_allow,
                 message_timeout_s=config.message_timeout_s,
                 grpc_authority=config.epp_authority,
@@ -695,7 +741,7 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
                 if config.response_accounting == "observer"
                 else []
             ),
-            _served_to_metadata_filter(),
+            served_to_metadata_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
         ],
     }
@@ -703,7 +749,7 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
         for http_filter in hcm["http_filters"]:
             service = http_filter.get("typed_config", {}).get("grpc_service")
             if service is not None:
-                service["retry_policy"] = _EPP_STREAM_RETRY
+                service["retry_policy"] = EPP_STREAM_RETRY
     if config.access_log:
         hcm["access_log"] = [
             {
@@ -754,36 +800,58 @@ def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
         streams_per_connection=config.epp_streams_per_connection,
     )
     if config.epp_health_check_interval_s is not None:
-        # With FULL_DUPLEX_STREAMED, Envoy can fail open only until the first body chunk
-        # went to the EPP; a dead EPP found at connect time is already too late for a POST.
-        # A health-checked EPP with no healthy host fails the gRPC stream at once, in the
-        # headers phase, where failure_mode_allow still applies. Panic routing (Envoy's
-        # "use unhealthy hosts anyway" below 50% healthy) would defeat that: it is off.
-        interval = _duration(config.epp_health_check_interval_s)
-        cluster["health_checks"] = [
+        cluster.update(
+            epp_health_checks(
+                config.epp_health_check_interval_s,
+                # On the ext-proc port, over the same transport as ext-proc (see above).
+                {"grpc_health_check": {"service_name": EPP_HEALTH_SERVICE}},
+            )
+        )
+    if config.epp_replicas:
+        cluster.update(_epp_replica_failover())
+    if config.epp_tls:
+        cluster["transport_socket"] = epp_tls_transport_socket(
+            None if is_ip(config.epp_address) else config.epp_address
+        )
+    return cluster
+
+
+def epp_health_checks(interval_s: float, check: dict[str, Any]) -> dict[str, Any]:
+    """Active health checking of an EPP cluster (``check``: Envoy's ``grpc_health_check``
+    or ``tcp_health_check``), with panic routing off.
+
+    With FULL_DUPLEX_STREAMED bodies Envoy can fail open only until the first body chunk
+    went to the EPP; a dead EPP found at connect time is already too late for a POST. A
+    health-checked EPP with no healthy host fails the gRPC stream at once, in the headers
+    phase, where failure_mode_allow still applies. Panic routing (Envoy's "use unhealthy
+    hosts anyway" below 50% healthy) would defeat that."""
+    interval = duration(interval_s)
+    return {
+        "health_checks": [
             {
-                "timeout": _duration(min(1.0, config.epp_health_check_interval_s)),
+                "timeout": duration(min(1.0, interval_s)),
                 "interval": interval,
                 "no_traffic_interval": interval,
                 "unhealthy_threshold": 1,
                 "healthy_threshold": 1,
-                # On the ext-proc port, over the same transport as ext-proc (see above).
-                "grpc_health_check": {"service_name": EPP_HEALTH_SERVICE},
+                **check,
             }
-        ]
-        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0.0}}
-    if config.epp_replicas:
-        cluster.update(_epp_replica_failover())
-    if config.epp_tls:
-        cluster["transport_socket"] = {
-            "name": "envoy.transport_sockets.tls",
-            "typed_config": {
-                "@type": _UPSTREAM_TLS,
-                "common_tls_context": {"alpn_protocols": ["h2"]},
-                **({} if _is_ip(config.epp_address) else {"sni": config.epp_address}),
-            },
-        }
-    return cluster
+        ],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
+    }
+
+
+def epp_tls_transport_socket(sni: str | None) -> dict[str, Any]:
+    """TLS toward an EPP serving ``--secure-serving``; like GIE's gateways it does not
+    verify the certificate (self-signed by default)."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": _UPSTREAM_TLS,
+            "common_tls_context": {"alpn_protocols": ["h2"]},
+            **({} if sni is None else {"sni": sni}),
+        },
+    }
 
 
 def render_envoy_yaml(config: EnvoyConfig) -> str:

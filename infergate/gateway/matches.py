@@ -1,0 +1,180 @@
+"""HTTPRoute matches → Envoy route matches, with Gateway API precedence.
+
+Envoy rejects a whole RouteConfiguration when one route in it is malformed (a regex RE2
+cannot compile, a header name with a newline), and a rejected RDS update would freeze
+every route of the Gateway. So everything that reaches Envoy is validated here first;
+what fails makes its rule invalid (a status condition), never a NACK.
+
+Regular expressions (path, header and query-param matches) are RE2, matched against the
+whole value. Their precedence is implementation-specific in Gateway API; here a
+RegularExpression path ranks after Exact and before PathPrefix, longer patterns first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from infergate.gateway.model import as_dict, as_list, as_str
+
+METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
+_PATH_CHARS = re.compile(r"^(?:[-A-Za-z0-9/._~!$&'()*+,;=:@]|%[0-9a-fA-F]{2})+$")
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+\-.^_`|~]+$")
+# Python-only regex syntax RE2 rejects: lookaround, backreferences, conditionals,
+# possessive quantifiers, \Z. (Erring on the side of rejecting.)
+_NOT_RE2 = re.compile(r"\(\?[=!<>]|\(\?P=|\\[1-9]|\(\?\(|\\Z|[*+?}]\+")
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_INLINE_FLAGS = re.compile(r"\(\?([A-Za-z-]+)[:)]")
+_DURATION = re.compile(r"^([0-9]{1,5}(h|ms|m|s)){1,4}$")
+_DURATION_PART = re.compile(r"([0-9]{1,5})(h|ms|m|s)")
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+
+
+class Invalid(ValueError):
+    """A value the translator cannot program; the message goes into a condition."""
+
+
+@dataclass(frozen=True)
+class Match:
+    """One compiled HTTPRouteMatch: Envoy's ``match`` and its precedence sort key
+    (ascending sorts the winning match first)."""
+
+    envoy: dict[str, Any]
+    precedence: tuple[int, int, int, int, int]
+    prefix: str | None  # the PathPrefix value, for ReplacePrefixMatch rewrites
+
+
+def compile_matches(raw: Any) -> list[Match]:
+    """A rule's matches (default: PathPrefix ``/``); raises :class:`Invalid`."""
+    matches = as_list(raw)
+    if not matches:
+        matches = [{}]
+    return [compile_match(as_dict(m)) for m in matches]
+
+
+def compile_match(match: dict[str, Any]) -> Match:
+    path = as_dict(match.get("path"))
+    kind = as_str(path.get("type"), "PathPrefix")
+    value = as_str(path.get("value"), "/")
+    envoy: dict[str, Any] = _path_match(kind, value)
+    headers = _headers(match.get("headers"))
+    header_count = len(headers)
+    method = match.get("method")
+    if method is not None:
+        if method not in METHODS:
+            raise Invalid(f"unsupported method {method!r}")
+        headers.append({"name": ":method", "string_match": {"exact": method}})
+    if headers:
+        envoy["headers"] = headers
+    query = _query_params(match.get("queryParams"))
+    if query:
+        envoy["query_parameters"] = query
+    rank = {"Exact": 0, "RegularExpression": 1, "PathPrefix": 2}[kind]
+    precedence = (
+        rank,
+        -len(value),
+        0 if method is not None else 1,
+        -header_count,
+        -len(query),
+    )
+    return Match(envoy, precedence, value if kind == "PathPrefix" else None)
+
+
+def _path_match(kind: str, value: str) -> dict[str, Any]:
+    if kind == "RegularExpression":
+        return {"safe_regex": {"regex": check_regex(value)}}
+    if kind not in ("Exact", "PathPrefix"):
+        raise Invalid(f"unsupported path match type {kind!r}")
+    check_path(value)
+    if kind == "Exact":
+        return {"path": value}
+    trimmed = value.rstrip("/")
+    # Element-wise prefix: /abc matches /abc, /abc/ and /abc/def, not /abcd.
+    return {"prefix": "/"} if not trimmed else {"path_separated_prefix": trimmed}
+
+
+def check_path(value: str) -> str:
+    """An Exact/PathPrefix value as the Gateway API CRD allows it."""
+    bad = ("//", "/./", "/../", "%2f", "%2F", "#")
+    if (
+        not value.startswith("/")
+        or len(value) > 1024
+        or not _PATH_CHARS.match(value)
+        or any(b in value for b in bad)
+        or value.endswith(("/..", "/."))
+    ):
+        raise Invalid(f"invalid path {value!r}")
+    return value
+
+
+def check_regex(pattern: str) -> str:
+    """A pattern RE2 (Envoy's regex engine) accepts, as far as can be told without it."""
+    if not pattern or len(pattern) > 1024 or _NOT_RE2.search(pattern):
+        raise Invalid(f"unsupported regular expression {pattern!r} (RE2 syntax)")
+    for low, high in _REPEAT.findall(pattern):
+        if int(low) > 1000 or (high and int(high) > 1000):
+            raise Invalid(f"repetition over 1000 in {pattern!r}")
+    for flags in _INLINE_FLAGS.findall(pattern):
+        if set(flags) - set("imsU-"):
+            raise Invalid(f"unsupported regex flags in {pattern!r}")
+    if any(ch in pattern for ch in "\x00\r\n"):
+        raise Invalid("control characters in regular expression")
+    try:
+        re.compile(pattern)
+    except (re.error, OverflowError, RecursionError) as error:
+        raise Invalid(f"invalid regular expression {pattern!r}: {error}") from None
+    return pattern
+
+
+def check_header_name(name: Any) -> str:
+    if not isinstance(name, str) or not _HEADER_NAME.match(name) or len(name) > 256:
+        raise Invalid(f"invalid header name {name!r}")
+    return name
+
+
+def check_header_value(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 4096 or any(c in value for c in "\x00\r\n"):
+        raise Invalid(f"invalid header value {value!r}")
+    return value
+
+
+def _string_match(kind: str, value: Any) -> dict[str, Any]:
+    if kind == "Exact":
+        return {"exact": check_header_value(value)}
+    if kind == "RegularExpression":
+        return {"safe_regex": {"regex": check_regex(check_header_value(value))}}
+    raise Invalid(f"unsupported match type {kind!r}")
+
+
+def _headers(raw: Any) -> list[dict[str, Any]]:
+    """Header matches; of several with one (case-insensitive) name, the first counts."""
+    out, seen = [], set()
+    for header in map(as_dict, as_list(raw)):
+        name = check_header_name(header.get("name")).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        kind = as_str(header.get("type"), "Exact")
+        out.append({"name": name, "string_match": _string_match(kind, header.get("value"))})
+    return out
+
+
+def _query_params(raw: Any) -> list[dict[str, Any]]:
+    """Query-param matches; of several with one (exact) name, the first counts."""
+    out, seen = [], set()
+    for param in map(as_dict, as_list(raw)):
+        name = check_header_name(param.get("name"))
+        if name in seen:
+            continue
+        seen.add(name)
+        kind = as_str(param.get("type"), "Exact")
+        out.append({"name": name, "string_match": _string_match(kind, param.get("value"))})
+    return out
+
+
+def parse_duration(text: Any) -> float:
+    """A Gateway API Duration (``1h``, ``500ms``, ``1m30s``) in seconds."""
+    if not isinstance(text, str) or not _DURATION.match(text):
+        raise Invalid(f"invalid duration {text!r}")
+    return sum(int(n) * _UNITS[unit] for n, unit in _DURATION_PART.findall(text))

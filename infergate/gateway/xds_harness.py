@@ -1,0 +1,251 @@
+"""A real Gateway Envoy on ADS, its backends and hand-built snapshots, on one machine.
+
+Shared by the xDS tests and ``benchmarks/gateway_route_change.py`` so both measure the
+same thing: an :class:`~infergate.gateway.xds.AdsServer` on a background event loop
+(as the operator's would be), Envoys started from :mod:`infergate.gateway.bootstrap`,
+and small streaming (SSE) HTTP backends that say who answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+from infergate.envoy.binary import find_envoy
+from infergate.envoy.process import write_config
+from infergate.gateway.bootstrap import GatewayProxy, build_gateway_bootstrap, gateway_proxy_args
+from infergate.gateway.types import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    LISTENER_TYPE,
+    ROUTE_TYPE,
+    Obj,
+    Snapshot,
+)
+from infergate.procs import ManagedProcess, ProcessGroup, http_ready
+
+T = TypeVar("T")
+
+_T = "type.googleapis.com/envoy."
+_HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_ROUTER = _T + "extensions.filters.http.router.v3.Router"
+_ADS = {"ads": {}, "resource_api_version": "V3"}
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+# -- backends ----------------------------------------------------------------------------
+
+
+class SseBackend:
+    """An HTTP/1.1 server named ``name``: ``GET /sse?events=N&interval_ms=M`` streams N
+    SSE events then ``[DONE]``; any other path answers ``{"backend": name}``."""
+
+    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+        self.name = name
+        self._server = ThreadingHTTPServer((host, 0), _handler(name))
+        self._server.daemon_threads = True
+        self.host = host
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _handler(name: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            if url.path == "/sse":
+                query = parse_qs(url.query)
+                events = int(query.get("events", ["10"])[0])
+                interval = int(query.get("interval_ms", ["20"])[0]) / 1000
+                self._stream(events, interval)
+            else:
+                body = json.dumps({"backend": name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def _stream(self, events: int, interval: float) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for index in range(events):
+                self._chunk(f"data: {json.dumps({'backend': name, 'i': index})}\n\n".encode())
+                threading.Event().wait(interval)
+            self._chunk(DONE_EVENT)
+            self.wfile.write(b"0\r\n\r\n")
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            self.wfile.flush()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def check_sse(body: bytes, events: int) -> str | None:
+    """The backend that streamed ``body`` when it is complete and from one backend, else None."""
+    if not body.endswith(DONE_EVENT):
+        return None
+    lines = [line for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+    if len(lines) != events:
+        return None
+    backends = {json.loads(line[6:])["backend"] for line in lines}
+    indexes = [json.loads(line[6:])["i"] for line in lines]
+    if len(backends) != 1 or indexes != list(range(events)):
+        return None
+    return str(backends.pop())
+
+
+# -- snapshots ---------------------------------------------------------------------------
+
+
+def eds_cluster(name: str, *, connect_timeout: str = "1s") -> Obj:
+    return {
+        "name": name,
+        "type": "EDS",
+        "connect_timeout": connect_timeout,
+        "eds_cluster_config": {"eds_config": _ADS},
+    }
+
+
+def assignment(name: str, endpoints: Sequence[tuple[str, int]]) -> Obj:
+    lb_endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+        for host, port in endpoints
+    ]
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
+
+
+def http_listener(name: str, port: int, route_config: str, address: str = "0.0.0.0") -> Obj:
+    """An HTTP listener whose routes come over RDS (so a route change is an RDS update)."""
+    hcm = {
+        "@type": _HCM,
+        "stat_prefix": name,
+        "codec_type": "AUTO",
+        "rds": {"route_config_name": route_config, "config_source": _ADS},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+    }
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": address, "port_value": port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+def route_config(name: str, cluster: str, *, regex: str | None = None) -> Obj:
+    """Every request to ``cluster`` (matched by prefix ``/``, or by ``regex`` when given)."""
+    match: Obj = {"safe_regex": {"regex": regex}} if regex is not None else {"prefix": "/"}
+    return {
+        "name": name,
+        "virtual_hosts": [
+            {
+                "name": "all",
+                "domains": ["*"],
+                "routes": [{"match": match, "route": {"cluster": cluster, "timeout": "0s"}}],
+            }
+        ],
+    }
+
+
+def snapshot(
+    *,
+    listeners: Sequence[Obj] = (),
+    routes: Sequence[Obj] = (),
+    clusters: Sequence[Obj] = (),
+    assignments: Sequence[Obj] = (),
+) -> Snapshot:
+    return Snapshot(
+        {
+            CLUSTER_TYPE: tuple(clusters),
+            ENDPOINT_TYPE: tuple(assignments),
+            LISTENER_TYPE: tuple(listeners),
+            ROUTE_TYPE: tuple(routes),
+        }
+    )
+
+
+def route_snapshot(
+    listen_port: int, backends: Mapping[str, SseBackend], route_to: str, *, regex: str | None = None
+) -> Snapshot:
+    """One listener, one route to cluster ``route_to``, one EDS cluster per backend."""
+    return snapshot(
+        listeners=[http_listener("http", listen_port, "routes")],
+        routes=[route_config("routes", route_to, regex=regex)],
+        clusters=[eds_cluster(name) for name in backends],
+        assignments=[assignment(name, [(b.host, b.port)]) for name, b in backends.items()],
+    )
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+class BackgroundLoop:
+    """An event loop on its own thread: where the ADS server runs in tests and benchmarks,
+    as it runs on the operator's loop while the rest of the program does other work."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
+        future: Future[T] = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        return future.result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+def start_gateway_envoy(
+    group: ProcessGroup,
+    workdir: Path,
+    *,
+    name: str,
+    node_id: str,
+    xds_port: int,
+    admin_port: int,
+    bind_address: str | None = None,
+    timeout: float = 60.0,
+    ready: bool = True,
+) -> ManagedProcess:
+    """A Gateway Envoy on this machine; with ``ready``, waits until it has its config."""
+    proxy = GatewayProxy(
+        node_id=node_id, xds_host="127.0.0.1", xds_port=xds_port, admin_port=admin_port
+    )
+    path = write_config(build_gateway_bootstrap(proxy), workdir / f"{name}.yaml")
+    argv = [
+        str(find_envoy()),
+        *gateway_proxy_args(
+            path, bind_address=bind_address, concurrency=1, log_level="warn", drain_time_s=60
+        ),
+    ]
+    check = http_ready(f"http://127.0.0.1:{admin_port}/ready") if ready else None
+    return group.start(name, argv, ready=check, timeout=timeout, log_path=workdir / f"{name}.log")
