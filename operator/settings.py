@@ -31,6 +31,10 @@ class OperatorSettings:
     #: Seconds between full resyncs of each pool (status follows pods even without events).
     resync_seconds: float = 30.0
     extra_epp_args: tuple[str, ...] = field(default_factory=tuple)
+    #: False: the operator deploys no Endpoint Picker and writes no pool parent of its
+    #: own; pools are served through Gateways only, with the EPPs their users deploy (as
+    #: GIE's conformance suite deploys its reference EPP).
+    manage_endpoint_pickers: bool = True
 
     @classmethod
     def from_env(cls) -> OperatorSettings:
@@ -45,7 +49,12 @@ class OperatorSettings:
             epp_memory_limit=_env("INFERGATE_EPP_MEMORY_LIMIT", base.epp_memory_limit),
             resync_seconds=float(_env("INFERGATE_RESYNC_SECONDS", str(base.resync_seconds))),
             extra_epp_args=tuple(os.environ.get("INFERGATE_EPP_EXTRA_ARGS", "").split()),
+            manage_endpoint_pickers=_env(MANAGE_EPP_ENV, "true").strip().lower()
+            not in ("0", "false", "no", "off"),
         )
+
+
+MANAGE_EPP_ENV = "INFERGATE_MANAGE_ENDPOINT_PICKERS"
 
 
 SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
@@ -86,6 +95,13 @@ class GatewaySettings:
         convert=_service_type,
         help="Type of each Gateway's Service unless its annotation infergate.io/service-type "
         f"says otherwise: {', '.join(SERVICE_TYPES)}.",
+    )  # fmt: skip
+    manage_endpoint_pickers: bool = option(
+        "--manage-endpoint-pickers/--no-manage-endpoint-pickers", default=True,
+        envvar=MANAGE_EPP_ENV,
+        help="Deploy an Endpoint Picker for every InferencePool and report the pool under "
+        "the operator's own parent. --no-manage-endpoint-pickers: pools are only backends "
+        "of Gateways, with the EPPs their users deploy (GIE's conformance suite does).",
     )  # fmt: skip
     debounce_seconds: float = option(
         "--gateway-debounce", default=0.05, envvar="INFERGATE_GATEWAY_DEBOUNCE", min=0.0,
