@@ -42,7 +42,12 @@ OPERATOR_NS = "infergate-system"
 RELEASE = "infergate"  # the chart's fullname is then "infergate"
 #: The chart as the suite installs it: no kopf peering (one operator process), the
 #: Gateway controller on, Endpoint Pickers left to the suite (as GIE deploys its own).
-HELM_VALUES = ("operator.peering=", "gateway.enabled=true", "operator.manageEndpointPickers=false")
+HELM_VALUES = (
+    "operator.peering=",
+    "gateway.enabled=true",
+    "gateway.serviceType=ClusterIP",
+    "operator.manageEndpointPickers=false",
+)
 #: How the operator process runs: Gateway Services are ClusterIP (no load balancer here),
 #: and it deploys no Endpoint Picker of its own (GIE's suite brings them).
 OPERATOR_FLAGS = ("--gateway-service-type", "ClusterIP", "--no-manage-endpoint-pickers")

@@ -246,12 +246,13 @@ class PodRuntime:
     def _envoy_argv(self, key: PodKey, args: list[str], folder: Path) -> list[str]:
         """Envoy on the pod's bootstrap as it would behave in the pod (see the module doc)."""
         out = list(args)
-        if "-c" in out:
-            source = Path(out[out.index("-c") + 1])
-            bootstrap = yaml.safe_load(source.read_text())
-            local = folder / "bootstrap.local.yaml"
-            local.write_text(yaml.safe_dump(rewrite_bootstrap(bootstrap, key.ip, self.xds)))
-            out[out.index("-c") + 1] = str(local)
+        for flag in ("-c", "--config-path"):
+            if flag in out:
+                source = Path(out[out.index(flag) + 1])
+                bootstrap = yaml.safe_load(source.read_text())
+                local = folder / "bootstrap.local.yaml"
+                local.write_text(yaml.safe_dump(rewrite_bootstrap(bootstrap, key.ip, self.xds)))
+                out[out.index(flag) + 1] = str(local)
         if "--disable-hot-restart" not in out:
             out.append("--disable-hot-restart")  # several "pods" share this machine's shm
         return [str(find_envoy()), *out]
