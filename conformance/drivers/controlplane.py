@@ -48,6 +48,9 @@ HELM_VALUES = (
     "gateway.serviceType=ClusterIP",
     "operator.manageEndpointPickers=false",
 )
+#: What the chart tells the operator its Gateways' Envoys dial for xDS (its xDS Service);
+#: the pod runtime points that at the operator process, as cluster DNS would.
+XDS_SERVICE = f"{RELEASE}-xds.{OPERATOR_NS}.svc"
 #: How the operator process runs: Gateway Services are ClusterIP (no load balancer here),
 #: and it deploys no Endpoint Picker of its own (GIE's suite brings them).
 OPERATOR_FLAGS = ("--gateway-service-type", "ClusterIP", "--no-manage-endpoint-pickers")
@@ -86,9 +89,8 @@ class ControlPlaneDriver(Driver):
         xds_port = free_port()
         self._start_operator(xds_port)
         self.runtime = PodRuntime(
-            self._kube, self.workdir / "pods", namespaces=(topo.APP_NS, topo.INFRA_NS),
-            cli=self.cli, tokens=self.cluster.service_account_kubeconfig,
-            xds=("127.0.0.1", xds_port),
+            self._kube, self.cluster, self.workdir / "pods",
+            namespaces=(topo.APP_NS, topo.INFRA_NS), cli=self.cli, xds=("127.0.0.1", xds_port),
         ).start()  # fmt: skip
         self._kube.apply_all(topo.base_objects(gateway_class))
 
@@ -99,7 +101,7 @@ class ControlPlaneDriver(Driver):
         self.group.start(
             "operator",
             [*self.cli, "operator", "--xds-port", str(xds_port),
-             "--xds-listen-address", "127.0.0.1", "--xds-address", "127.0.0.1",
+             "--xds-listen-address", "127.0.0.1", "--xds-address", XDS_SERVICE,
              *OPERATOR_FLAGS, "--standalone",
              "--liveness", f"http://127.0.0.1:{liveness}/healthz"],
             ready=http_ready(f"http://127.0.0.1:{liveness}/healthz"), timeout=120.0,
