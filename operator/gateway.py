@@ -312,7 +312,9 @@ async def start_gateway_controller(memo: kopf.Memo, **kwargs: Any) -> None:
         )  # fmt: skip
     xds = gx.XdsPublisher(settings)
     await xds.start()
-    sync = GatewaySync(kube, settings, operator_settings, gx.proxy_config_factory(settings))
+    sync = GatewaySync(
+        kube, settings, operator_settings, gx.proxy_config_factory(settings, xds.port)
+    )
     controller = GatewayController(settings=settings, sync=sync, xds=xds, api_version=version)
     xds.on_ack(controller.mark_dirty)
     memo[MEMO_KEY] = controller

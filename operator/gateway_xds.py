@@ -81,8 +81,9 @@ def _same(before: Snapshot | None, after: Snapshot) -> bool:
     return all(before.version(t) == after.version(t) for t in after.resources)
 
 
-def proxy_config_factory(settings: GatewaySettings) -> Callable[[Key], ProxyConfig]:
-    """Per Gateway, its Envoy's bootstrap and arguments (from the xDS side's builders)."""
+def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Key], ProxyConfig]:
+    """Per Gateway, its Envoy's bootstrap and arguments (from the xDS side's builders):
+    it dials ``settings.xds_address`` on ``port`` (the xDS server's, once listening)."""
     from infergate.gateway.bootstrap import (
         GatewayProxy,
         build_gateway_bootstrap,
@@ -90,9 +91,7 @@ def proxy_config_factory(settings: GatewaySettings) -> Callable[[Key], ProxyConf
     )
 
     def proxy_config(key: Key) -> ProxyConfig:
-        proxy = GatewayProxy(
-            node_id=node_id(*key), xds_host=settings.xds_address, xds_port=settings.xds_port
-        )
+        proxy = GatewayProxy(node_id=node_id(*key), xds_host=settings.xds_address, xds_port=port)
         bootstrap = with_ready_listener(build_gateway_bootstrap(proxy), READY_PORT)
         args = gateway_proxy_args(f"{c.ENVOY_CONFIG_DIR}/{c.ENVOY_CONFIG_KEY}")
         return ProxyConfig(
