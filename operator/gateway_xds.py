@@ -41,9 +41,12 @@ class XdsPublisher:
     async def start(self) -> int:
         """Listen; a port already taken is fatal (two operators would split the Envoys)."""
         address = f"{self.settings.xds_listen_address}:{self.settings.xds_port}"
-        self.port = await self.server.start(address)
+        try:
+            self.port = await self.server.start(address)
+        except RuntimeError as error:
+            raise RuntimeError(f"cannot listen on {address}: {error}") from error
         if not self.port:
-            raise RuntimeError(f"the xDS server cannot listen on {address}")
+            raise RuntimeError(f"cannot listen on {address}")
         return self.port
 
     async def stop(self) -> None:
