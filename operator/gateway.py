@@ -80,10 +80,23 @@ def _controller(memo: kopf.Memo) -> GatewayController | None:
 # -- kopf indexes: the world the translator reads ------------------------------------------
 
 
+_HEAVY_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
+
+
+def _slim_meta(body: kopf.Body) -> Obj:
+    """Metadata without what nobody here reads and can be large (managed fields, the
+    client-side apply copy of the whole object)."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k != "managedFields"}
+    annotations = meta.get("annotations") or {}
+    if any(key in annotations for key in _HEAVY_ANNOTATIONS):
+        meta["annotations"] = {k: v for k, v in annotations.items() if k not in _HEAVY_ANNOTATIONS}
+    return meta
+
+
 def _plain(body: kopf.Body) -> Obj:
-    """The raw object (kopf's view is read-only and kept per event; a shallow copy is
-    enough: the next event brings a new raw object, never a mutated one)."""
-    return dict(body)
+    """The raw object with slim metadata (kopf's view is read-only and kept per event; a
+    shallow copy is enough: the next event brings a new raw object, never a mutated one)."""
+    return {**dict(body), "metadata": _slim_meta(body)}
 
 
 def _trimmed(body: kopf.Body, spec_fields: tuple[str, ...], status_fields: tuple[str, ...]) -> Obj:
@@ -92,7 +105,7 @@ def _trimmed(body: kopf.Body, spec_fields: tuple[str, ...], status_fields: tuple
     return {
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
-        "metadata": dict(body.get("metadata") or {}),
+        "metadata": _slim_meta(body),
         "spec": {k: spec[k] for k in spec_fields if k in spec},
         "status": {k: status[k] for k in status_fields if k in status},
     }
@@ -311,8 +324,13 @@ async def start_gateway_controller(memo: kopf.Memo, **kwargs: Any) -> None:
             GATEWAY_GROUP, GATEWAY_CONTROLLER_NAME,
         )  # fmt: skip
     xds = gx.XdsPublisher(settings)
-    await xds.start()
-    sync = GatewaySync(kube, settings, operator_settings, gx.proxy_config_factory(settings))
+    try:
+        await xds.start()
+    except RuntimeError as error:  # the port is taken: two operators would split the Envoys
+        raise kopf.PermanentError(f"the xDS server cannot start: {error}") from error
+    sync = GatewaySync(
+        kube, settings, operator_settings, gx.proxy_config_factory(settings, xds.port)
+    )
     controller = GatewayController(settings=settings, sync=sync, xds=xds, api_version=version)
     xds.on_ack(controller.mark_dirty)
     memo[MEMO_KEY] = controller

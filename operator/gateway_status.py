@@ -75,9 +75,14 @@ def is_ours(entry: Obj) -> bool:
     return entry.get("controllerName") == GATEWAY_CONTROLLER_NAME
 
 
+#: HTTPRoute and InferencePool ``status.parents`` hold at most 32 entries.
+MAX_PARENTS = 32
+
+
 def merge_parents(live: list[Obj], ours: Iterable[Obj], namespace: str, now: str) -> list[Obj]:
     """The new ``status.parents``: every other controller's entry as it is, then ours
-    (stamped; an entry of ours no Gateway wants any more is dropped)."""
+    (stamped; an entry of ours no Gateway wants any more is dropped), at most
+    MAX_PARENTS in all (the API server refuses more; other controllers' come first)."""
     before = {_ref_key(e.get("parentRef") or {}, namespace): e for e in live if is_ours(e)}
     mine = []
     for entry in ours:
@@ -91,7 +96,7 @@ def merge_parents(live: list[Obj], ours: Iterable[Obj], namespace: str, now: str
                 ),
             }
         )
-    return [e for e in live if not is_ours(e)] + mine
+    return ([e for e in live if not is_ours(e)] + mine)[:MAX_PARENTS]
 
 
 def unchanged(desired: Any, live: Any) -> bool:

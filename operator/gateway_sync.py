@@ -83,11 +83,14 @@ class GatewaySync:
     _written: dict[tuple[str, str, str], tuple[str, Any]] = field(default_factory=dict)
     #: (namespace, name) of a proxy ConfigMap -> the spec hash applied (they are not watched).
     _config_maps: dict[Key, str] = field(default_factory=dict)
+    #: (kind, namespace, name) -> (resourceVersion we applied over, spec hash applied).
+    _applied: dict[ProxyKey, tuple[str, str]] = field(default_factory=dict)
 
     def forget(self) -> None:
         """Drop the caches: the next pass re-reads what it cannot see in the indexes."""
         self._written.clear()
         self._config_maps.clear()
+        self._applied.clear()
 
     def sync(
         self,
@@ -124,9 +127,13 @@ class GatewaySync:
                 result.conflicts.append(f"{kind} {namespace}/{obj_name}")
                 continue  # someone else's object: never taken over
             if live is not None and is_up_to_date(live, obj):
+                self._applied.pop((kind, namespace, obj_name), None)
                 continue
+            if self._applied.get((kind, namespace, obj_name)) == (_version(live), _hash(obj)):
+                continue  # our apply of exactly this is on its way through the watch
             self.kube.apply(obj)
             result.applied.append(f"{kind} {namespace}/{obj_name}")
+            self._applied[(kind, namespace, obj_name)] = (_version(live), _hash(obj))
             if kind == "ConfigMap":
                 self._config_maps[(namespace, obj_name)] = _hash(obj)
 
@@ -218,7 +225,7 @@ class GatewaySync:
         if gs.unchanged(want, live) and _same_length(want, live):
             return
         memo_key = (kind, namespace, name)
-        if self._written.get(memo_key) == (version, want):
+        if self._written.get(memo_key) == (version, _timeless(want)):
             return  # our write of exactly this is on its way through the watch
         try:
             self.kube.patch_status(kind, namespace, name, patch, resource_version=version)
@@ -228,7 +235,7 @@ class GatewaySync:
             result.conflicts.append(f"{kind} {namespace}/{name} ({error.status})")
             result.retry = error.status == 409
             return
-        self._written[memo_key] = (version, want)
+        self._written[memo_key] = (version, _timeless(want))
         result.statuses.append(f"{kind} {namespace}/{name}")
 
 
@@ -236,6 +243,20 @@ def _same_length(want: Obj, live: Obj) -> bool:
     """``unchanged`` ignores fields only the live status has; a top-level field we no
     longer report (say ``addresses``) is a change."""
     return all(key in want for key in live)
+
+
+def _timeless(value: Any) -> Any:
+    """``value`` without ``lastTransitionTime``s: a pass in the next second stamps "now"
+    again on conditions the stale view does not have yet; that is not a new status."""
+    if isinstance(value, dict):
+        return {k: _timeless(v) for k, v in value.items() if k != "lastTransitionTime"}
+    if isinstance(value, list):
+        return [_timeless(v) for v in value]
+    return value
+
+
+def _version(obj: Obj | None) -> str:
+    return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
 
 
 def _hash(obj: Obj) -> str:

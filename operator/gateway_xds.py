@@ -41,9 +41,12 @@ class XdsPublisher:
     async def start(self) -> int:
         """Listen; a port already taken is fatal (two operators would split the Envoys)."""
         address = f"{self.settings.xds_listen_address}:{self.settings.xds_port}"
-        self.port = await self.server.start(address)
+        try:
+            self.port = await self.server.start(address)
+        except RuntimeError as error:
+            raise RuntimeError(f"cannot listen on {address}: {error}") from error
         if not self.port:
-            raise RuntimeError(f"the xDS server cannot listen on {address}")
+            raise RuntimeError(f"cannot listen on {address}")
         return self.port
 
     async def stop(self) -> None:
@@ -81,8 +84,9 @@ def _same(before: Snapshot | None, after: Snapshot) -> bool:
     return all(before.version(t) == after.version(t) for t in after.resources)
 
 
-def proxy_config_factory(settings: GatewaySettings) -> Callable[[Key], ProxyConfig]:
-    """Per Gateway, its Envoy's bootstrap and arguments (from the xDS side's builders)."""
+def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Key], ProxyConfig]:
+    """Per Gateway, its Envoy's bootstrap and arguments (from the xDS side's builders):
+    it dials ``settings.xds_address`` on ``port`` (the xDS server's, once listening)."""
     from infergate.gateway.bootstrap import (
         GatewayProxy,
         build_gateway_bootstrap,
@@ -90,9 +94,7 @@ def proxy_config_factory(settings: GatewaySettings) -> Callable[[Key], ProxyConf
     )
 
     def proxy_config(key: Key) -> ProxyConfig:
-        proxy = GatewayProxy(
-            node_id=node_id(*key), xds_host=settings.xds_address, xds_port=settings.xds_port
-        )
+        proxy = GatewayProxy(node_id=node_id(*key), xds_host=settings.xds_address, xds_port=port)
         bootstrap = with_ready_listener(build_gateway_bootstrap(proxy), READY_PORT)
         args = gateway_proxy_args(f"{c.ENVOY_CONFIG_DIR}/{c.ENVOY_CONFIG_KEY}")
         return ProxyConfig(

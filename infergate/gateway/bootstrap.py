@@ -121,6 +121,15 @@ def build_gateway_bootstrap(proxy: GatewayProxy) -> dict[str, Any]:
     return bootstrap
 
 
+def render_gateway_bootstrap(proxy: GatewayProxy) -> str:
+    """The bootstrap as JSON text (for a ``bootstrap.json`` file or ConfigMap key).
+
+    JSON, not YAML: Envoy reads YAML 1.1, where a bare ``n``, ``y`` or ``off`` is a
+    boolean, so a node id or a name that happens to spell one would not survive a YAML
+    dump that only quotes what PyYAML's own resolver considers special."""
+    return json.dumps(build_gateway_bootstrap(proxy), indent=2, sort_keys=True)
+
+
 def gateway_proxy_args(
     bootstrap_path: str | Path,
     *,
