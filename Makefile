@@ -82,7 +82,7 @@ bench: install ## Run the benchmarks that print figures (see docs/benchmarks.md)
 conformance: install ## The InferencePool conformance suite on a kind cluster (needs docker, kind, kubectl, helm, istioctl)
 	conformance/kind.sh
 
-CONFORMANCE_REPORT ?= conformance/reports/v1.6.0/gateway/infergate/0.1.0-default-gateway-report.yaml
+CONFORMANCE_REPORT ?= conformance/reports/v1.6.0/gateway/infergate/0.1.0-external-epp-gateway-report.yaml
 conformance-controlplane: install controlplane ## GIE's conformance suite (Gateway profile) over the real control plane; writes the report under conformance/reports/
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \
 		-p no:cacheprovider --conformance-driver=controlplane \

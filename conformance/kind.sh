@@ -88,7 +88,7 @@ run helm install infergate charts/infergate \
 
 step "Running the conformance suite (cluster driver)"
 mkdir -p "$REPORT_DIR"
-REPORT="${REPORT_DIR}/infergate-default-gateway-report.yaml"
+REPORT="${REPORT_DIR}/infergate-external-epp-gateway-report.yaml"
 # shellcheck disable=SC2086 # PYTEST_ARGS is word-split on purpose
 run .venv/bin/pytest conformance -m conformance -p no:cacheprovider \
     --conformance-driver=cluster --gateway-class=infergate \

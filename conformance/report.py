@@ -29,7 +29,10 @@ GIE_VERSION = "v1.6.0"
 #: The Gateway API release GIE v1.6.0's conformance builds against (its go.mod).
 GATEWAY_API_VERSION = "v1.6.1"
 PASSED, FAILED, SKIPPED = "Passed", "Failed", "Skipped"
-MODE = "default"
+#: GIE's ``mode``: how the implementation runs. Not ``default``: the suite deploys its own
+#: Endpoint Pickers, as GIE's does, so the operator runs with
+#: ``--no-manage-endpoint-pickers`` (chart: ``operator.manageEndpointPickers=false``).
+MODE = "external-epp"
 #: GIE v1.6.0's Gateway-profile conformance tests (conformance/tests/*.go ShortNames).
 GIE_TESTS = (
     "EppUnAvailableFailOpen",

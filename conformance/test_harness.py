@@ -161,7 +161,7 @@ def test_report_counts_every_gie_test_and_never_hides_failures() -> None:
     )
     assert report["kind"] == "ConformanceReport" and report["date"] == "2026-01-02T03:04:05Z"
     assert report["GatewayAPIInferenceExtensionVersion"] == "v1.6.0"
-    assert report["mode"] == "default"
+    assert report["mode"] == "external-epp"
     (profile,) = report["profiles"]
     assert profile["name"] == "Gateway"
     core = profile["core"]
