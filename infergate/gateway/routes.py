@@ -109,7 +109,7 @@ def _compile_rule(index: int, raw: dict[str, Any], namespace: str, catalog: Cata
     prefix = rule.matches[0].prefix if len(raw_matches) == 1 and rule.matches else None
     try:
         rule.filters = compile_rule_filters(raw.get("filters"), prefix, len(raw_matches) == 1)
-        rule.backend_headers = [compile_backend_filters(b.filters) for b in rule.backends]
+        rule.backend_headers = [compile_backend_filters(list(b.filters)) for b in rule.backends]
         _timeouts(rule, as_dict(raw.get("timeouts")))
     except Invalid as error:
         problems.append(str(error))

@@ -22,6 +22,20 @@ from infergate.gateway.types import (
 )
 
 
+GATEWAY_RUNTIME: dict[str, Any] = {
+    # Envoy refuses a regex whose RE2 program exceeds 100 steps unless told otherwise;
+    # the translator bounds regexes itself (matches.REGEX_PROGRAM_LIMIT), so a Gateway's
+    # Envoy must lift this or a route with a modest regex NACKs its whole route table.
+    "re2.max_program_size.error_level": 1_000_000,
+}
+"""Runtime values every Gateway Envoy bootstrap needs (as a static layer)."""
+
+
+def runtime_layer() -> dict[str, Any]:
+    """``layered_runtime`` for a Gateway's Envoy bootstrap."""
+    return {"layers": [{"name": "gateway", "static_layer": dict(GATEWAY_RUNTIME)}]}
+
+
 def static_bootstrap(
     snapshot: Snapshot,
     node_id: str = "gateway",
@@ -41,6 +55,7 @@ def static_bootstrap(
     bootstrap: dict[str, Any] = {
         "node": {"id": node_id, "cluster": node_id},
         "static_resources": {"listeners": listeners, "clusters": clusters},
+        "layered_runtime": runtime_layer(),
     }
     if admin_port is not None:
         bootstrap["admin"] = {"address": socket_address("127.0.0.1", admin_port)}

@@ -329,6 +329,7 @@ class _Node:
     error: str | None = None
     streams: set[_Stream] = field(default_factory=set)
     sequence: int = -1
+    versions: dict[str, str] = field(default_factory=dict)
 
 
 class AdsServer:
@@ -407,8 +408,8 @@ class AdsServer:
         # Numbered on entry: of two racing calls the later one wins, not the one whose
         # conversion happened to finish last.
         sequence = next(self._sequence)
-        current = self._node_snapshot(node_id)
-        if current is not None and _versions(current) == _versions(snapshot):
+        node = self._nodes.get(node_id)
+        if node is not None and node.versions and node.versions == _versions(snapshot):
             self._submit(sequence, self._clear_error, node_id)
             return True
         try:
@@ -425,7 +426,8 @@ class AdsServer:
         self._submit(next(self._sequence), self._remove, node_id)
 
     def snapshot(self, node_id: str) -> Snapshot | None:
-        return self._node_snapshot(node_id)
+        node = self._nodes.get(node_id)
+        return node.snapshot if node is not None else None
 
     # -- what the proxies have ---------------------------------------------------------
 
@@ -497,13 +499,10 @@ class AdsServer:
         else:
             loop.call_soon_threadsafe(function, *args)
 
-    def _node_snapshot(self, node_id: str) -> Snapshot | None:
-        node = self._nodes.get(node_id)
-        return node.snapshot if node is not None else None
-
     def _install(self, node_id: str, snapshot: Snapshot, target: Mapping[str, Resources]) -> None:
         node = self._nodes[node_id]
         node.snapshot, node.target, node.error = snapshot, target, None
+        node.versions = {type_url: resources.version for type_url, resources in target.items()}
         for stream in node.streams:
             stream.retarget(target)
             stream.wake.set()
@@ -524,6 +523,7 @@ class AdsServer:
         if node is None:
             return
         node.snapshot = node.target = node.error = None
+        node.versions = {}
         if not node.streams:
             del self._nodes[node_id]
         self._publish(node_id)
@@ -656,14 +656,9 @@ def _node_status(node: _Node | None) -> NodeStatus:
     if node is None:
         return NodeStatus()
     streams = list(node.streams)
-    target = (
-        {type_url: resources.version for type_url, resources in node.target.items()}
-        if node.target is not None
-        else {}
-    )
     return NodeStatus(
         replicas=len(streams),
-        target=target,
+        target=dict(node.versions),
         acked=_agreed([stream.acked() for stream in streams]),
         applied=bool(streams) and all(stream.applied() for stream in streams),
         rejected=any(stream.failed and stream.target is node.target for stream in streams),

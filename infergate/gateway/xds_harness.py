@@ -135,11 +135,14 @@ def check_sse(body: bytes, events: int) -> str | None:
 
 
 def eds_cluster(name: str, *, connect_timeout: str = "1s") -> Obj:
+    """An EDS cluster over ADS that waits for its endpoints forever (no initial fetch
+    timeout): a server that failed to answer a warming cluster would hang a test instead
+    of passing 15 s later on Envoy's default timeout."""
     return {
         "name": name,
         "type": "EDS",
         "connect_timeout": connect_timeout,
-        "eds_cluster_config": {"eds_config": _ADS},
+        "eds_cluster_config": {"eds_config": {**_ADS, "initial_fetch_timeout": "0s"}},
     }
 
 
@@ -248,12 +251,18 @@ def start_gateway_envoy(
     xds_port: int,
     admin_port: int,
     bind_address: str | None = None,
+    ready_port: int | None = None,
     timeout: float = 60.0,
     ready: bool = True,
 ) -> ManagedProcess:
     """A Gateway Envoy on this machine; with ``ready``, waits until it has its config."""
     proxy = GatewayProxy(
-        node_id=node_id, xds_host="127.0.0.1", xds_port=xds_port, admin_port=admin_port
+        node_id=node_id,
+        xds_host="127.0.0.1",
+        xds_port=xds_port,
+        admin_port=admin_port,
+        ready_port=ready_port,
+        ready_address="127.0.0.1",
     )
     path = workdir / f"{name}.json"
     path.write_text(render_gateway_bootstrap(proxy))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,21 +58,27 @@ class Rig:
     def routed_to(self, route_to: str, **kwargs: str) -> Snapshot:
         return route_snapshot(self.listen_port, self.backends, route_to, **kwargs)
 
-    def envoy(self, name: str = "envoy", node_id: str = NODE, **kwargs: object) -> ManagedProcess:
+    def envoy(
+        self,
+        name: str = "envoy",
+        node_id: str = NODE,
+        *,
+        admin_port: int | None = None,
+        bind_address: str | None = None,
+        ready_port: int | None = None,
+        ready: bool = True,
+    ) -> ManagedProcess:
         return start_gateway_envoy(
             self.processes,
             self.workdir,
             name=name,
             node_id=node_id,
             xds_port=self.xds_port,
-            admin_port=kwargs.pop("admin_port", self.admin_port),  # type: ignore[arg-type]
-            **kwargs,  # type: ignore[arg-type]
+            admin_port=admin_port or self.admin_port,
+            bind_address=bind_address,
+            ready_port=ready_port,
+            ready=ready,
         )
-
-    def restart_server(self) -> None:
-        self.loop.run(self.server.stop(0))
-        self.server = AdsServer()
-        self.loop.run(self.server.start(f"127.0.0.1:{self.xds_port}"))
 
 
 @pytest.fixture
@@ -79,19 +87,16 @@ def rig(processes: ProcessGroup, tmp_path: Path) -> Iterator[Rig]:
     server = AdsServer()
     port = loop.run(server.start("127.0.0.1:0"))
     backends = {"a": SseBackend("a"), "b": SseBackend("b")}
+    rig = Rig(loop, server, port, backends, processes, tmp_path)
     try:
-        yield Rig(loop, server, port, backends, processes, tmp_path)
+        yield rig
     finally:
         processes.stop_all()
         for backend in backends.values():
             backend.gate.set()
             backend.close()
-        loop.run(rig_server_stop(loop, server))
+        loop.run(rig.server.stop(0))
         loop.close()
-
-
-async def rig_server_stop(loop: BackgroundLoop, server: AdsServer) -> None:
-    await server.stop(0)
 
 
 def who(port: int, host: str = "127.0.0.1") -> str:
@@ -254,3 +259,30 @@ def test_envoy_keeps_serving_through_a_server_restart_and_takes_the_next_snapsho
     rig.loop.run(rig.server.start(f"127.0.0.1:{rig.xds_port}"))
     assert rig.publish(rig.routed_to("b"))  # Envoy reconnected on its own
     assert who(rig.listen_port) == "b"
+
+
+def test_envoy_is_not_ready_until_its_first_config_arrives(rig):
+    """No snapshot yet: the running Envoy stays initializing and its readiness port
+    does not say ready (Envoy opens listeners only once initialized); then it does."""
+    ready_port = free_port()
+    rig.envoy(ready_port=ready_port, ready=False)
+    deadline = time.monotonic() + 30
+    while status_of(f"http://127.0.0.1:{rig.admin_port}/ready") is None:
+        assert time.monotonic() < deadline, "the admin API never came up"
+        time.sleep(0.05)
+    assert status_of(f"http://127.0.0.1:{rig.admin_port}/ready") == 503
+    assert status_of(f"http://127.0.0.1:{ready_port}/ready") in (None, 503)
+    assert rig.publish(rig.routed_to("a"))
+    assert status_of(f"http://127.0.0.1:{ready_port}/ready") == 200
+    assert who(rig.listen_port) == "a"
+
+
+def status_of(url: str) -> int | None:
+    """The HTTP status ``url`` answers, None when nothing listens."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None

@@ -80,9 +80,8 @@ async def test_one_pass_publishes_the_route_and_writes_what_changed() -> None:
     xds = XdsPublisher(settings)
     await xds.start()
     try:
-        sync = GatewaySync(
-            kube, settings, OperatorSettings(), proxy_config_factory(settings, xds.port)
-        )  # type: ignore[arg-type]
+        factory = proxy_config_factory(settings, xds.port)
+        sync = GatewaySync(kube, settings, OperatorSettings(), factory)  # type: ignore[arg-type]
         controller = GatewayController(settings=settings, sync=sync, xds=xds)
         indexes: Any = world()
         await reconcile_once(controller, indexes)
