@@ -262,18 +262,20 @@ def pods(driver: Driver, app: str) -> list[Pod]:
 
 @contextlib.contextmanager
 def service_unavailable(driver: Driver, name: str, namespace: str = topo.APP_NS) -> Iterator[None]:
-    """GIE: MakeServiceUnavailable — the Service selects nothing until the block ends
-    (its EndpointSlices empty, then refilled)."""
+    """GIE: MakeServiceUnavailable — the Service selects nothing until the block ends.
+    GIE then waits for the Service's EndpointSlices to empty (and refill); this waits for
+    the pods its selector picks, which is what the slices list (on the control-plane
+    driver the slices stay empty: the API refuses loopback endpoint addresses)."""
     service = driver.kube.get("Service", namespace, name)
     assert service is not None, f"Service {namespace}/{name} does not exist"
     selector = dict(service["spec"].get("selector") or {})
     _set_selector(driver, service, {"app": "do-not-match-for-testing"})
     try:
-        _wait_endpoints(driver, namespace, name, lambda n: n == 0)
+        _wait_selected(driver, namespace, name, lambda n: n == 0)
         yield
     finally:
         _set_selector(driver, service, selector)
-        _wait_endpoints(driver, namespace, name, lambda n: n >= 1)
+        _wait_selected(driver, namespace, name, lambda n: n >= 1)
 
 
 def _set_selector(driver: Driver, service: dict[str, Any], selector: dict[str, str]) -> None:
@@ -285,9 +287,10 @@ def _set_selector(driver: Driver, service: dict[str, Any], selector: dict[str, s
     )  # fmt: skip
 
 
-def _wait_endpoints(driver: Driver, namespace: str, name: str, ok: Callable[[int], bool]) -> None:
+def _wait_selected(driver: Driver, namespace: str, name: str, ok: Callable[[int], bool]) -> None:
     def count() -> bool:
-        slices = driver.kube.list("EndpointSlice", namespace, {"kubernetes.io/service-name": name})
-        return ok(sum(len(s.get("endpoints") or []) for s in slices))
+        service = driver.kube.get("Service", namespace, name) or {}
+        selector = (service.get("spec") or {}).get("selector") or {}
+        return ok(len(driver.kube.list("Pod", namespace, selector)) if selector else 0)
 
-    wait_for(count, timeout=driver.settle_timeout, what=f"the endpoints of Service {name}")
+    wait_for(count, timeout=driver.settle_timeout, what=f"the pods Service {name} selects")

@@ -15,8 +15,9 @@ control plane the cluster tier builds, with processes standing in for containers
   reference EPP) and each Gateway's Envoy on the operator's bootstrap.
 * **Gateway addresses**: the operator reports the Gateway Service's ClusterIP; nothing
   here plays kube-proxy, so :meth:`gateway_address` does its job for that one
-  connection: ClusterIP:port → a ready endpoint of the Service's EndpointSlices
-  (``podIP:targetPort``), as the real endpointslice controller wrote them.
+  connection: ClusterIP:port → a ready pod the Service selects, ``podIP:targetPort``.
+  (From the selector: the API server refuses loopback addresses in Endpoints and
+  EndpointSlices, so the endpointslice controller's slices stay empty here.)
 """
 
 from __future__ import annotations
@@ -128,33 +129,22 @@ class ControlPlaneDriver(Driver):
         return target
 
     def _behind_cluster_ip(self, namespace: str, address: str, port: int) -> str | None:
-        service = next(
-            (s for s in self._kube.list("Service", namespace)
-             if (s.get("spec") or {}).get("clusterIP") == address),
-            None,
-        )  # fmt: skip
+        """``podIP:targetPort`` of a ready pod the Service selects, for ClusterIP:port.
+        From the selector, not the EndpointSlices: the API server refuses loopback
+        addresses in endpoints, so here the endpointslice controller's slices stay empty."""
+        services = self._kube.list("Service", namespace)
+        service = next((s for s in services if s["spec"].get("clusterIP") == address), None)
         if service is None:
             return _join(address, port)  # not a ClusterIP: dial it as it is
-        name = next(
-            (
-                p.get("name", "")
-                for p in service["spec"].get("ports") or []
-                if p.get("port") == port
-            ),
-            None,
+        service_port = next(
+            (p for p in service["spec"].get("ports") or [] if p.get("port") == port), None
         )
-        if name is None:
+        if service_port is None:
             return None
-        slices = self._kube.list(
-            "EndpointSlice", namespace, {"kubernetes.io/service-name": service["metadata"]["name"]}
-        )
-        for piece in slices:
-            number = next(
-                (p.get("port") for p in piece.get("ports") or [] if p.get("name", "") == name), None
-            )
-            for endpoint in piece.get("endpoints") or []:
-                if number and (endpoint.get("conditions") or {}).get("ready") is not False:
-                    return _join(endpoint["addresses"][0], int(number))
+        for pod in selected_pods(self._kube, namespace, service["spec"].get("selector") or {}):
+            target = _target_port(pod, service_port.get("targetPort", port))
+            if target:
+                return _join(pod["status"]["podIP"], target)
         return None
 
     def send(self, address: str, request: Request) -> Reply:
@@ -189,6 +179,33 @@ def _status_address(gateway: dict[str, Any] | None) -> tuple[dict[str, Any], str
     for address in ((gateway or {}).get("status") or {}).get("addresses") or []:
         if address.get("type") and address.get("value"):
             return gateway or {}, str(address["value"])
+    return None
+
+
+def selected_pods(kube: KubeApi, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+    """Running, ready, not deleting pods a Service selector picks, by name (what the
+    endpoints controllers would list)."""
+    if not selector:
+        return []
+    pods = []
+    for pod in kube.list("Pod", namespace, selector):
+        status = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if status.get("podIP") and ready and not pod["metadata"].get("deletionTimestamp"):
+            pods.append(pod)
+    return sorted(pods, key=lambda p: str(p["metadata"]["name"]))
+
+
+def _target_port(pod: dict[str, Any], target: Any) -> int | None:
+    if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
+        return int(target)
+    for container in pod["spec"].get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == target:
+                return int(port["containerPort"])
     return None
 
 

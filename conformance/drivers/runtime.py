@@ -36,7 +36,7 @@ import yaml
 from conformance.kube import KubeApi
 from infergate.envoy.binary import find_envoy
 from infergate.procs import ManagedProcess, ProcessGroup
-from infergate.testing.controlplane import Cluster
+from infergate.testing.controlplane import Cluster, ControlPlaneError
 from infergate.testing.pods import (
     container_env,
     expand,
@@ -147,7 +147,18 @@ class PodRuntime:
                 self._stop_pod(key)
             for key, pod in live.items():
                 if key not in self._running and not self._stop.is_set():
-                    self._running[key] = self._start_pod(key, pod)
+                    self._try_start(key, pod)
+
+    def _try_start(self, key: PodKey, pod: Obj) -> None:
+        """Start a pod's containers; one that cannot start yet (a ConfigMap it mounts
+        does not exist yet, as a kubelet would wait for it) is retried on the next sync."""
+        try:
+            self._running[key] = self._start_pod(key, pod)
+        except (AssertionError, ControlPlaneError, OSError) as error:
+            self.errors.append(f"{key.name} not started yet: {error}")
+            for process in [p for p in self.group.processes if key.name in p.name]:
+                process.stop()
+                self.group.processes.remove(process)
 
     def _pods(self) -> Iterator[tuple[PodKey, Obj]]:
         for namespace in self.namespaces:

@@ -63,7 +63,10 @@ def materialize_config_maps(
 def localize(text: str, pod_ip: str, mounts: Mapping[str, Path]) -> str:
     """One argument (or config text) as the process on this machine must see it."""
     for mount_path, folder in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
-        text = text.replace(mount_path, str(folder))
+        # Whole path components only: "/config" is the mount in "/config/config.yaml"
+        # once, never inside "config.yaml".
+        pattern = r"(?<![\w.-])" + re.escape(mount_path.rstrip("/")) + r"(?=/|$|[\s\"',])"
+        text = re.sub(pattern, str(folder).replace("\\", "\\\\"), text)
     return _LOCAL_ADDRESS.sub(pod_ip, text)
 
 
