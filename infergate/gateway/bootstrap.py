@@ -40,14 +40,19 @@ from typing import Any
 from infergate.gateway.xds import BIND_ADDRESS_KEY
 
 XDS_CLUSTER = "infergate_xds"
+ADMIN_CLUSTER = "infergate_admin"
 NODE_CLUSTER = "infergate-gateway"
 POD_IP_ARG = "$(POD_IP)"
-"""Kubernetes expands it in args from a ``POD_IP`` env var (downward API status.podIP)."""
+"""Kubernetes expands it in args from the container's ``POD_IP`` env var (:data:`POD_IP_ENV`)."""
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+"""The container env entry (downward API) that :data:`POD_IP_ARG` needs."""
 DRAIN_TIME_S = 600
 """How long streams on a modified or removed listener may run: a long generation."""
 
 _T = "type.googleapis.com/envoy."
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
+_HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _DOWNSTREAM_CONNECTIONS = (
     _T + "extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
 )
@@ -73,11 +78,17 @@ class GatewayProxy:
     reconnect_base_s: float = 0.25
     reconnect_max_s: float = 5.0
     max_downstream_connections: int = 50_000
+    ready_port: int | None = None
+    """A listener that answers ``GET /ready`` from the admin API, for the kubelet's
+    readiness probe (the admin API itself stays on loopback or a socket)."""
+    ready_address: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if not self.node_id:
             raise ValueError("node_id must not be empty")
-        for name in ("xds_port", "admin_port"):
+        if self.ready_port is not None and _admin(self) is None:
+            raise ValueError("ready_port needs the admin API (admin_port or admin_socket)")
+        for name in ("xds_port", "admin_port", "ready_port"):
             port = getattr(self, name)
             if port is not None and not 0 < port < 65536:
                 raise ValueError(f"{name} out of range: {port}")
@@ -118,7 +129,21 @@ def build_gateway_bootstrap(proxy: GatewayProxy) -> dict[str, Any]:
     admin = _admin(proxy)
     if admin is not None:
         bootstrap["admin"] = admin
+    if proxy.ready_port is not None:
+        assert admin is not None  # checked in GatewayProxy
+        static = bootstrap["static_resources"]
+        static["clusters"].append(_admin_cluster(admin["address"]))
+        static["listeners"] = [_ready_listener(proxy.ready_address, proxy.ready_port)]
     return bootstrap
+
+
+def render_gateway_bootstrap(proxy: GatewayProxy) -> str:
+    """The bootstrap as JSON text (for a ``bootstrap.json`` file or ConfigMap key).
+
+    JSON, not YAML: Envoy reads YAML 1.1, where a bare ``n``, ``y`` or ``off`` is a
+    boolean, so a node id or a name that happens to spell one would not survive a YAML
+    dump that only quotes what PyYAML's own resolver considers special."""
+    return json.dumps(build_gateway_bootstrap(proxy), indent=2, sort_keys=True)
 
 
 def gateway_proxy_args(
@@ -180,6 +205,51 @@ def _xds_cluster(proxy: GatewayProxy) -> dict[str, Any]:
         # The kernel notices a peer that vanished (no RST) too, even between pings.
         "upstream_connection_options": {
             "tcp_keepalive": {"keepalive_time": 30, "keepalive_interval": 5, "keepalive_probes": 3}
+        },
+    }
+
+
+def _ready_listener(address: str, port: int) -> dict[str, Any]:
+    """``/ready`` proxied to the admin API, 404 for anything else.
+
+    Envoy opens listeners only once initialized, i.e. once CDS and LDS answered: until
+    then the probe's connection is refused; afterwards the admin's answer follows
+    Envoy's state (503 while it drains for shutdown, after ``POST /healthcheck/fail``).
+
+    ``enable_reuse_port: false``: two proxies sharing a network namespace by mistake
+    fail to bind instead of answering each other's probes."""
+    routes = [
+        {"match": {"path": "/ready"}, "route": {"cluster": ADMIN_CLUSTER}},
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+    ]
+    hcm = {
+        "@type": _HCM,
+        "stat_prefix": "infergate_ready",
+        "route_config": {"virtual_hosts": [{"name": "ready", "domains": ["*"], "routes": routes}]},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+    }
+    return {
+        "name": "infergate_ready",
+        "address": _socket(address, port),
+        "enable_reuse_port": False,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+def _admin_cluster(address: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": ADMIN_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": ADMIN_CLUSTER,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
         },
     }
 

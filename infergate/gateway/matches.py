@@ -13,6 +13,7 @@ RegularExpression path ranks after Exact and before PathPrefix, longer patterns 
 from __future__ import annotations
 
 import re
+import re._parser as _sre_parser  # the stdlib's own regex parser, for the size estimate
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,11 @@ _INLINE_FLAGS = re.compile(r"\(\?([A-Za-z-]+)[:)]")
 _DURATION = re.compile(r"^([0-9]{1,5}(h|ms|m|s)){1,4}$")
 _DURATION_PART = re.compile(r"([0-9]{1,5})(h|ms|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+REGEX_PROGRAM_LIMIT = 20000
+"""Regexes estimated above this many RE2 steps are refused (a condition, not a NACK):
+far below what RE2's memory budget can compile. Envoy's own default limit is 100, so
+the Gateway's Envoy must raise ``re2.max_program_size.error_level`` (see
+:data:`infergate.gateway.static.GATEWAY_RUNTIME`)."""
 
 
 class Invalid(ValueError):
@@ -122,9 +128,34 @@ def check_regex(pattern: str) -> str:
         raise Invalid("control characters in regular expression")
     try:
         re.compile(pattern)
+        size = _program_size(_sre_parser.parse(pattern))
     except (re.error, OverflowError, RecursionError) as error:
         raise Invalid(f"invalid regular expression {pattern!r}: {error}") from None
+    if size > REGEX_PROGRAM_LIMIT:
+        raise Invalid(f"regular expression {pattern!r} is too large (about {size} RE2 steps)")
     return pattern
+
+
+def _program_size(parsed: Any) -> int:
+    """A generous estimate of RE2's program size for a parsed pattern: bounded repeats
+    are unrolled (as RE2 does), a character class costs one step per range."""
+    total = 0
+    for op, arg in parsed:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, sub = arg
+            body = _program_size(sub) + 1
+            copies = low + 1 if high == _sre_parser.MAXREPEAT else max(high, 1)
+            total += body * copies
+        elif name == "SUBPATTERN":
+            total += _program_size(arg[-1]) + 2
+        elif name == "BRANCH":
+            total += sum(_program_size(b) + 1 for b in arg[1])
+        elif name == "IN":
+            total += len(arg) + 1
+        else:
+            total += 1
+    return total
 
 
 def check_header_name(name: Any) -> str:

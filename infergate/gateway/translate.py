@@ -4,8 +4,8 @@
 operator calls it on every change with everything it watches, publishes the snapshots
 on the ADS server and writes the statuses. It implements Gateway API v1 (standard
 channel: GatewayClass, Gateway with HTTP listeners, HTTPRoute, ReferenceGrant) with
-InferencePool (GIE v1) and core Service backends; see docs/gateway.md for what is
-covered. Bad input becomes status conditions, never an exception, and a request is never
+InferencePool (GIE v1) and core Service backends; the modules beside this one say what
+each part covers. Bad input becomes status conditions, never an exception, and a request is never
 sent to a pool its route did not name.
 
 Output conventions:
@@ -15,6 +15,10 @@ Output conventions:
 * ``route_parents`` / ``pool_parents``: an entry for *every* HTTPRoute / InferencePool
   handed in — empty when none of our Gateways is involved — so the writer drops stale
   entries of this controller.
+* Resources may share sub-objects (one ext_proc override serves every route to its
+  pool): treat a Translation as immutable.
+* ``lastTransitionTime`` is carried over from each object's current status when a
+  condition keeps its status, so an unchanged cluster translates to unchanged statuses.
 """
 
 from __future__ import annotations

@@ -328,6 +328,8 @@ class _Node:
     target: Mapping[str, Resources] | None = None
     error: str | None = None
     streams: set[_Stream] = field(default_factory=set)
+    sequence: int = -1
+    versions: dict[str, str] = field(default_factory=dict)
 
 
 class AdsServer:
@@ -356,6 +358,7 @@ class AdsServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: Any = None
         self._lock = threading.Lock()
+        self._sequence = itertools.count()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -402,25 +405,29 @@ class AdsServer:
         Returns False, logs why and keeps the previous snapshot when a resource is not
         valid Envoy config. A snapshot with the same versions as the current one changes
         nothing and sends nothing."""
-        current = self._node_snapshot(node_id)
-        if current is not None and _versions(current) == _versions(snapshot):
-            self._call(self._clear_error, node_id)
+        # Numbered on entry: of two racing calls the later one wins, not the one whose
+        # conversion happened to finish last.
+        sequence = next(self._sequence)
+        node = self._nodes.get(node_id)
+        if node is not None and node.versions and node.versions == _versions(snapshot):
+            self._submit(sequence, self._clear_error, node_id)
             return True
         try:
             target = compile_snapshot(snapshot)
         except SnapshotError as error:
             log.error("snapshot for %s refused, keeping the previous one: %s", node_id, error)
-            self._call(self._set_error, node_id, str(error))
+            self._submit(sequence, self._set_error, node_id, str(error))
             return False
-        self._call(self._install, node_id, snapshot, target)
+        self._submit(sequence, self._install, node_id, snapshot, target)
         return True
 
     def remove_snapshot(self, node_id: str) -> None:
         """Forget ``node_id`` (its Gateway is gone); connected proxies keep their config."""
-        self._call(self._remove, node_id)
+        self._submit(next(self._sequence), self._remove, node_id)
 
     def snapshot(self, node_id: str) -> Snapshot | None:
-        return self._node_snapshot(node_id)
+        node = self._nodes.get(node_id)
+        return node.snapshot if node is not None else None
 
     # -- what the proxies have ---------------------------------------------------------
 
@@ -462,6 +469,20 @@ class AdsServer:
 
     # -- on the loop -------------------------------------------------------------------
 
+    def _submit(
+        self, sequence: int, function: Callable[..., None], node_id: str, *args: Any
+    ) -> None:
+        """``function(node_id, *args)`` on the loop, unless a later call already landed."""
+
+        def apply() -> None:
+            node = self._nodes.setdefault(node_id, _Node())
+            if sequence < node.sequence:
+                return
+            node.sequence = sequence
+            function(node_id, *args)
+
+        self._call(apply)
+
     def _call(self, function: Callable[..., None], *args: Any) -> None:
         """Run ``function`` on the server's loop (now, when already on it or not started)."""
         loop = self._loop
@@ -478,20 +499,17 @@ class AdsServer:
         else:
             loop.call_soon_threadsafe(function, *args)
 
-    def _node_snapshot(self, node_id: str) -> Snapshot | None:
-        node = self._nodes.get(node_id)
-        return node.snapshot if node is not None else None
-
     def _install(self, node_id: str, snapshot: Snapshot, target: Mapping[str, Resources]) -> None:
-        node = self._nodes.setdefault(node_id, _Node())
+        node = self._nodes[node_id]
         node.snapshot, node.target, node.error = snapshot, target, None
+        node.versions = {type_url: resources.version for type_url, resources in target.items()}
         for stream in node.streams:
             stream.retarget(target)
             stream.wake.set()
         self._publish(node_id)
 
     def _set_error(self, node_id: str, error: str) -> None:
-        self._nodes.setdefault(node_id, _Node()).error = error
+        self._nodes[node_id].error = error
         self._publish(node_id)
 
     def _clear_error(self, node_id: str) -> None:
@@ -505,6 +523,7 @@ class AdsServer:
         if node is None:
             return
         node.snapshot = node.target = node.error = None
+        node.versions = {}
         if not node.streams:
             del self._nodes[node_id]
         self._publish(node_id)
@@ -637,14 +656,9 @@ def _node_status(node: _Node | None) -> NodeStatus:
     if node is None:
         return NodeStatus()
     streams = list(node.streams)
-    target = (
-        {type_url: resources.version for type_url, resources in node.target.items()}
-        if node.target is not None
-        else {}
-    )
     return NodeStatus(
         replicas=len(streams),
-        target=target,
+        target=dict(node.versions),
         acked=_agreed([stream.acked() for stream in streams]),
         applied=bool(streams) and all(stream.applied() for stream in streams),
         rejected=any(stream.failed and stream.target is node.target for stream in streams),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,8 +20,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from infergate.envoy.binary import find_envoy
-from infergate.envoy.process import write_config
-from infergate.gateway.bootstrap import GatewayProxy, build_gateway_bootstrap, gateway_proxy_args
+from infergate.gateway.bootstrap import GatewayProxy, gateway_proxy_args, render_gateway_bootstrap
 from infergate.gateway.types import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -46,11 +46,15 @@ DONE_EVENT = b"data: [DONE]\n\n"
 
 class SseBackend:
     """An HTTP/1.1 server named ``name``: ``GET /sse?events=N&interval_ms=M`` streams N
-    SSE events then ``[DONE]``; any other path answers ``{"backend": name}``."""
+    SSE events then ``[DONE]``; any other path answers ``{"backend": name}``.
+
+    With ``&hold=1`` the stream stops after its first event until :attr:`gate` is set,
+    so a test knows a stream is in flight across a config change, without timing it."""
 
     def __init__(self, name: str, host: str = "127.0.0.1") -> None:
         self.name = name
-        self._server = ThreadingHTTPServer((host, 0), _handler(name))
+        self.gate = threading.Event()
+        self._server = _QuietServer((host, 0), _handler(name, self.gate))
         self._server.daemon_threads = True
         self.host = host
         self.port = int(self._server.server_address[1])
@@ -62,9 +66,26 @@ class SseBackend:
         self._server.server_close()
 
 
-def _handler(name: str) -> type[BaseHTTPRequestHandler]:
+class _QuietServer(ThreadingHTTPServer):
+    """A client that hangs up mid-stream (a cut stream, what the tests look for) is
+    not an error of the backend: no traceback on stderr.
+
+    A listen backlog like a real server's: a cluster Envoy re-creates opens all its
+    connections at once, and socketserver's default of 5 would drop SYNs (each then
+    costing a 1 s retransmit) and blame the config change for a backend limit."""
+
+    request_queue_size = 1024
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+
+def _handler(name: str, gate: threading.Event) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # Headers and body go out in separate writes: with Nagle on, the body would wait
+        # for the proxy's delayed ACK (~40 ms) and every answer would look that slow.
+        disable_nagle_algorithm = True
 
         def do_GET(self) -> None:
             url = urlsplit(self.path)
@@ -72,7 +93,7 @@ def _handler(name: str) -> type[BaseHTTPRequestHandler]:
                 query = parse_qs(url.query)
                 events = int(query.get("events", ["10"])[0])
                 interval = int(query.get("interval_ms", ["20"])[0]) / 1000
-                self._stream(events, interval)
+                self._stream(events, interval, hold=query.get("hold") == ["1"])
             else:
                 body = json.dumps({"backend": name}).encode()
                 self.send_response(200)
@@ -81,14 +102,17 @@ def _handler(name: str) -> type[BaseHTTPRequestHandler]:
                 self.end_headers()
                 self.wfile.write(body)
 
-        def _stream(self, events: int, interval: float) -> None:
+        def _stream(self, events: int, interval: float, hold: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             for index in range(events):
                 self._chunk(f"data: {json.dumps({'backend': name, 'i': index})}\n\n".encode())
-                threading.Event().wait(interval)
+                if hold and index == 0:
+                    gate.wait(60)
+                else:
+                    time.sleep(interval)
             self._chunk(DONE_EVENT)
             self.wfile.write(b"0\r\n\r\n")
 
@@ -120,11 +144,14 @@ def check_sse(body: bytes, events: int) -> str | None:
 
 
 def eds_cluster(name: str, *, connect_timeout: str = "1s") -> Obj:
+    """An EDS cluster over ADS that waits for its endpoints forever (no initial fetch
+    timeout): a server that failed to answer a warming cluster would hang a test instead
+    of passing 15 s later on Envoy's default timeout."""
     return {
         "name": name,
         "type": "EDS",
         "connect_timeout": connect_timeout,
-        "eds_cluster_config": {"eds_config": _ADS},
+        "eds_cluster_config": {"eds_config": {**_ADS, "initial_fetch_timeout": "0s"}},
     }
 
 
@@ -233,14 +260,21 @@ def start_gateway_envoy(
     xds_port: int,
     admin_port: int,
     bind_address: str | None = None,
+    ready_port: int | None = None,
     timeout: float = 60.0,
     ready: bool = True,
 ) -> ManagedProcess:
     """A Gateway Envoy on this machine; with ``ready``, waits until it has its config."""
     proxy = GatewayProxy(
-        node_id=node_id, xds_host="127.0.0.1", xds_port=xds_port, admin_port=admin_port
+        node_id=node_id,
+        xds_host="127.0.0.1",
+        xds_port=xds_port,
+        admin_port=admin_port,
+        ready_port=ready_port,
+        ready_address="127.0.0.1",
     )
-    path = write_config(build_gateway_bootstrap(proxy), workdir / f"{name}.yaml")
+    path = workdir / f"{name}.json"
+    path.write_text(render_gateway_bootstrap(proxy))
     argv = [
         str(find_envoy()),
         *gateway_proxy_args(

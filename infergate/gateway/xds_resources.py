@@ -116,7 +116,7 @@ def merge(old: Resources | None, new: Resources) -> Resources:
     order = [*old.dicts, *(name for name in new.dicts if name not in old.dicts)]
 
     def pick(name: str) -> Resources:
-        return new if name in new.dicts else old  # type: ignore[return-value]
+        return new if name in new.dicts or old is None else old
 
     dicts = {name: pick(name).dicts[name] for name in order}
     version = Snapshot({new.type_url: tuple(dicts.values())}).version(new.type_url)

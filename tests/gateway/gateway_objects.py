@@ -299,3 +299,28 @@ def world(**overrides: Any) -> ClusterObjects:
     }
     objects.update(overrides)
     return ClusterObjects(**objects)
+
+
+# --- reading a Translation -------------------------------------------------------------
+
+
+def conditions(entry: Obj) -> dict[str, tuple[str, str]]:
+    """type → (status, reason) of a status entry's conditions."""
+    return {c["type"]: (c["status"], c["reason"]) for c in entry["conditions"]}
+
+
+def snapshot_resources(snapshot: Any, type_url: str) -> dict[str, Obj]:
+    """A snapshot's resources of one type by name."""
+    return {r.get("name") or r["cluster_name"]: r for r in snapshot.resources[type_url]}
+
+
+def virtual_hosts(snapshot: Any, port: int = 80) -> dict[str, list[Obj]]:
+    """domain → routes, for one port's route table."""
+    from infergate.gateway.types import ROUTE_TYPE
+
+    table = snapshot_resources(snapshot, ROUTE_TYPE)[f"http-{port}"]
+    return {d: v["routes"] for v in table["virtual_hosts"] for d in v["domains"]}
+
+
+def route_names(routes: list[Obj]) -> list[str]:
+    return [r["name"] for r in routes]
