@@ -41,6 +41,11 @@ GROUP = "gateway.networking.k8s.io"
 CONTROLLER = "infergate.io/gateway-controller"
 CLASS = "infergate"
 Obj = dict[str, Any]
+CRDS = [
+    f"{plural}.{GROUP}"
+    for plural in ("gatewayclasses", "gateways", "httproutes", "referencegrants")
+]
+CRDS.append(f"inferencepools.{c.POOL_GROUP}")
 
 
 @dataclass
@@ -52,8 +57,9 @@ class GatewayEnv:
     xds_port: int
     processes: ProcessGroup
 
-    def apply(self, *objs: Obj) -> None:
-        self.cluster.kubectl("apply", "-f", "-", stdin="\n---\n".join(json.dumps(o) for o in objs))
+    def apply(self, *objs: Obj, namespace: str | None = None) -> None:
+        stdin = "\n---\n".join(json.dumps(o) for o in objs)
+        self.cluster.kubectl("apply", "-n", namespace or self.ns, "-f", "-", stdin=stdin)
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> Obj:
         return self.cluster.get(kind, name, namespace or self.ns) or {}
@@ -71,6 +77,10 @@ def gw(cluster: Cluster, infergate_cli: list[str]) -> Iterator[GatewayEnv]:
         "--set", f"operator.watchNamespaces={{{ns},{other}}}",
         "--set", "gateway.serviceType=ClusterIP",
     )  # fmt: skip
+    # kopf reads the served resources once at start: the CRDs Helm just created must be
+    # served by then (an operator pod starts long after them; a local process does not).
+    for crd in CRDS:
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
     processes = ProcessGroup()
     try:
         kubeconfig = cluster.service_account_kubeconfig(ns, "ig-infergate")
@@ -382,7 +392,7 @@ def test_a_route_to_an_unsupported_kind_is_invalid_kind(gw: GatewayEnv) -> None:
 def test_a_cross_namespace_service_needs_a_reference_grant(gw: GatewayEnv) -> None:
     name, backend = unique("gw"), unique("echo")
     accepted_gateway(gw, name)
-    gw.cluster.kubectl("apply", "-n", gw.other, "-f", "-", stdin=json.dumps(service(backend, 8080)))
+    gw.apply(service(backend, 8080), namespace=gw.other)
     body = route(unique("r"), name, service_ref(backend, 8080, namespace=gw.other))
     gw.apply(body)
     parent = functools.partial(route_parent, gw, body["metadata"]["name"], name)
@@ -390,13 +400,13 @@ def test_a_cross_namespace_service_needs_a_reference_grant(gw: GatewayEnv) -> No
     grant: Obj = {
         "apiVersion": f"{GROUP}/v1beta1",
         "kind": "ReferenceGrant",
-        "metadata": {"name": unique("grant"), "namespace": gw.other},
+        "metadata": {"name": unique("grant")},
         "spec": {
             "from": [{"group": GROUP, "kind": "HTTPRoute", "namespace": gw.ns}],
             "to": [{"group": "", "kind": "Service", "name": backend}],
         },
     }
-    gw.apply(grant)
+    gw.apply(grant, namespace=gw.other)
     wait_for(has(parent, ResolvedRefs="True"), "resolved once the grant exists")
     gw.cluster.kubectl("delete", "referencegrant", grant["metadata"]["name"], "-n", gw.other)
     wait_for(has(parent, ResolvedRefs="False/RefNotPermitted"), "RefNotPermitted again")
