@@ -76,6 +76,10 @@ class LocalRig:
     """ADS server + one Envoy (concurrency 1) + two SSE backends, all on this machine."""
 
     events: int
+    keep_clusters: bool = False
+    """Keep both backends' clusters in every snapshot; by default a snapshot has only the
+    routed backend's cluster, as a translator emits, so each flip also adds one cluster
+    and removes another (the make-before-break path)."""
     backends: tuple[str, str] = ("a", "b")
     group: ProcessGroup = field(default_factory=ProcessGroup)
     loop: BackgroundLoop = field(default_factory=BackgroundLoop)
@@ -99,7 +103,8 @@ class LocalRig:
         return f"http://127.0.0.1:{self.listen_port}"
 
     def _snapshot(self, to: str) -> Any:
-        return route_snapshot(self.listen_port, self._servers, to)
+        servers = self._servers if self.keep_clusters else {to: self._servers[to]}
+        return route_snapshot(self.listen_port, servers, to)
 
     async def change(self, to: str) -> None:
         self._changed_at = time.perf_counter()
@@ -256,10 +261,16 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=10, help="SSE events per stream")
     parser.add_argument("--interval-ms", type=int, default=30, help="between SSE events")
     parser.add_argument("--spacing-s", type=float, default=0.5, help="between flips in (b)")
+    parser.add_argument(
+        "--keep-clusters",
+        action="store_true",
+        help="local rig: flips change only the route (default: each flip also swaps clusters)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gw-route-bench-") as workdir:
-        rig = LocalRig(events=args.events).start(Path(workdir))
+        rig = LocalRig(events=args.events, keep_clusters=args.keep_clusters)
+        rig.start(Path(workdir))
         try:
             result = asyncio.run(run(rig, args))
         finally:

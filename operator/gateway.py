@@ -161,11 +161,8 @@ def gw_namespaces(body: kopf.Body, name: str, **_: Any) -> Any:
 
 @kopf.index("apps", "v1", "deployments", labels=_PROXY_LABELS)
 def gw_proxy_deployments(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> Any:
-    return _keyed(
-        namespace,
-        name,
-        _trimmed(body, ("replicas",), ("availableReplicas", "observedGeneration", "replicas")),
-    )
+    """Whole (one per Gateway): the sync compares the desired spec with the live one."""
+    return _keyed(namespace, name, _plain(body))
 
 
 INDEXES = (

@@ -19,7 +19,7 @@ never exists, so Envoy answers its share of requests with 500 as the spec asks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,13 @@ class Pool:
         return [accepted, resolved]
 
 
+@dataclass(frozen=True)
+class _ReadyPod:
+    ip: str
+    labels: Mapping[str, str]
+    obj: Obj
+
+
 @dataclass
 class Resources:
     """A cluster and its ClusterLoadAssignment (every cluster here is EDS)."""
@@ -131,9 +138,26 @@ class Catalog:
     def __post_init__(self) -> None:
         self.services = index(self.objects.services)
         self.pool_objects = index(self.objects.inference_pools)
-        self.pods: dict[str, list[Obj]] = {}
+        # Ready pods, read once, indexed by (namespace, label, value): selecting a pool's
+        # or a Service's pods costs the size of its smallest label bucket, not the fleet.
+        self._by_label: dict[tuple[str, str, str], list[_ReadyPod]] = {}
         for pod in self.objects.pods:
-            self.pods.setdefault(meta(pod).namespace, []).append(pod)
+            ip = pod_ready_ip(pod)
+            if ip is None:
+                continue
+            m = meta(pod)
+            ready = _ReadyPod(ip, m.labels, pod)
+            for label, value in m.labels.items():
+                self._by_label.setdefault((m.namespace, label, value), []).append(ready)
+
+    def _select(self, namespace: str, selector: dict[str, str]) -> list[_ReadyPod]:
+        """Ready pods of ``namespace`` whose labels include all of ``selector`` (an empty
+        selector selects nothing: neither a pool nor a Service selects a whole namespace)."""
+        if not selector:
+            return []
+        buckets = [self._by_label.get((namespace, k, v), []) for k, v in selector.items()]
+        smallest = min(buckets, key=len)
+        return [p for p in smallest if all(p.labels.get(k) == v for k, v in selector.items())]
 
     # --- backendRefs -------------------------------------------------------------
 
@@ -306,13 +330,7 @@ class Catalog:
                 if n is not None and valid_port(n)
             }
         )
-        if not wanted:
-            return []
-        out: set[tuple[str, int]] = set()
-        for pod in self.pods.get(namespace, ()):
-            ip = pod_ready_ip(pod)
-            if ip and all(meta(pod).labels.get(k) == v for k, v in wanted.items()):
-                out.update((ip, port) for port in ports)
+        out = {(pod.ip, port) for pod in self._select(namespace, wanted) for port in ports}
         return sorted(out)
 
     # --- Services ----------------------------------------------------------------
@@ -322,18 +340,14 @@ class Catalog:
     ) -> list[tuple[str, int]]:
         """Ready pods behind a Service's selector, at the port's targetPort (named
         targetPorts resolved per pod)."""
+        # A Service without a selector (hand-made Endpoints) is not followed: no pods.
         selector = str_map(as_dict(service.get("spec")).get("selector"))
-        if not selector:
-            return []  # Services without selectors (hand-made Endpoints) are not followed.
         target = service_port.get("targetPort", service_port.get("port"))
         out: set[tuple[str, int]] = set()
-        for pod in self.pods.get(meta(service).namespace, ()):
-            ip = pod_ready_ip(pod)
-            if not ip or any(meta(pod).labels.get(k) != v for k, v in selector.items()):
-                continue
-            port = _target_port(pod, target)
+        for pod in self._select(meta(service).namespace, selector):
+            port = _target_port(pod.obj, target)
             if port is not None:
-                out.add((ip, port))
+                out.add((pod.ip, port))
         return sorted(out)
 
     # --- clusters ----------------------------------------------------------------

@@ -46,6 +46,17 @@ def covers(pattern: str, hostname: str) -> bool:
     return name.endswith(suffix) and len(name) > len(suffix)
 
 
+def covering(hostname: str) -> list[str]:
+    """Every hostname that :func:`covers` ``hostname``: itself, the wildcards of its
+    parent domains, and ``ANY`` (so lookups need not scan every hostname)."""
+    name = hostname[1:] if is_wildcard(hostname) else hostname
+    out = [hostname, ANY]
+    for i, ch in enumerate(name):
+        if ch == "." and i > 0:
+            out.append("*" + name[i:])
+    return out
+
+
 def intersect(listener: str, route: str) -> str | None:
     """The hostnames both stand for, as one hostname (the more specific), or None."""
     if covers(listener, route):

@@ -14,7 +14,6 @@ rule and match order.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,14 +211,17 @@ def route_configuration(
 ) -> Obj:
     """One port's RouteConfiguration: a virtual host per hostname, each holding the
     rules of the listener that hostname belongs to (listener isolation)."""
-    domains = {a_host for a in attachments for a_host in a.hostnames}
-    domains.update(x.hostname for x in listeners)
+    by_hostname: dict[str, list[Attachment]] = {}
+    for att in attachments:
+        for host in att.hostnames:
+            by_hostname.setdefault(host, []).append(att)
+    domains = set(by_hostname) | {x.hostname for x in listeners}
     virtual_hosts = []
     for domain in sorted(domains, key=lambda d: (hostnames.specificity(d), d), reverse=True):
         owner = _owning_listener(domain, listeners)
         if owner is None:
             continue
-        entries = _vhost_entries(domain, owner, attachments)
+        entries = _vhost_entries(domain, owner, by_hostname)
         routes = [
             _envoy_route(att.route, rule, j, m, port, options) for _, att, rule, j, m in entries
         ]
@@ -233,17 +235,16 @@ def _owning_listener(domain: str, listeners: list[Listener]) -> str | None:
     return max(covering, key=hostnames.specificity) if covering else None
 
 
-def _vhost_entries(domain: str, owner: str, attachments: list[Attachment]) -> list[Any]:
+def _vhost_entries(domain: str, owner: str, by_hostname: dict[str, list[Attachment]]) -> list[Any]:
     """(sort key, attachment, rule, match index, match) for every rule match served at
     ``domain``, in Gateway API precedence order."""
     entries = []
     seen = set()
-    for att in attachments:
+    candidates = {id(a): a for h in hostnames.covering(domain) for a in by_hostname.get(h, ())}
+    for att in candidates.values():
         if att.listener.hostname != owner:
             continue
         covering = [h for h in att.hostnames if hostnames.covers(h, domain)]
-        if not covering:
-            continue
         host_rank = max(hostnames.route_precedence(h) for h in covering)
         m = att.route.meta
         for rule in att.route.rules:
@@ -271,7 +272,7 @@ def _envoy_route(
     m = route.meta
     out: Obj = {
         "name": f"{m.namespace}/{m.name}/rule/{rule.index}/match/{j}",
-        "match": copy.deepcopy(match.envoy),
+        "match": match.envoy,
     }
     if rule.problem is not None:
         out["direct_response"] = {"status": 500}
@@ -313,7 +314,7 @@ def _route_action(rule: Rule, options: TranslateOptions, route: Obj) -> Obj | No
     if rule.backend_timeout is not None:
         retry = action.setdefault("retry_policy", {"num_retries": 0})
         retry["per_try_timeout"] = envoy.duration(rule.backend_timeout)
-    action.update(copy.deepcopy(rule.filters.rewrite))
+    action.update(rule.filters.rewrite)
     if rule.filters.headers.host is not None:
         action["host_rewrite_literal"] = rule.filters.headers.host
     return action
@@ -332,7 +333,7 @@ def _served_extras(backend: Backend, target: Obj) -> None:
     """For a pool behind an EPP: the ext_proc override, and the served endpoint back."""
     if backend.ext_proc is None:
         return
-    target["typed_per_filter_config"] = {EXT_PROC_FILTER: copy.deepcopy(backend.ext_proc)}
+    target["typed_per_filter_config"] = {EXT_PROC_FILTER: backend.ext_proc}
     served = envoy.header_value_option(SERVED_HEADER, "%UPSTREAM_HOST%")
     target["response_headers_to_add"] = [*target.get("response_headers_to_add", []), served]
 

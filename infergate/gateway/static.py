@@ -21,7 +21,6 @@ from infergate.gateway.types import (
     Snapshot,
 )
 
-
 GATEWAY_RUNTIME: dict[str, Any] = {
     # Envoy refuses a regex whose RE2 program exceeds 100 steps unless told otherwise;
     # the translator bounds regexes itself (matches.REGEX_PROGRAM_LIMIT), so a Gateway's

@@ -15,6 +15,10 @@ Output conventions:
 * ``route_parents`` / ``pool_parents``: an entry for *every* HTTPRoute / InferencePool
   handed in — empty when none of our Gateways is involved — so the writer drops stale
   entries of this controller.
+* Resources may share sub-objects (one ext_proc override serves every route to its
+  pool): treat a Translation as immutable.
+* ``lastTransitionTime`` is carried over from each object's current status when a
+  condition keeps its status, so an unchanged cluster translates to unchanged statuses.
 """
 
 from __future__ import annotations

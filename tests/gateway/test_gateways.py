@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from gateway_objects import (
     APPS,
     INFRA,
@@ -238,3 +239,17 @@ def test_listeners_do_not_change_when_routes_do() -> None:
     assert a.snapshots[GW].resources[LISTENER_TYPE] == b.snapshots[GW].resources[LISTENER_TYPE]
     assert a.snapshots[GW].version(LISTENER_TYPE) == b.snapshots[GW].version(LISTENER_TYPE)
     assert a.snapshots[GW].version(ROUTE_TYPE) != b.snapshots[GW].version(ROUTE_TYPE)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"epp_health_check": "http"},
+        {"pool_without_epp": "guess"},
+        {"route_timeout_s": 0},
+        {"fallback_retries": -1},
+    ],
+)
+def test_bad_options_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        TranslateOptions(**bad)

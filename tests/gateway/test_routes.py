@@ -234,6 +234,9 @@ def test_precedence_across_routes() -> None:
         "apps/young/rule/0/match/0",
         "apps/mix/rule/0/match/0",  # "/"
     ]
+    # Routes that overlap are all accepted: precedence, not rejection, settles it.
+    for name in ("young", "b-old", "a-old", "mix"):
+        assert parent_conditions(t, name)["Accepted"] == ("True", "Accepted")
 
 
 def test_exact_hostname_routes_win_over_wildcard_ones() -> None:

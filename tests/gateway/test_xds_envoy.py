@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -206,6 +207,43 @@ def test_a_stream_in_flight_survives_a_listener_change(rig):
     assert who(rig.listen_port) == "b"
     rig.backends["a"].gate.set()
     assert stream.finish() == "a"
+
+
+def test_requests_never_fail_while_routes_move_between_clusters_that_come_and_go(rig):
+    """Each change routes to the other backend through a cluster the previous snapshot
+    did not have, and drops the old one: clients polling meanwhile never see an error
+    (without make-before-break, some get 503 cluster_not_found)."""
+    rig.server.set_snapshot(NODE, only(rig, "a"))
+    rig.envoy()
+    assert rig.loop.run(rig.server.wait_acked(NODE, timeout=30))
+    stop = threading.Event()
+    answers: list[str] = []
+    failures: list[BaseException] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                answers.append(who(rig.listen_port))
+            except Exception as error:
+                failures.append(error)
+
+    pollers = [threading.Thread(target=poll) for _ in range(2)]
+    for poller in pollers:
+        poller.start()
+    try:
+        for index in range(20):
+            assert rig.publish(only(rig, "ba"[index % 2]))
+    finally:
+        stop.set()
+        for poller in pollers:
+            poller.join()
+    assert not failures
+    assert set(answers) == {"a", "b"}
+
+
+def only(rig: Rig, backend: str) -> Snapshot:
+    """Everything routed to ``backend``, whose cluster is the only one."""
+    return route_snapshot(rig.listen_port, {backend: rig.backends[backend]}, backend)
 
 
 def test_a_nacked_snapshot_leaves_the_previous_config_serving(rig):

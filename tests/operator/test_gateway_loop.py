@@ -7,7 +7,14 @@ import asyncio
 from typing import Any
 
 from infergate.gateway.types import GATEWAY_CONTROLLER_NAME, ROUTE_TYPE
-from infergate.operator.gateway import INDEXES, GatewayController, collect, reconcile_once
+from infergate.operator.gateway import (
+    INDEXES,
+    GatewayController,
+    collect,
+    gw_proxy_deployments,
+    gw_services,
+    reconcile_once,
+)
 from infergate.operator.gateway_sync import GatewaySync
 from infergate.operator.gateway_xds import XdsPublisher, proxy_config_factory
 from infergate.operator.settings import GatewaySettings, OperatorSettings
@@ -104,5 +111,17 @@ async def test_one_pass_publishes_the_route_and_writes_what_changed() -> None:
         kube.calls.clear()
         await reconcile_once(controller, indexes)
         assert [c for c in kube.calls if not c.startswith("get")] == []
+        # The watches show the proxy objects as applied (through the real index functions):
+        # with the in-flight memory forgotten, they are compared and left alone.
+        for (kind, namespace, name), obj in kube.live.items():
+            index = {"Deployment": gw_proxy_deployments, "Service": gw_services}.get(kind)
+            if index is not None:
+                live = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "7"}}
+                entry = index(body=live, namespace=namespace, name=name)
+                indexes[index.__name__].update({k: [v] for k, v in entry.items()})
+        controller.sync.forget()
+        kube.calls.clear()
+        await reconcile_once(controller, indexes)
+        assert [c for c in kube.calls if c.startswith(("apply", "delete"))] == []
     finally:
         await asyncio.wait_for(xds.stop(), 10)
