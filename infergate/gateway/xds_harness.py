@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -281,5 +285,38 @@ def start_gateway_envoy(
             path, bind_address=bind_address, concurrency=1, log_level="warn", drain_time_s=60
         ),
     ]
-    check = http_ready(f"http://127.0.0.1:{admin_port}/ready") if ready else None
-    return group.start(name, argv, ready=check, timeout=timeout, log_path=workdir / f"{name}.log")
+    process = SpawnedProcess(name, argv, log_path=workdir / f"{name}.log")
+    group.processes.append(process)
+    process.start()
+    if ready:
+        process.wait_ready(http_ready(f"http://127.0.0.1:{admin_port}/ready"), timeout=timeout)
+    return process
+
+
+class SpawnedProcess(ManagedProcess):
+    """A child started with no Python code between fork and exec.
+
+    The ADS server's gRPC threads live in this process. ManagedProcess asks for a
+    parent-death signal in a ``preexec_fn``, which makes subprocess fork() (rather than
+    vfork) and run gRPC's fork handlers and Python in the child: now and then the child
+    crashed (SIGSEGV, SIGABRT) before it could exec Envoy. Here the child execs at once
+    (vfork) and ``setpriv --pdeathsig`` asks for the signal instead, when installed."""
+
+    def start(self) -> ManagedProcess:
+        if self.log_path is None:
+            descriptor, path = tempfile.mkstemp(prefix=f"infergate-{self.name}-", suffix=".log")
+            os.close(descriptor)
+            self.log_path = Path(path)
+        setpriv = shutil.which("setpriv")
+        argv = [setpriv, "--pdeathsig", "TERM", *self.argv] if setpriv else list(self.argv)
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=None if self.env is None else dict(self.env),
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self

@@ -8,6 +8,8 @@ timing anything. The real Envoy is in test_xds_envoy.py.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -509,3 +511,39 @@ async def test_garbage_frames_and_a_stream_flood_do_not_take_the_server_down(ser
         await converge(envoy)
     finally:
         await envoy.close()
+
+
+def test_extension_types_parse_without_anyone_importing_their_modules(tmp_path):
+    """Typed configs (ext_proc, header mutation, an LB policy) are found by type URL, in
+    a fresh interpreter where nothing imported their generated modules first."""
+    script = tmp_path / "parse.py"
+    script.write_text(
+        """
+from infergate.gateway.types import CLUSTER_TYPE, LISTENER_TYPE, Snapshot
+from infergate.gateway.xds_resources import compile_snapshot
+T = "type.googleapis.com/envoy.extensions."
+hcm = {
+    "@type": T + "filters.network.http_connection_manager.v3.HttpConnectionManager",
+    "stat_prefix": "x",
+    "route_config": {"name": "r"},
+    "http_filters": [
+        {"name": "p", "typed_config": {"@type": T + "filters.http.ext_proc.v3.ExternalProcessor",
+          "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}}}},
+        {"name": "m", "typed_config": {"@type": T + "filters.http.header_mutation.v3.HeaderMutation"}},
+        {"name": "r", "typed_config": {"@type": T + "filters.http.router.v3.Router"}},
+    ],
+}
+listener = {"name": "l", "address": {"socket_address": {"address": "0.0.0.0", "port_value": 80}},
+            "filter_chains": [{"filters": [{"name": "hcm", "typed_config": hcm}]}]}
+cluster = {"name": "c", "type": "EDS", "eds_cluster_config": {"eds_config": {"ads": {}}},
+           "load_balancing_policy": {"policies": [{"typed_extension_config": {"name": "lr",
+             "typed_config": {"@type": T + "load_balancing_policies.least_request.v3.LeastRequest"}}}]}}
+compiled = compile_snapshot(Snapshot({LISTENER_TYPE: (listener,), CLUSTER_TYPE: (cluster,)}))
+print(len(compiled[LISTENER_TYPE].messages), len(compiled[CLUSTER_TYPE].messages))
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1"]
