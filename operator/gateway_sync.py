@@ -78,7 +78,7 @@ class GatewaySync:
     kube: Kube
     settings: GatewaySettings
     operator_settings: OperatorSettings
-    proxy_config: Callable[[Key], ProxyConfig]
+    proxy_config: Callable[[Obj], ProxyConfig]
     #: (kind, namespace, name) -> (resourceVersion we wrote over, status we wrote).
     _written: dict[tuple[str, str, str], tuple[str, Any]] = field(default_factory=dict)
     #: (namespace, name) of a proxy ConfigMap -> the spec hash applied (they are not watched).
@@ -114,10 +114,10 @@ class GatewaySync:
     def _apply_proxy(
         self, gateway: Obj, proxies: Mapping[ProxyKey, Obj], result: SyncResult
     ) -> None:
-        namespace, name = key_of(gateway)
+        namespace = key_of(gateway)[0]
         uid = str(gateway["metadata"].get("uid") or "")
         desired = desired_objects(
-            gateway, self.proxy_config((namespace, name)), self.operator_settings,
+            gateway, self.proxy_config(gateway), self.operator_settings,
             self.settings.service_type,
         )  # fmt: skip
         for obj in desired:

@@ -11,9 +11,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from infergate.gateway.types import Key, Snapshot, node_id
+from infergate.gateway.types import Key, Obj, Snapshot, node_id
 from infergate.operator import constants as c
-from infergate.operator.gateway_objects import ProxyConfig
+from infergate.operator.gateway_objects import ProxyConfig, listener_ports
 from infergate.operator.settings import GatewaySettings
 
 log = logging.getLogger("infergate.operator.gateway")
@@ -21,10 +21,8 @@ log = logging.getLogger("infergate.operator.gateway")
 READY_PORT = 19001
 """Each Gateway Envoy's readiness listener (kubelet probes it on the pod IP)."""
 READY_PATH = "/ready"
-_T = "type.googleapis.com/envoy."
-_HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-_HEALTH_CHECK = _T + "extensions.filters.http.health_check.v3.HealthCheck"
-_ROUTER = _T + "extensions.filters.http.router.v3.Router"
+ADMIN_PORT = 19000
+"""The admin API's port, on loopback (it can stop the proxy): ``/ready`` is proxied."""
 
 
 class XdsPublisher:
@@ -84,27 +82,44 @@ def _same(before: Snapshot | None, after: Snapshot) -> bool:
     return all(before.version(t) == after.version(t) for t in after.resources)
 
 
-def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Key], ProxyConfig]:
+def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Obj], ProxyConfig]:
     """Per Gateway, its Envoy's bootstrap and arguments (from the xDS side's builders):
-    it dials ``settings.xds_address`` on ``port`` (the xDS server's, once listening)."""
+    it dials ``settings.xds_address`` on ``port`` (the xDS server's, once listening) and
+    answers the kubelet's readiness probe on a port none of its listeners uses."""
     from infergate.gateway.bootstrap import (
         GatewayProxy,
         build_gateway_bootstrap,
         gateway_proxy_args,
     )
 
-    def proxy_config(key: Key) -> ProxyConfig:
-        proxy = GatewayProxy(node_id=node_id(*key), xds_host=settings.xds_address, xds_port=port)
-        bootstrap = with_ready_listener(build_gateway_bootstrap(proxy), READY_PORT)
+    def proxy_config(gateway: Obj) -> ProxyConfig:
+        meta = gateway.get("metadata") or {}
+        ready = ready_port({p.port for p in listener_ports(gateway)})
+        proxy = GatewayProxy(
+            node_id=node_id(str(meta.get("namespace") or ""), str(meta.get("name") or "")),
+            xds_host=settings.xds_address,
+            xds_port=port,
+            admin_port=ADMIN_PORT,
+            ready_port=ready,
+        )
         args = gateway_proxy_args(f"{c.ENVOY_CONFIG_DIR}/{c.ENVOY_CONFIG_KEY}")
         return ProxyConfig(
-            bootstrap=bootstrap,
+            bootstrap=build_gateway_bootstrap(proxy),
             args=tuple(_without_config_path(args)),
-            ready_port=READY_PORT,
+            ready_port=ready,
             ready_path=READY_PATH,
         )
 
     return proxy_config
+
+
+def ready_port(taken: set[int]) -> int:
+    """READY_PORT, or the next port that neither a listener of the Gateway nor the admin
+    API uses (the proxy would fail to bind it)."""
+    port = READY_PORT
+    while port in taken or port == ADMIN_PORT:
+        port += 1
+    return port
 
 
 def _without_config_path(args: list[str]) -> list[str]:
@@ -118,56 +133,6 @@ def _without_config_path(args: list[str]) -> list[str]:
             skip = True
             continue
         out.append(arg)
-    return out
-
-
-def with_ready_listener(bootstrap: dict[str, Any], port: int) -> dict[str, Any]:
-    """``bootstrap`` plus a static listener answering ``GET /ready``: 200 once Envoy is
-    initialised (it opens listeners only after its first config from the operator) and
-    not failing health checks, else no answer or 503. Envoy's own /ready is on the admin
-    interface, which stays on loopback (it can stop the proxy); the kubelet probes the
-    pod IP."""
-    listener = {
-        "name": "infergate_ready",
-        "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": {
-                            "@type": _HCM,
-                            "stat_prefix": "infergate_ready",
-                            "route_config": {"name": "infergate_ready", "virtual_hosts": []},
-                            "http_filters": [
-                                {
-                                    "name": "envoy.filters.http.health_check",
-                                    "typed_config": {
-                                        "@type": _HEALTH_CHECK,
-                                        "pass_through_mode": False,
-                                        "headers": [
-                                            {
-                                                "name": ":path",
-                                                "string_match": {"exact": READY_PATH},
-                                            }
-                                        ],
-                                    },
-                                },
-                                {
-                                    "name": "envoy.filters.http.router",
-                                    "typed_config": {"@type": _ROUTER},
-                                },
-                            ],
-                        },
-                    }
-                ]
-            }
-        ],
-    }
-    out = dict(bootstrap)
-    static = dict(out.get("static_resources") or {})
-    static["listeners"] = [*(static.get("listeners") or []), listener]
-    out["static_resources"] = static
     return out
 
 

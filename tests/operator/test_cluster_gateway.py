@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
+from infergate.gateway.bootstrap import ADMIN_CLUSTER
 from infergate.operator import constants as c
 from infergate.operator.gateway_objects import proxy_name
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
@@ -262,6 +263,10 @@ def run_proxy(gw: GatewayEnv, name: str, envoy_binary: Path) -> tuple[ManagedPro
     }
     for listener in bootstrap["static_resources"].get("listeners") or []:
         listener["address"]["socket_address"].update(address="127.0.0.1", port_value=ready)
+    for cluster in bootstrap["static_resources"]["clusters"]:
+        if cluster["name"] == ADMIN_CLUSTER:  # /ready is proxied to the admin API
+            (host,) = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            host["endpoint"]["address"]["socket_address"]["port_value"] = admin
     path = gw.cluster.workdir / f"{proxy}-{uuid.uuid4().hex[:4]}.yaml"
     path.write_text(yaml.safe_dump(bootstrap))
     (container,) = deployment["spec"]["template"]["spec"]["containers"]

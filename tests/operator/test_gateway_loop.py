@@ -113,8 +113,12 @@ async def test_one_pass_publishes_the_route_and_writes_what_changed() -> None:
         assert [c for c in kube.calls if not c.startswith("get")] == []
         # The watches show the proxy objects as applied (through the real index functions):
         # with the in-flight memory forgotten, they are compared and left alone.
+        index_fns: dict[str, Any] = {
+            "Deployment": gw_proxy_deployments,
+            "Service": gw_services,
+        }
         for (kind, namespace, name), obj in kube.live.items():
-            index = {"Deployment": gw_proxy_deployments, "Service": gw_services}.get(kind)
+            index = index_fns.get(kind)
             if index is not None:
                 live = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "7"}}
                 entry = index(body=live, namespace=namespace, name=name)
@@ -125,3 +129,24 @@ async def test_one_pass_publishes_the_route_and_writes_what_changed() -> None:
         assert [c for c in kube.calls if c.startswith(("apply", "delete"))] == []
     finally:
         await asyncio.wait_for(xds.stop(), 10)
+
+
+def test_the_readiness_port_never_takes_a_listener_port() -> None:
+    """The kubelet probes /ready on a port of its own; a Gateway listening on that port
+    moves it (the proxy could not bind both)."""
+    settings = GatewaySettings(xds_address="infergate-xds.ns.svc")
+    factory = proxy_config_factory(settings, 18000)
+    gateway: Obj = {
+        "metadata": {"name": "gw", "namespace": "ns"},
+        "spec": {"listeners": [{"name": "a", "port": 19001, "protocol": "HTTP"}]},
+    }
+    proxy = factory(gateway)
+    assert proxy.ready_port == 19002
+    (ready,) = proxy.bootstrap["static_resources"]["listeners"]
+    assert ready["address"]["socket_address"]["port_value"] == 19002
+    assert proxy.bootstrap["node"]["id"] == "ns/gw"
+    xds = proxy.bootstrap["static_resources"]["clusters"][0]["load_assignment"]
+    endpoint = xds["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert (endpoint["address"], endpoint["port_value"]) == ("infergate-xds.ns.svc", 18000)
+    assert proxy.bootstrap["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert any("$(POD_IP)" in arg for arg in proxy.args)

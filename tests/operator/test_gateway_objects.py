@@ -279,7 +279,7 @@ class RecordingKube:
 
 
 def _sync(kube: RecordingKube) -> GatewaySync:
-    return GatewaySync(kube, GatewaySettings(), OperatorSettings(), lambda key: PROXY)  # type: ignore[arg-type]
+    return GatewaySync(kube, GatewaySettings(), OperatorSettings(), lambda gateway: PROXY)  # type: ignore[arg-type]
 
 
 def _translation(gw: Obj, status: Obj | None = None) -> Translation:
