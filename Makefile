@@ -82,10 +82,11 @@ bench: install ## Run the benchmarks that print figures (see docs/benchmarks.md)
 conformance: install ## The InferencePool conformance suite on a kind cluster (needs docker, kind, kubectl, helm, istioctl)
 	conformance/kind.sh
 
-conformance-controlplane: install controlplane ## The conformance suite over the real control plane; writes conformance/reports/controlplane/
+CONFORMANCE_REPORT ?= conformance/reports/v1.6.0/gateway/infergate/0.1.0-external-epp-gateway-report.yaml
+conformance-controlplane: install controlplane ## GIE's conformance suite (Gateway profile) over the real control plane; writes the report under conformance/reports/
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \
 		-p no:cacheprovider --conformance-driver=controlplane \
-		--conformance-report=conformance/reports/controlplane/infergate-controlplane-gateway-report.yaml
+		--conformance-report=$(CONFORMANCE_REPORT)
 
 clean: ## Remove the venv, caches and build outputs
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,5 +1,6 @@
 """Conformance suite wiring: the driver (``--conformance-driver controlplane|cluster``), the
-logs of its processes on failures, and the GIE-shaped report (``--conformance-report``).
+Gateways' addresses, the logs of the driver's processes on failures, and the report in
+GIE's format (``--conformance-report``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance import topology as topo
 from conformance.drivers.base import Driver
 from conformance.report import FAILED, PASSED, SKIPPED, build_report, write_report
 
@@ -25,18 +27,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-driver",
         choices=("controlplane", "cluster"),
         default=os.environ.get("CONFORMANCE_DRIVER", "controlplane"),
-        help="controlplane (default): processes on loopback over the real kube-apiserver "
-        "`make controlplane` builds; cluster: the cluster in $KUBECONFIG",
+        help="controlplane (default): the real kube-apiserver `make controlplane` builds, "
+        "processes for pods; cluster: the cluster in $KUBECONFIG",
     )
     group.addoption(
         "--conformance-report",
         default=os.environ.get("CONFORMANCE_REPORT"),
-        help="write a GIE-shaped conformance report (YAML) here",
+        help="write the conformance report (GIE's format, Gateway profile) here",
     )
     group.addoption(
         "--gateway-class",
-        default=os.environ.get("CONFORMANCE_GATEWAY_CLASS", "istio"),
-        help="cluster driver: the GatewayClass of the Gateway API implementation",
+        default=os.environ.get("CONFORMANCE_GATEWAY_CLASS", topo.DEFAULT_GATEWAY_CLASS),
+        help="the GatewayClass the suite's Gateways name (default: infergate)",
     )
 
 
@@ -48,25 +50,37 @@ def pytest_configure(config: pytest.Config) -> None:
 def driver(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Driver]:
-    """The session's driver; its processes (or port-forwards) are shared by every test."""
+    """The session's driver; its processes are shared by every test."""
     kind = request.config.getoption("--conformance-driver")
+    gateway_class = request.config.getoption("--gateway-class")
     made: Driver
     if kind == "controlplane":
         from conformance.drivers.controlplane import ControlPlaneDriver
 
-        made = ControlPlaneDriver(tmp_path_factory.mktemp("conformance"), _cli(), _bin_dir())
+        made = ControlPlaneDriver(
+            tmp_path_factory.mktemp("conformance"), _cli(), _bin_dir(), gateway_class
+        )
     else:
         from conformance.drivers.cluster import ClusterDriver
 
-        made = ClusterDriver(
-            tmp_path_factory.mktemp("conformance"),
-            gateway_class=request.config.getoption("--gateway-class"),
-        )
+        made = ClusterDriver(tmp_path_factory.mktemp("conformance"), gateway_class=gateway_class)
     request.config.stash[_DRIVER_KEY] = made
     try:
         yield made
     finally:
         made.close()
+
+
+@pytest.fixture(scope="session")
+def primary_address(driver: Driver) -> str:
+    """Where conformance-primary answers (GIE: GetGatewayEndpoint)."""
+    return driver.gateway_address(topo.PRIMARY_GATEWAY, topo.INFRA_NS)
+
+
+@pytest.fixture(scope="session")
+def secondary_address(driver: Driver) -> str:
+    """Where conformance-secondary answers."""
+    return driver.gateway_address(topo.SECONDARY_GATEWAY, topo.INFRA_NS)
 
 
 def _bin_dir() -> Path:
@@ -130,16 +144,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     outcomes = session.config.stash.get(_OUTCOMES_KEY, {})
     if not path or not outcomes:
         return
-    # GIE's `mode` is the implementation's operating mode: on a cluster the default one
-    # (a Gateway API implementation + the operator); locally Envoy is configured directly.
-    driver = session.config.getoption("--conformance-driver")
-    if driver == "controlplane":
-        mode = "local"
-        gateway = (
-            "one Envoy per pool (infergate.envoy.bootstrap), no Gateway API; real "
-            "kube-apiserver + controller-manager + scheduler + kwok, operator and EPPs on "
-            "the chart's and their own ServiceAccount tokens"
-        )
-    else:
-        mode, gateway = "default", f"GatewayClass {session.config.getoption('--gateway-class')}"
-    write_report(Path(path), build_report(outcomes, mode=mode, root=ROOT, gateway=gateway))
+    write_report(Path(path), build_report(outcomes, root=ROOT))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line per GIE test and per infergate extra: the report's view of the run."""
+    from conformance.report import EXTRA_TESTS, GIE_TESTS, merge
+
+    outcomes = terminalreporter.config.stash.get(_OUTCOMES_KEY, {})
+    if not outcomes:
+        return
+    results = merge(outcomes)
+    terminalreporter.section("InferencePool conformance (GIE v1.6 Gateway profile)")
+    for name in GIE_TESTS:
+        terminalreporter.write_line(f"{results.get(name, 'Not run'):8} {name}")
+    for name in EXTRA_TESTS:
+        terminalreporter.write_line(f"{results.get(name, 'Not run'):8} {name} (infergate)")

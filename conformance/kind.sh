@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The InferencePool conformance suite on a throw-away kind cluster (`make conformance`).
 #
-# Creates a kind cluster, builds and loads the operator, EPP and echo images, installs
-# the Gateway API CRDs and Istio (a Gateway API implementation with InferencePool
-# support), `helm install`s charts/infergate, runs the suite with the cluster driver,
-# writes a GIE-shaped report under conformance/reports/, and deletes the cluster.
+# Creates a kind cluster, builds and loads the operator, EPP and echo images,
+# `helm install`s charts/infergate (its CRDs, the Gateway API CRDs, GatewayClass
+# `infergate`, the operator as the Gateway controller; Endpoint Pickers are the suite's,
+# as GIE deploys its own), runs the suite with the cluster driver, writes the report in
+# GIE's format under conformance/reports/kind/, and deletes the cluster.
 #
-# Needs: docker (with a running engine), kind, kubectl, helm, istioctl, and this
-# checkout's .venv (make install). Every step prints what it does.
+# Needs: docker (with a running engine), kind, kubectl, helm, and this checkout's .venv
+# (make install). The Gateways' Envoy image is pulled by the cluster. Every step prints
+# what it does.
 #
 # Environment knobs:
 #   CLUSTER_NAME (infergate-conformance)  KEEP_CLUSTER=1 (do not delete it at the end)
-#   KIND_NODE_IMAGE, GATEWAY_API_VERSION, ISTIO_VERSION (pinned below)
+#   KIND_NODE_IMAGE (pinned below)
 #   PYTEST_ARGS (extra pytest arguments, e.g. "-k routing -x")
 set -euo pipefail
 
@@ -20,8 +22,6 @@ cd "$ROOT"
 
 CLUSTER_NAME="${CLUSTER_NAME:-infergate-conformance}"
 KIND_NODE_IMAGE="${KIND_NODE_IMAGE:-kindest/node:v1.33.1}"
-GATEWAY_API_VERSION="${GATEWAY_API_VERSION:-v1.5.1}"
-ISTIO_VERSION="${ISTIO_VERSION:-1.30.1}"
 TAG="${TAG:-conformance}"
 OPERATOR_IMAGE="ghcr.io/infergate/operator:${TAG}"
 EPP_IMAGE="ghcr.io/infergate/epp:${TAG}"
@@ -45,13 +45,7 @@ docker info >/dev/null 2>&1 || die "'docker' is installed but no Docker engine a
 need kind "Install kind v0.29+: https://kind.sigs.k8s.io/docs/user/quick-start/#installation"
 need kubectl "Install kubectl: https://kubernetes.io/docs/tasks/tools/"
 need helm "Install Helm 3: https://helm.sh/docs/intro/install/"
-need istioctl "Install istioctl ${ISTIO_VERSION}: curl -L https://istio.io/downloadIstio | ISTIO_VERSION=${ISTIO_VERSION} sh -"
 [ -x .venv/bin/pytest ] || die "'.venv/bin/pytest' is missing: run 'make install' first"
-istioctl_version="$(istioctl version --remote=false 2>/dev/null || true)"
-case "$istioctl_version" in
-    *"${ISTIO_VERSION}"*) ;;
-    *) printf '    note: istioctl reports %s; the suite is pinned to Istio %s\n' "${istioctl_version:-?}" "$ISTIO_VERSION" ;;
-esac
 
 cleanup() {
     local code=$?
@@ -82,29 +76,22 @@ for image in "$OPERATOR_IMAGE" "$EPP_IMAGE" "$ECHO_IMAGE"; do
     run kind load docker-image "$image" --name "$CLUSTER_NAME"
 done
 
-step "Installing the Gateway API CRDs ${GATEWAY_API_VERSION} (standard channel)"
-run kubectl apply --server-side -f "https://github.com/kubernetes-sigs/gateway-api/releases/download/${GATEWAY_API_VERSION}/standard-install.yaml"
-
-step "Installing infergate (charts/infergate: CRDs + operator)"
+step "Installing infergate (charts/infergate: CRDs, Gateway API CRDs, GatewayClass infergate, operator)"
+# Gateway Services are ClusterIP: kind has no load balancer; the driver port-forwards.
 run helm install infergate charts/infergate \
     --namespace infergate-system --create-namespace \
     --set operator.image.repository="${OPERATOR_IMAGE%:*}" --set operator.image.tag="$TAG" \
     --set epp.image.repository="${EPP_IMAGE%:*}" --set epp.image.tag="$TAG" \
+    --set gateway.enabled=true --set gateway.serviceType=ClusterIP \
+    --set operator.manageEndpointPickers=false \
     --wait --timeout 5m
-
-step "Installing Istio ${ISTIO_VERSION} with the Gateway API Inference Extension enabled"
-run istioctl install -y --set profile=minimal \
-    --set values.pilot.env.SUPPORT_GATEWAY_API_INFERENCE_EXTENSION=true \
-    --set values.pilot.env.ENABLE_GATEWAY_API_INFERENCE_EXTENSION=true
-run kubectl wait --for=condition=Established crd/gateways.gateway.networking.k8s.io --timeout=60s
-run kubectl -n istio-system rollout status deploy/istiod --timeout=5m
 
 step "Running the conformance suite (cluster driver)"
 mkdir -p "$REPORT_DIR"
-REPORT="${REPORT_DIR}/istio-${ISTIO_VERSION}-default-gateway-report.yaml"
+REPORT="${REPORT_DIR}/infergate-external-epp-gateway-report.yaml"
 # shellcheck disable=SC2086 # PYTEST_ARGS is word-split on purpose
 run .venv/bin/pytest conformance -m conformance -p no:cacheprovider \
-    --conformance-driver=cluster --gateway-class=istio \
+    --conformance-driver=cluster --gateway-class=infergate \
     --conformance-report="$REPORT" ${PYTEST_ARGS:-}
 if [ -f "$REPORT" ]; then
     step "Report written to ${REPORT}"

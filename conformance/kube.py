@@ -25,6 +25,8 @@ KINDS: dict[str, Kind] = {
     "NetworkPolicy": Kind("networking.k8s.io", "v1", "networkpolicies"),
     "Gateway": Kind("gateway.networking.k8s.io", "v1", "gateways"),
     "HTTPRoute": Kind("gateway.networking.k8s.io", "v1", "httproutes"),
+    "GatewayClass": Kind("gateway.networking.k8s.io", "v1", "gatewayclasses", namespaced=False),
+    "EndpointSlice": Kind("discovery.k8s.io", "v1", "endpointslices"),
 }
 
 

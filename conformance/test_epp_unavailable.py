@@ -1,68 +1,82 @@
-"""EPP unavailable: a FailOpen pool keeps serving, a FailClose pool fails
-(GIE: EppUnAvailableFailOpen; FailClose is the API's default and the other half)."""
+"""The Endpoint Picker is unavailable: a FailOpen pool keeps serving (GIE:
+EppUnAvailableFailOpen), a FailClose pool — the API's default — answers 5xx and reaches
+no pod (infergate's EppUnAvailableFailClose). The picker is made unavailable as GIE does
+it: its Service's selector is changed until its EndpointSlices are empty, so the Gateway
+learns it through the API server, as in a cluster.
+
+GIE v1.6.0's test empties the *primary* pool's picker Service while it sends to the
+secondary (FailOpen) pool; this port empties the secondary pool's own picker, which is
+what the test is about (the primary pool's picker is emptied in the FailClose case)."""
 
 from __future__ import annotations
 
 import pytest
 
 from conformance import topology as topo
-from conformance.checks import eventually, selection
-from conformance.drivers.base import Driver
+from conformance.checks import (
+    Expected,
+    applied,
+    eventually,
+    pods,
+    pool_must_be_accepted_by,
+    post,
+    route_must_be_accepted_and_resolved,
+    service_unavailable,
+)
+from conformance.drivers.base import Driver, Request
 
 pytestmark = pytest.mark.conformance
 
 
 @pytest.mark.conformance("EppUnAvailableFailOpen")
-def test_fail_open_pool_keeps_serving(driver: Driver) -> None:
-    pods = driver.pods(topo.SECONDARY_POOL)
-    names = {p.name for p in pods}
-    target = pods[0]
-    # Phase 1: with the EPP up, the pinned pod serves.
-    eventually(
-        driver, "failopen", headers=selection(target.ip),
-        expect=lambda r: r.status == 200 and r.pod == target.name, what=f"a 200 from {target.name}",
-    )  # fmt: skip
-    # Phase 2: EPP gone; requests still succeed, from some pod of the pool.
-    with driver.epp_unavailable(topo.SECONDARY_POOL):
-        # A request without a body first (the EPP would route it at header time).
+def test_fail_open_pool_keeps_serving(driver: Driver, secondary_address: str) -> None:
+    host, path = "secondary.example.com", "/failopen-pool-test"
+    with applied(driver, "epp_unavailable_fail_open"):
+        route_must_be_accepted_and_resolved(
+            driver, "httproute-for-failopen-pool-gw", topo.SECONDARY_GATEWAY
+        )
+        pool_must_be_accepted_by(driver, topo.SECONDARY_POOL, topo.SECONDARY_GATEWAY)
+        backends = pods(driver, topo.SECONDARY_APP)
+        assert len(backends) == topo.MODEL_SERVER_REPLICAS
+        target = backends[0]
+        request = post(path, host, target.ip)
+        # Phase 1: with the EPP up, the pinned pod serves.
+        eventually(driver, secondary_address, request, Expected(backend=target.name))
+        # Phase 2: the EPP gone, requests still succeed, from some pod of the pool.
+        with service_unavailable(driver, topo.pools()[topo.SECONDARY_POOL].picker_service):
+            eventually(driver, secondary_address, request, Expected(backend=topo.SECONDARY_APP))
+            get = Request(path, host, "GET", headers={topo.SELECTION_HEADER: target.ip})
+            eventually(driver, secondary_address, get, Expected(backend=topo.SECONDARY_APP))
+            for _ in range(10):
+                reply = driver.send(secondary_address, request)
+                assert reply.status == 200 and str(reply.pod).startswith(topo.SECONDARY_APP), reply
+        # The EPP is back: routing follows it again.
         eventually(
-            driver, "failopen", method="GET", headers=selection(target.ip),
-            expect=lambda r: r.status == 200 and r.pod in names, what="a 200 (GET) without the EPP",
-        )  # fmt: skip
-        for _ in range(10):
-            reply = driver.send("failopen", method="GET", headers=selection(target.ip))
-            assert reply.status == 200 and reply.pod in names, reply
-        # GIE's request: a POST with an OpenAI body, eventually served, then always.
-        eventually(
-            driver, "failopen", headers=selection(target.ip),
-            expect=lambda r: r.status == 200 and r.pod in names, what="a 200 (POST) without the EPP",
-        )  # fmt: skip
-        replies = [driver.send("failopen", headers=selection(target.ip)) for _ in range(20)]
-    failed = [r for r in replies if r.status != 200 or r.pod not in names]
-    assert not failed, failed
-    # The EPP is back: routing follows it again.
-    eventually(
-        driver, "failopen", headers=selection(pods[1].ip),
-        expect=lambda r: r.status == 200 and r.pod == pods[1].name, what="EPP routing again",
-    )  # fmt: skip
+            driver,
+            secondary_address,
+            post(path, host, backends[1].ip),
+            Expected(backend=backends[1].name),
+        )
 
 
 @pytest.mark.conformance("EppUnAvailableFailClose")
-def test_fail_close_pool_fails(driver: Driver) -> None:
-    pods = driver.pods(topo.PRIMARY_POOL)
-    eventually(
-        driver, "primary", headers=selection(pods[0].ip),
-        expect=lambda r: r.status == 200, what="a 200 with the EPP up",
-    )  # fmt: skip
-    with driver.epp_unavailable(topo.PRIMARY_POOL):
+def test_fail_close_pool_fails(driver: Driver, primary_address: str) -> None:
+    host, path = "primary.example.com", "/failclose-pool-test"
+    with applied(driver, "epp_unavailable_fail_close"):
+        route_must_be_accepted_and_resolved(
+            driver, "httproute-for-failclose-pool-gw", topo.PRIMARY_GATEWAY
+        )
+        backends = pods(driver, topo.PRIMARY_APP)
+        request = post(path, host, backends[0].ip)
+        eventually(driver, primary_address, request, Expected(backend=backends[0].name))
+        with service_unavailable(driver, topo.pools()[topo.PRIMARY_POOL].picker_service):
+            eventually(driver, primary_address, request, Expected(statuses=tuple(range(500, 600))))
+            for _ in range(10):
+                reply = driver.send(primary_address, request)
+                assert reply.status >= 500 and reply.pod is None, reply
         eventually(
-            driver, "primary", headers=selection(pods[0].ip),
-            expect=lambda r: r.status >= 500, what="a 5xx without the EPP",
-        )  # fmt: skip
-        for _ in range(10):
-            reply = driver.send("primary", headers=selection(pods[0].ip))
-            assert reply.status >= 500 and reply.pod is None, reply
-    eventually(
-        driver, "primary", headers=selection(pods[1].ip),
-        expect=lambda r: r.status == 200 and r.pod == pods[1].name, what="EPP routing again",
-    )  # fmt: skip
+            driver,
+            primary_address,
+            post(path, host, backends[1].ip),
+            Expected(backend=backends[1].name),
+        )

@@ -1,103 +1,105 @@
-"""Routing follows the EPP: the gateway sends each request exactly where the Endpoint
-Picker says (GIE: GatewayFollowingEPPRouting, ...WithDataParallelism), including the
-fallback list of the Endpoint Picker Protocol."""
+"""Routing follows the EPP: a Gateway sends each request exactly where the Endpoint
+Picker says (GIE: GatewayFollowingEPPRouting, GatewayFollowingEPPRoutingWithDataParallelism),
+including the fallback list of the Endpoint Picker Protocol (infergate's
+GatewayEPPFallbackList)."""
 
 from __future__ import annotations
 
 import pytest
 
 from conformance import topology as topo
-from conformance.checks import eventually, selection, served_by, traffic_only_reaches
+from conformance.checks import (
+    Expected,
+    applied,
+    eventually,
+    pods,
+    pool_must_be_accepted_by,
+    post,
+    route_must_be_accepted_and_resolved,
+    traffic_only_reaches,
+)
 from conformance.drivers.base import STOP_PODS, Driver
 
 pytestmark = pytest.mark.conformance
 
-
-@pytest.mark.conformance("GatewayFollowingEPPRouting")
-def test_each_pod_can_be_pinned(driver: Driver) -> None:
-    pods = driver.pods(topo.PRIMARY_POOL)
-    assert len(pods) == 3
-    for pod in pods:
-        reply = eventually(
-            driver, "primary", headers=selection(pod.ip),
-            expect=served_by(pod.name),
-            what=f"a 200 from {pod.name}",
-        )  # fmt: skip
-        assert reply.echo["path"] == topo.ROUTES["primary"].path
-        assert reply.echo["model"] == topo.REQUEST_BODY["model"]
+HOST = "primary.example.com"
 
 
 @pytest.mark.conformance("GatewayFollowingEPPRouting")
-@pytest.mark.parametrize(
-    "picked",
-    [(2,), (0, 1), (0, 1, 2)],
-    ids=["single designated pod", "two designated pods", "all pods"],
-)
-def test_traffic_only_reaches_the_picked_pods(driver: Driver, picked: tuple[int, ...]) -> None:
-    pods = driver.pods(topo.PRIMARY_POOL)
-    chosen = [pods[i] for i in picked]
-    hits = traffic_only_reaches(
-        driver, "primary", selection(*(p.ip for p in chosen)), {p.name: () for p in chosen}
-    )
-    assert sum(hits.values()) == 100
+def test_gateway_following_epp_routing(driver: Driver, primary_address: str) -> None:
+    """Each pod can be pinned; then 100 requests (10 at a time) reach only the one, two
+    or three pods the EPP is told to pick from."""
+    path = "/primary-gateway-test"
+    with applied(driver, "gateway_following_epp_routing"):
+        route_must_be_accepted_and_resolved(
+            driver, "httproute-for-primary-gw", topo.PRIMARY_GATEWAY
+        )
+        pool_must_be_accepted_by(driver, topo.PRIMARY_POOL, topo.PRIMARY_GATEWAY)
+        backends = pods(driver, topo.PRIMARY_APP)
+        assert len(backends) == topo.MODEL_SERVER_REPLICAS
+        for pod in backends:
+            reply = eventually(
+                driver, primary_address, post(path, HOST, pod.ip), Expected(backend=pod.name)
+            )
+            assert reply.echo["model"] == topo.REQUEST_BODY["model"]
+        for picked in ((2,), (0, 1), (0, 1, 2)):
+            chosen = [backends[i] for i in picked]
+            request = post(path, HOST, ",".join(p.ip for p in chosen))
+            hits = traffic_only_reaches(
+                driver, primary_address, request, {p.name: () for p in chosen}
+            )
+            assert sum(hits.values()) == 100, hits
 
 
 @pytest.mark.conformance("GatewayFollowingEPPRoutingWithDataParallelism")
 @pytest.mark.parametrize(
     "allowed",
-    [
-        {1: ()},
-        {0: (), 2: (3002,)},
-        {0: (), 1: (3000, 3004), 2: ()},
-    ],
+    [{1: ()}, {0: (), 2: (3002,)}, {0: (), 1: (3000, 3004), 2: ()}],
     ids=["one pod any rank", "two pods one fixed rank", "all pods one restricted"],
 )
-def test_data_parallel_ranks(driver: Driver, allowed: dict[int, tuple[int, ...]]) -> None:
-    pods = driver.pods(topo.DP_POOL)
-    assert [p.ports for p in pods] == [(3000, 3002, 3004)] * 3
-    for pod in pods:  # every pod answers when pinned by IP alone
-        eventually(
-            driver, "dp", headers=selection(pod.ip),
-            expect=served_by(pod.name),
-            what=f"a 200 from {pod.name}",
+def test_data_parallel_ranks(
+    driver: Driver, primary_address: str, allowed: dict[int, tuple[int, ...]]
+) -> None:
+    """Three pods × ranks 3000/3002/3004: an IP lets the EPP pick any rank of that pod,
+    ``ip:port`` only that rank; the echo body says which rank answered."""
+    path = "/primary-gateway-dp-test"
+    with applied(driver, "gateway_following_epp_routing_dp"):
+        route_must_be_accepted_and_resolved(
+            driver, "httproute-for-primary-gw-dp", topo.PRIMARY_GATEWAY
+        )
+        pool_must_be_accepted_by(driver, topo.DP_POOL, topo.PRIMARY_GATEWAY)
+        backends = pods(driver, topo.DP_APP)
+        assert [p.ports for p in backends] == [(3000, 3002, 3004)] * 3
+        for pod in backends:
+            eventually(
+                driver, primary_address, post(path, HOST, pod.ip), Expected(backend=pod.name)
+            )
+        tokens: list[str] = []
+        for index, ports in sorted(allowed.items(), key=lambda item: backends[item[0]].ip):
+            pod = backends[index]
+            tokens += [pod.endpoint(p) for p in sorted(ports)] if ports else [pod.ip]
+        hits = traffic_only_reaches(
+            driver, primary_address, post(path, HOST, ",".join(tokens)),
+            {backends[i].name: ports or backends[i].ports for i, ports in allowed.items()},
         )  # fmt: skip
-    header: list[str] = []
-    for index, ports in sorted(allowed.items()):
-        pod = pods[index]
-        header += [pod.endpoint(p) for p in ports] if ports else [pod.ip]
-    hits = traffic_only_reaches(
-        driver, "dp", selection(*header),
-        {pods[i].name: ports or pods[i].ports for i, ports in allowed.items()},
-    )  # fmt: skip
-    assert sum(hits.values()) == 100
-
-
-@pytest.mark.conformance("GatewayFollowingEPPRoutingWithDataParallelism")
-def test_an_unlisted_rank_is_never_used(driver: Driver) -> None:
-    """Pinning ``ip:port`` selects that rank only: every request lands on it."""
-    pod = driver.pods(topo.DP_POOL)[0]
-    hits = traffic_only_reaches(
-        driver, "dp", selection(pod.endpoint(3004)), {pod.name: (3004,)}, total=30
-    )
-    assert hits == {f"{pod.name}:3004": 30}
+        assert sum(hits.values()) == 100, hits
 
 
 @pytest.mark.conformance("GatewayEPPFallbackList")
-def test_first_endpoint_of_the_list_serves(driver: Driver) -> None:
-    """The EPP answers ``first,second``: the gateway must use the first valid endpoint."""
-    first, second, _ = driver.pods(topo.FALLBACK_POOL)
-    reply = driver.send("fallback", headers=selection(first.ip, second.ip))
-    assert reply.status == 200, reply
-    assert reply.pod == first.name, reply
-
-
-@pytest.mark.conformance("GatewayEPPFallbackList")
-def test_fallback_endpoint_serves_when_the_first_is_down(driver: Driver) -> None:
-    """GIE: "if retry is configured, the proxy will go sequentially down the list"."""
-    if STOP_PODS not in driver.capabilities:
-        pytest.skip(f"the {driver.name} driver cannot stop a single pod behind the EPP's back")
-    first, second, _ = driver.pods(topo.FALLBACK_POOL)
-    with driver.pod_stopped(first):
-        reply = driver.send("fallback", headers=selection(first.ip, second.ip))
-    assert reply.status == 200, reply
-    assert reply.pod == second.name, reply
+def test_fallback_list(driver: Driver, primary_address: str) -> None:
+    """The EPP answers ``first,second``: the first serves; with the first down (its
+    process stopped, the API still says Running) the gateway walks on to the second —
+    GIE: "if retry is configured, the proxy will go sequentially down the list"."""
+    path = "/fallback-pool-test"
+    with applied(driver, "gateway_epp_fallback_list"):
+        route_must_be_accepted_and_resolved(
+            driver, "httproute-for-fallback-pool", topo.PRIMARY_GATEWAY
+        )
+        first, second, _ = pods(driver, topo.PRIMARY_APP)
+        request = post(path, HOST, f"{first.ip},{second.ip}")
+        eventually(driver, primary_address, request, Expected(backend=first.name))
+        if STOP_PODS not in driver.capabilities:
+            pytest.skip(f"the {driver.name} driver cannot stop one pod behind the EPP's back")
+        with driver.pod_stopped(first):
+            reply = driver.send(primary_address, request)
+        assert reply.status == 200 and reply.pod == second.name, reply

@@ -1,8 +1,6 @@
-"""What the suite runs against, named once for both drivers: pools, pods and routes.
-
-The pools, their echo Deployments and the EPP config are read from
-``manifests/base.yaml``; the routes mirror ``manifests/gateway.yaml`` (GIE's HTTPRoutes):
-on a cluster a route is a Gateway + hostname + path, locally an Envoy listener.
+"""What the suite runs against, named once for every driver and test: GIE's namespaces,
+Gateways, pools and headers, read from ``manifests/base.yaml``, and each test's own
+manifests (``manifests/tests/<test>.yaml``: its HTTPRoutes, sometimes a pool).
 """
 
 from __future__ import annotations
@@ -17,25 +15,36 @@ import yaml
 HERE = Path(__file__).resolve().parent
 MANIFESTS = HERE / "manifests"
 BASE_MANIFEST = MANIFESTS / "base.yaml"
-GATEWAY_MANIFEST = MANIFESTS / "gateway.yaml"
+TEST_MANIFESTS = MANIFESTS / "tests"
 CRDS = HERE.parent / "crds"
+
+#: The GatewayClass the suite's Gateways name unless the driver is told otherwise.
+DEFAULT_GATEWAY_CLASS = "infergate"
 
 APP_NS = "inference-conformance-app-backend"
 INFRA_NS = "inference-conformance-infra"
+PRIMARY_GATEWAY = "conformance-primary"
+SECONDARY_GATEWAY = "conformance-secondary"
 PRIMARY_POOL = "primary-inference-pool"
 SECONDARY_POOL = "secondary-inference-pool"
 DP_POOL = "dp-inference-pool"
 FALLBACK_POOL = "fallback-inference-pool"
-PRIMARY_GATEWAY = "conformance-primary"
-SECONDARY_GATEWAY = "conformance-secondary"
-EPP_CONFIG_MAP = "conformance-epp-config"
+APPPROTOCOL_HTTP_POOL = "appprotocol-http-inference-pool"
+APPPROTOCOL_H2C_POOL = "appprotocol-h2c-inference-pool"
+PRIMARY_APP = "primary-inference-model-server"
+SECONDARY_APP = "secondary-inference-model-server"
+APPPROTOCOL_APP = "appprotocol-inference-model-server"
+DP_APP = "dp-inference-model-server"
+PRIMARY_DEPLOYMENT = "primary-inference-model-server-deployment"
+MODEL_SERVER_REPLICAS = 3
 
 #: GIE's conformance headers.
 SELECTION_HEADER = "test-epp-endpoint-selection"
 VERIFIER_HEADER = "x-conformance-test-served-endpoint"
+#: infergate's EPP names the endpoint that served on the response.
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 
-#: GIE's conformance request body (any OpenAI-ish body works; the echo servers accept all).
+#: GIE's conformance request body.
 REQUEST_BODY = {
     "model": "conformance-fake-model",
     "prompt": "Write as if you were a critic: San Francisco",
@@ -45,61 +54,20 @@ Obj = dict[str, Any]
 
 
 @dataclass(frozen=True)
-class Route:
-    """An HTTPRoute of the suite: which Gateway, host and path reach which pools."""
-
-    name: str
-    gateway: str
-    hostname: str
-    path: str
-    backends: tuple[tuple[str, int], ...]  # (pool name, weight)
-
-    @property
-    def pools(self) -> tuple[str, ...]:
-        return tuple(pool for pool, _ in self.backends)
-
-
-ROUTES: dict[str, Route] = {
-    "primary": Route(
-        "httproute-for-primary-gw", PRIMARY_GATEWAY, "primary.example.com",
-        "/primary-gateway-test", ((PRIMARY_POOL, 1),),
-    ),
-    "failopen": Route(
-        "httproute-for-failopen-pool-gw", SECONDARY_GATEWAY, "secondary.example.com",
-        "/failopen-pool-test", ((SECONDARY_POOL, 1),),
-    ),
-    "dp": Route(
-        "httproute-for-primary-gw-dp", PRIMARY_GATEWAY, "primary.example.com",
-        "/primary-gateway-dp-test", ((DP_POOL, 1),),
-    ),
-    "weighted": Route(
-        "httproute-weighted-two-pools", PRIMARY_GATEWAY, "primary.example.com",
-        "/weighted-two-pools-test", ((PRIMARY_POOL, 70), (SECONDARY_POOL, 30)),
-    ),
-    "fallback": Route(
-        "httproute-for-fallback-pool", PRIMARY_GATEWAY, "primary.example.com",
-        "/fallback-pool-test", ((FALLBACK_POOL, 1),),
-    ),
-}  # fmt: skip
-
-
-@dataclass(frozen=True)
 class PoolModel:
-    """One InferencePool of base.yaml with the Deployment its selector matches."""
+    """One InferencePool of base.yaml and the Service of its Endpoint Picker."""
 
     name: str
     namespace: str
     app: str
-    replicas: int
     target_ports: tuple[int, ...]
     failure_mode: str
     picker_service: str
-    picker_port: int
-    epp_config: str
     body: Obj = field(repr=False, compare=False)
 
 
 def load_manifest(path: Path, **substitutions: str) -> list[Obj]:
+    """The documents of a YAML file, ``{KEY}`` placeholders replaced."""
     text = path.read_text()
     for key, value in substitutions.items():
         text = text.replace("{" + key + "}", value)
@@ -107,43 +75,30 @@ def load_manifest(path: Path, **substitutions: str) -> list[Obj]:
 
 
 @cache
-def base_objects() -> tuple[Obj, ...]:
-    return tuple(load_manifest(BASE_MANIFEST))
+def base_objects(gateway_class: str = DEFAULT_GATEWAY_CLASS) -> tuple[Obj, ...]:
+    return tuple(load_manifest(BASE_MANIFEST, GATEWAY_CLASS_NAME=gateway_class))
 
 
-def epp_config_text(config_map: str = EPP_CONFIG_MAP) -> str:
-    """The EndpointPickerConfig held by one of base.yaml's ConfigMaps."""
-    for obj in base_objects():
-        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == config_map:
-            return str(obj["data"]["config.yaml"])
-    raise LookupError(f"{BASE_MANIFEST} has no ConfigMap {config_map}")
+def manifest_of(name: str) -> list[Obj]:
+    """The objects one test applies (``manifests/tests/<name>.yaml``)."""
+    return load_manifest(TEST_MANIFESTS / f"{name}.yaml")
 
 
 @cache
 def pools() -> dict[str, PoolModel]:
-    deployments = {
-        tuple(sorted(d["spec"]["selector"]["matchLabels"].items())): d
-        for d in base_objects()
-        if d["kind"] == "Deployment"
-    }
     found: dict[str, PoolModel] = {}
     for obj in base_objects():
         if obj["kind"] != "InferencePool":
             continue
         spec = obj["spec"]
-        labels = spec["selector"]["matchLabels"]
-        deployment = deployments[tuple(sorted(labels.items()))]
         ref = spec["endpointPickerRef"]
         found[obj["metadata"]["name"]] = PoolModel(
             name=obj["metadata"]["name"],
             namespace=obj["metadata"]["namespace"],
-            app=labels["app"],
-            replicas=int(deployment["spec"]["replicas"]),
+            app=spec["selector"]["matchLabels"]["app"],
             target_ports=tuple(int(p["number"]) for p in spec["targetPorts"]),
             failure_mode=ref.get("failureMode", "FailClose"),
             picker_service=ref["name"],
-            picker_port=int(ref["port"]["number"]),
-            epp_config=obj["metadata"]["annotations"]["infergate.io/epp-config"],
             body=obj,
         )
     return found

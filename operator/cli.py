@@ -1,17 +1,28 @@
-"""``infergate operator``: the kopf operator for InferencePool."""
+"""``infergate operator``: the kopf operator for InferencePool, and the Gateway API
+controller (GatewayClass ``infergate.io/gateway-controller``)."""
 
 from __future__ import annotations
 
+import inspect
+import os
 import secrets
+from typing import Any
 
 import typer
 
+from infergate.operator.settings import GatewaySettings
+from infergate.options import command
+
 HANDLERS_MODULE = "infergate.operator.handlers"
+GATEWAY_MODULE = "infergate.operator.gateway"
 
 
-def kopf_argv(extra: list[str]) -> list[str]:
-    """``kopf run`` arguments: our handlers, all namespaces and JSON logs unless overridden."""
+def kopf_argv(extra: list[str], gateway: bool = True) -> list[str]:
+    """``kopf run`` arguments: our handlers (the Gateway controller's too, unless disabled),
+    all namespaces and JSON logs unless overridden."""
     argv = ["run", "--module", HANDLERS_MODULE]
+    if gateway:
+        argv += ["--module", GATEWAY_MODULE]
     scoped = any(
         a in ("-A", "--all-namespaces", "-n", "--namespace") or a.startswith("--namespace=")
         for a in extra
@@ -29,8 +40,13 @@ def kopf_argv(extra: list[str]) -> list[str]:
     return [*argv, *extra]
 
 
-def operator(ctx: typer.Context) -> None:
-    """Reconcile InferencePools. Extra options pass through to `kopf run`.
+_gateway_settings = command(GatewaySettings)(lambda settings: settings)
+"""Our own flags parsed into :class:`GatewaySettings` (the typer command ``command``
+makes, called directly)."""
+
+
+def operator(ctx: typer.Context, **values: Any) -> None:
+    """Reconcile InferencePools and Gateways. Other options pass through to `kopf run`.
 
     Defaults: `--all-namespaces --log-format=json`. Useful kopf options:
     `--namespace NS` (repeatable), `--liveness http://0.0.0.0:8080/healthz`,
@@ -41,4 +57,17 @@ def operator(ctx: typer.Context) -> None:
     """
     from kopf.cli import main as kopf_main
 
-    kopf_main.main(args=kopf_argv(list(ctx.args)), prog_name="infergate operator")
+    settings: GatewaySettings = _gateway_settings(**values)
+    # kopf runs our handlers in this process: they read the settings back from here.
+    os.environ.update(settings.to_env())
+    kopf_main.main(
+        args=kopf_argv(list(ctx.args), gateway=settings.enabled), prog_name="infergate operator"
+    )
+
+
+operator.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        *inspect.signature(_gateway_settings).parameters.values(),
+    ]
+)

@@ -110,6 +110,11 @@ def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
         ports.append(number)
 
     ref = spec.get("endpointPickerRef")
+    if ref is None:  # optional since GIE v1.6; the operator needs it to deploy an EPP
+        raise InvalidPool(
+            "EndpointPickerRefMissing", "infergate deploys an Endpoint Picker only where "
+            "spec.endpointPickerRef names its Service; Gateways balance such a pool instead",
+        )  # fmt: skip
     if not isinstance(ref, dict) or not ref.get("name"):
         raise InvalidPool("InvalidExtensionRef", "spec.endpointPickerRef.name is required")
     group = ref.get("group", "") or ""

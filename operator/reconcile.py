@@ -7,6 +7,7 @@ worker thread, one pool at a time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,6 +250,8 @@ def reconcile(
             result.found = False
             return result  # owned objects go with the pool (ownerReferences)
         meta = body["metadata"]
+        if not settings.manage_endpoint_pickers:
+            return _unmanaged(kube, body, settings, result)
         ready_endpoints: int | None = None
         try:
             pool = parse_pool(body, settings)
@@ -281,6 +284,24 @@ def reconcile(
             if error.status != 409 or attempt == 2:
                 raise
             log.info("status of %s/%s changed meanwhile; reconciling again", namespace, name)
+    return result
+
+
+def _unmanaged(kube: Kube, body: Obj, settings: OperatorSettings, result: Result) -> Result:
+    """The operator manages no Endpoint Picker: remove what it deployed for the pool
+    before, and its own parent entry (the Gateway controller reports the pool per
+    Gateway; GIE expects no other parent once no route uses the pool)."""
+    meta = body["metadata"]
+    with contextlib.suppress(InvalidPool):
+        prune(kube, parse_pool(body, settings), set(), result)
+    live: list[Obj] = (body.get("status") or {}).get("parents") or []
+    kept = [p for p in live if p.get("controllerName") != c.CONTROLLER_NAME]
+    if kept != live:
+        kube.patch_status(
+            c.POOL_KIND, meta["namespace"], meta["name"], {"parents": kept},
+            resource_version=meta.get("resourceVersion", ""),
+        )  # fmt: skip
+        result.status_written = True
     return result
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
+
+from infergate.options import cli_fields, option
 
 
 def _env(name: str, default: str) -> str:
@@ -28,6 +31,10 @@ class OperatorSettings:
     #: Seconds between full resyncs of each pool (status follows pods even without events).
     resync_seconds: float = 30.0
     extra_epp_args: tuple[str, ...] = field(default_factory=tuple)
+    #: False: the operator deploys no Endpoint Picker and writes no pool parent of its
+    #: own; pools are served through Gateways only, with the EPPs their users deploy (as
+    #: GIE's conformance suite deploys its reference EPP).
+    manage_endpoint_pickers: bool = True
 
     @classmethod
     def from_env(cls) -> OperatorSettings:
@@ -42,4 +49,91 @@ class OperatorSettings:
             epp_memory_limit=_env("INFERGATE_EPP_MEMORY_LIMIT", base.epp_memory_limit),
             resync_seconds=float(_env("INFERGATE_RESYNC_SECONDS", str(base.resync_seconds))),
             extra_epp_args=tuple(os.environ.get("INFERGATE_EPP_EXTRA_ARGS", "").split()),
+            manage_endpoint_pickers=_env(MANAGE_EPP_ENV, "true").strip().lower()
+            not in ("0", "false", "no", "off"),
         )
+
+
+MANAGE_EPP_ENV = "INFERGATE_MANAGE_ENDPOINT_PICKERS"
+
+
+SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
+"""What a Gateway's Service may be (per Gateway: annotation ``infergate.io/service-type``)."""
+
+
+def _service_type(value: str) -> str:
+    if value not in SERVICE_TYPES:
+        raise ValueError(f"{value!r} is not one of {', '.join(SERVICE_TYPES)}")
+    return value
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The Gateway API controller's options, declared once: each field is both an
+    ``infergate operator`` flag and the environment variable the chart sets."""
+
+    enabled: bool = option(
+        "--gateway/--no-gateway", default=True, envvar="INFERGATE_GATEWAY",
+        help="Be the GatewayClass controller infergate.io/gateway-controller: Gateways of "
+        "its classes become Envoy Deployments configured over xDS from this process.",
+    )  # fmt: skip
+    xds_port: int = option(
+        "--xds-port", default=18000, envvar="INFERGATE_XDS_PORT", min=1, max=65535,
+        help="Port of the ADS (xDS) server the Gateways' Envoys dial.",
+    )  # fmt: skip
+    xds_listen_address: str = option(
+        "--xds-listen-address", default="0.0.0.0", envvar="INFERGATE_XDS_LISTEN_ADDRESS",
+        help="Address the xDS server binds.",
+    )  # fmt: skip
+    xds_address: str = option(
+        "--xds-address", default="127.0.0.1", envvar="INFERGATE_XDS_ADDRESS",
+        help="Host the Gateways' Envoys dial for xDS: the DNS name of the operator's xDS "
+        "Service (the chart sets it).",
+    )  # fmt: skip
+    service_type: str = option(
+        "--gateway-service-type", default="LoadBalancer", envvar="INFERGATE_GATEWAY_SERVICE_TYPE",
+        convert=_service_type,
+        help="Type of each Gateway's Service unless its annotation infergate.io/service-type "
+        f"says otherwise: {', '.join(SERVICE_TYPES)}.",
+    )  # fmt: skip
+    manage_endpoint_pickers: bool = option(
+        "--manage-endpoint-pickers/--no-manage-endpoint-pickers", default=True,
+        envvar=MANAGE_EPP_ENV,
+        help="Deploy an Endpoint Picker for every InferencePool and report the pool under "
+        "the operator's own parent. --no-manage-endpoint-pickers: pools are only backends "
+        "of Gateways, with the EPPs their users deploy (GIE's conformance suite does).",
+    )  # fmt: skip
+    debounce_seconds: float = option(
+        "--gateway-debounce", default=0.05, envvar="INFERGATE_GATEWAY_DEBOUNCE", min=0.0,
+        help="Seconds the Gateway controller waits after a change before it translates, so "
+        "a burst of changes costs one pass.",
+    )  # fmt: skip
+
+    @classmethod
+    def from_env(cls) -> GatewaySettings:
+        """The settings as ``infergate operator`` left them in the environment (it exports
+        its parsed flags there, so kopf's handlers in the same process read them)."""
+        values: dict[str, Any] = {}
+        for f, spec in cli_fields(cls):
+            raw = os.environ.get(spec.settings["envvar"], "")
+            if raw:
+                value = _parse(type(f.default), raw)
+                values[f.name] = spec.convert(value) if spec.convert else value
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment :meth:`from_env` reads these settings back from."""
+        return {
+            spec.settings["envvar"]: _unparse(getattr(self, f.name))
+            for f, spec in cli_fields(type(self))
+        }
+
+
+def _parse(kind: type, raw: str) -> Any:
+    if kind is bool:
+        return raw.strip().lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def _unparse(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)

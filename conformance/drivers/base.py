@@ -1,10 +1,12 @@
 """The driver interface the conformance tests are written against.
 
-A driver answers three questions for a test: where are the objects (``kube``, a REST
-client for an API server the infergate operator watches), where do requests go
-(``send`` to a named route of :mod:`conformance.topology`) and how to break things on
-purpose (make a pool's EPP unavailable). Tests never know which driver runs them; what
-a driver cannot do is a missing capability, and the test skips saying so.
+A driver answers what GIE's suite gets from a cluster: the API server (``kube``), where
+a Gateway answers (:meth:`Driver.gateway_address`, GIE's ``GetGatewayEndpoint``), and how
+to send an HTTP request there (:meth:`Driver.send`). Everything else a test does goes
+through the API server, as GIE's tests do: applying HTTPRoutes, reading statuses, making
+an Endpoint Picker's Service select nothing. Tests never know which driver runs them; a
+driver that cannot do something (stop a single model server behind the API's back) lacks
+the capability and the test says so.
 """
 
 from __future__ import annotations
@@ -18,15 +20,13 @@ from typing import Any
 
 from conformance.kube import KubeApi
 
-#: A Gateway API implementation runs: HTTPRoute status and per-Gateway pool parents exist.
-GATEWAY_API = "gateway-api"
-#: Single backend pods can be stopped and started (local processes).
+#: Single model-server pods can be stopped and started behind the API server's back.
 STOP_PODS = "stop-pods"
 
 
 @dataclass(frozen=True)
 class Pod:
-    """A model-server pod of a pool: the echo server behind one IP, one port per rank."""
+    """A model-server pod: its name, IP and the ports its containers declare."""
 
     name: str
     ip: str
@@ -36,9 +36,20 @@ class Pod:
         return f"{self.ip}:{port or self.ports[0]}"
 
 
+@dataclass(frozen=True)
+class Request:
+    """One request as GIE's ``gwhttp.Request`` describes it."""
+
+    path: str
+    host: str = ""
+    method: str = "GET"
+    body: Any = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class Reply:
-    """One response through the gateway; the echo body says who served it."""
+    """One response through a Gateway; the echo body says who served it."""
 
     status: int
     headers: Mapping[str, str]
@@ -70,61 +81,36 @@ class Reply:
 
     def __repr__(self) -> str:
         return (
-            f"Reply({self.status}, pod={self.pod}, served={self.served}, body={self.body[:160]!r})"
+            f"Reply({self.status}, pod={self.pod}, served={self.served}, "
+            f"proto={self.echo.get('proto')}, body={self.body[:160]!r})"
         )
 
 
 class Driver(ABC):
-    """Where the suite runs: ``local`` (processes on loopback) or ``cluster`` (kind)."""
+    """Where the suite runs: ``controlplane`` (the real API server on loopback, processes
+    for pods) or ``cluster`` (the cluster in $KUBECONFIG, e.g. kind)."""
 
     name: str
     capabilities: frozenset[str] = frozenset()
     #: Seconds a status or routing change may take to converge.
-    settle_timeout: float = 60.0
+    settle_timeout: float = 90.0
 
     @property
     @abstractmethod
     def kube(self) -> KubeApi:
-        """REST client for the API server the operator watches (base objects applied)."""
+        """REST client for the API server (the base objects applied)."""
 
     @abstractmethod
-    def pods(self, pool: str) -> list[Pod]:
-        """The ready pods a pool's selector matches, in a stable order."""
+    def gateway_address(self, gateway: str, namespace: str) -> str:
+        """``host:port`` a client dials for the Gateway's first listener, from the
+        address in its status (GIE: ``GetGatewayEndpoint``)."""
 
     @abstractmethod
-    def send(
-        self,
-        route: str,
-        *,
-        headers: Mapping[str, str] | None = None,
-        body: Any = None,
-        method: str = "POST",
-    ) -> Reply:
-        """One request to a route of :data:`conformance.topology.ROUTES`."""
-
-    @abstractmethod
-    def epp_unavailable(self, pool: str) -> AbstractContextManager[None]:
-        """Within the block the pool's Endpoint Picker cannot be reached."""
-
-    def send_to_gateway(
-        self,
-        gateway: str,
-        hostname: str,
-        path: str,
-        *,
-        headers: Mapping[str, str] | None = None,
-        body: Any = None,
-        method: str = "POST",
-    ) -> Reply:
-        """One request to a Gateway by hostname and path (needs GATEWAY_API)."""
-        raise NotImplementedError(f"the {self.name} driver runs no Gateway API implementation")
-
-    @abstractmethod
-    def picker_available(self, pool: str) -> None:
-        """Return once the operator's EPP Deployment for ``pool`` is available."""
+    def send(self, address: str, request: Request) -> Reply:
+        """One HTTP/1.1 request to ``address`` (a :meth:`gateway_address`)."""
 
     def pod_stopped(self, pod: Pod) -> AbstractContextManager[None]:
-        """Within the block the pod's echo server does not answer (needs STOP_PODS)."""
+        """Within the block the pod's model server does not answer (needs STOP_PODS)."""
         raise NotImplementedError(f"the {self.name} driver cannot stop single pods")
 
     def logs(self) -> Iterator[tuple[str, str]]:

@@ -392,6 +392,9 @@ class Catalog:
                 else {"grpc_health_check": {"service_name": self.options.epp_health_service}}
             )
             cluster.update(envoy.epp_health_checks(self.options.epp_health_check_interval_s, probe))
+            # EDS says which pods the Service selects: a picker it no longer selects gets
+            # no new stream now, not once it fails a health check (it may stay healthy).
+            cluster["ignore_health_on_host_removal"] = True
         if tls:
             cluster["transport_socket"] = envoy.epp_tls_transport_socket(sni)
         return cluster

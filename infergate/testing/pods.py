@@ -12,12 +12,15 @@ traffic, :func:`pod_argv` turns the pod's own container into a local command lin
   ``localhost``) become the pod's IP, which is loopback on Linux; an ``infergate``
   container without ``--host`` gets ``--host <pod IP>``;
 - the pod's ServiceAccount token (what the kubelet would project) is a TokenRequest token,
-  handed over as a kubeconfig.
+  handed over as a kubeconfig;
+- :func:`container_env` gives a container's ``env`` with literal values and the
+  downward API's ``fieldRef`` values, and :func:`expand` applies Kubernetes' ``$(VAR)``
+  expansion to command and args with it.
 
 What it does not emulate: images (the checkout's code runs, whatever the image says),
 isolation (no namespaces, cgroups, users, read-only root filesystems), probes, restarts,
-resource limits, environment from Secrets or the downward API, and container ports that
-collide inside one pod on different interfaces.
+resource limits, environment from Secrets, ConfigMaps or ``resourceFieldRef``, and
+container ports that collide inside one pod on different interfaces.
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ def materialize_config_maps(
 def localize(text: str, pod_ip: str, mounts: Mapping[str, Path]) -> str:
     """One argument (or config text) as the process on this machine must see it."""
     for mount_path, folder in sorted(mounts.items(), key=lambda kv: -len(kv[0])):
-        text = text.replace(mount_path, str(folder))
+        # Whole path components only: "/config" is the mount in "/config/config.yaml"
+        # once, never inside "config.yaml".
+        pattern = r"(?<![\w.-])" + re.escape(mount_path.rstrip("/")) + r"(?=/|$|[\s\"',])"
+        text = re.sub(pattern, str(folder).replace("\\", "\\\\"), text)
     return _LOCAL_ADDRESS.sub(pod_ip, text)
 
 
@@ -87,3 +93,38 @@ def pod_env(cluster: Cluster, pod: Mapping[str, Any]) -> dict[str, str]:
     account = pod["spec"].get("serviceAccountName") or "default"
     kubeconfig = cluster.service_account_kubeconfig(namespace, account)
     return dict(os.environ, KUBECONFIG=str(kubeconfig))
+
+
+def container_env(pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
+    """The container's ``env``: literal values (``$(VAR)`` of earlier entries expanded)
+    and the ``fieldRef`` values the kubelet fills in."""
+    meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
+    fields = {
+        "metadata.name": meta["name"],
+        "metadata.namespace": meta["namespace"],
+        "metadata.uid": meta.get("uid", ""),
+        "status.podIP": status.get("podIP", ""),
+        "status.hostIP": status.get("hostIP", ""),
+        "spec.nodeName": spec.get("nodeName", ""),
+        "spec.serviceAccountName": spec.get("serviceAccountName") or "default",
+    }
+    env: dict[str, str] = {}
+    for item in container.get("env") or []:
+        if "value" in item:
+            env[item["name"]] = expand(str(item["value"]), env)
+        path = ((item.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        if path in fields:
+            env[item["name"]] = str(fields[path])
+    return env
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion of command and args: known names are replaced,
+    ``$$(`` escapes, unknown references stay as written."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0).startswith("$$"):
+            return match.group(0)[1:]
+        return env.get(match.group(1), match.group(0))
+
+    return re.sub(r"\$\$?\(([A-Za-z_][A-Za-z0-9_.-]*)\)", one, text)

@@ -198,8 +198,8 @@ def test_saturation_detector_and_filter() -> None:
     [
         ("10.0.0.2", ["10.0.0.2:8000"]),
         ("10.0.0.3:8000, 10.0.0.1:8000", ["10.0.0.3:8000", "10.0.0.1:8000"]),
-        ("10.0.0.1:9999", []),
-        ("", []),
+        ("10.0.0.1:9999", []),  # names nothing of this pool: no candidate (503)
+        ("10.9.9.9", []),
     ],
 )
 def test_header_based_testing_filter(header: str, expected: list[str]) -> None:
@@ -211,6 +211,24 @@ def test_header_based_testing_filter(header: str, expected: list[str]) -> None:
     if expected:  # the picker honours the header's order
         picked = make("max-score-picker").pick(cycle, req(), kept, [0.0] * len(kept))
         assert picked[0].key == expected[0]
+
+
+@pytest.mark.parametrize("headers", [{}, {"test-epp-endpoint-selection": ""}])
+def test_header_based_testing_filter_without_a_selection_keeps_every_endpoint(
+    headers: dict[str, str],
+) -> None:
+    """GIE's reference conformance EPP routes a request without the header to any pod of
+    the pool (HTTPRouteMultipleGatewaysDifferentPools sends such requests)."""
+    filt = make("header-based-testing-filter")
+    eps = [state(1), state(2), state(3)]
+    cycle = CycleState()
+    kept = filt.filter(cycle, req(headers=headers), eps)
+    assert [e.key for e in kept] == [e.key for e in eps]
+    assert "test.selection_order" not in cycle  # the picker then scores as usual
+    picks = {
+        make("max-score-picker").pick(cycle, req(), kept, [0.0] * 3)[0].key for _ in range(200)
+    }
+    assert picks == {e.key for e in eps}  # ties are shared: any pod may serve
 
 
 def test_served_verifier_echoes_metadata() -> None:

@@ -190,6 +190,8 @@ def test_epp_cluster_transport_and_health() -> None:
     assert epp["transport_socket"]["typed_config"]["sni"] == "primary-epp.apps.svc"
     assert epp["health_checks"][0]["tcp_health_check"] == {}
     assert epp["common_lb_config"] == {"healthy_panic_threshold": {"value": 0.0}}
+    # A picker pod the Service stops selecting leaves at once, healthy or not.
+    assert epp["ignore_health_on_host_removal"] is True
     http = epp["typed_extension_protocol_options"][HTTP_OPTIONS]["explicit_http_config"]
     assert "http2_protocol_options" in http
     plain = run(options=TranslateOptions(now=NOW, epp_tls=False, epp_health_check="grpc"))

@@ -50,9 +50,16 @@ def test_every_rendered_object_is_valid(values: dict[str, Any]) -> None:
 
 
 def test_chart_crds_are_the_repository_crds() -> None:
-    ours = [p for p in sorted((ROOT / "crds").glob("*.yaml")) if p.name != "kustomization.yaml"]
+    ours = [
+        p
+        for p in sorted(
+            [*(ROOT / "crds").glob("*.yaml"), *(ROOT / "crds/gateway-api").glob("*.yaml")]
+        )
+        if p.name != "kustomization.yaml"
+    ]
     for path in [*ours, ROOT / "crds/kopf/kopf.dev_peerings.yaml"]:
         assert (CHART / "crds" / path.name).read_text() == path.read_text(), path.name
+    assert len(ours) == len(list((CHART / "crds").glob("*.yaml"))) - 1  # + kopf's
     crds = [d for p in sorted((CHART / "crds").glob("*.yaml")) for d in documents(p.read_text())]
     import kubernetes_validate
 
@@ -71,6 +78,9 @@ def test_values_schema_rejects_bad_values() -> None:
         {"sample": {"responseAccounting": "full"}},
         {"sample": {"completionEventsPort": 70000}},
         {"sample": {"engine": {"apiKeySecret": "Bad_Name"}}},
+        {"gateway": {"serviceType": "ExternalName"}},
+        {"gateway": {"xdsPort": 80}},
+        {"gatewayClass": {"name": "Not_A_Name"}},
         {"unknownTopLevel": True},
     ):
         with pytest.raises(helm.HelmError):
@@ -90,7 +100,8 @@ def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
     (clusterrole,) = [
         o
         for o in objects({})
-        if o["kind"] == "ClusterRole" and not o["metadata"]["name"].endswith("-discovery")
+        if o["kind"] == "ClusterRole"
+        and not o["metadata"]["name"].endswith(("-discovery", "-gateway"))
     ]
     allowed = _kind_rules(clusterrole)
     # Server-side apply creates or patches; pruning lists and deletes.
@@ -99,9 +110,13 @@ def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
         assert {"get", "list", "create", "patch", "delete"} <= allowed[(ref.group, ref.plural)], (
             kind
         )
-    # kopf watches only the pools, their policy objects, pods, Deployments and Services.
+    # kopf watches only the pools, their policy objects, pods, Deployments and Services,
+    # and the Gateway API objects the Gateway controller translates.
     watched = {key for key, verbs in allowed.items() if "watch" in verbs}
     assert watched == {
+        ("gateway.networking.k8s.io", "gateways"),
+        ("gateway.networking.k8s.io", "httproutes"),
+        ("gateway.networking.k8s.io", "referencegrants"),
         (c.POOL_GROUP, "inferencepools"),
         (c.X_GROUP, "inferenceobjectives"),
         (c.X_GROUP, "inferencemodelrewrites"),
@@ -118,6 +133,8 @@ def test_operator_rbac_covers_what_it_does_and_what_it_grants() -> None:
     assert "patch" in allowed[(c.X_GROUP, "inferenceobjectives/status")]
     assert "patch" in allowed[(c.X_GROUP, "inferencemodelrewrites/status")]
     assert "create" in allowed[("", "events")]
+    assert allowed[("gateway.networking.k8s.io", "gateways/status")] == {"patch"}
+    assert allowed[("gateway.networking.k8s.io", "httproutes/status")] == {"patch"}
     assert "patch" in allowed[("kopf.dev", "clusterkopfpeerings")]
     # RBAC escalation prevention: the operator must hold every permission it grants.
     pool = yaml.safe_load((ROOT / "crds/examples/valid/inferencepool.yaml").read_text())
@@ -135,11 +152,17 @@ def test_watched_namespaces_get_roles_not_a_cluster_role() -> None:
     rendered = objects({"operator": {"watchNamespaces": ["team-a", "team-b"]}})
     kinds = {o["kind"] for o in rendered}
     assert "ClusterKopfPeering" not in kinds
-    # At cluster scope only kopf's read-only discovery: CRDs and namespaces.
-    (discovery,) = [o for o in rendered if o["kind"] == "ClusterRole"]
-    assert _kind_rules(discovery) == {
+    # At cluster scope only kopf's read-only discovery (CRDs and namespaces) and the
+    # cluster-scoped GatewayClasses (read, and their status).
+    cluster_roles = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "ClusterRole"}
+    assert set(cluster_roles) == {"ig-infergate-discovery", "ig-infergate-gateway"}
+    assert _kind_rules(cluster_roles["ig-infergate-discovery"]) == {
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
         ("", "namespaces"): {"list", "watch"},
+    }
+    assert _kind_rules(cluster_roles["ig-infergate-gateway"]) == {
+        ("gateway.networking.k8s.io", "gatewayclasses"): {"get", "list", "watch"},
+        ("gateway.networking.k8s.io", "gatewayclasses/status"): {"patch"},
     }
     roles = {o["metadata"]["namespace"] for o in rendered if o["kind"] == "Role"}
     bindings = {o["metadata"]["namespace"] for o in rendered if o["kind"] == "RoleBinding"}
@@ -295,3 +318,51 @@ def test_sample_api_key_secret_reaches_engines_and_the_epp() -> None:
         for o in plain
         if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine")
     )
+
+
+def test_gateway_controller_values() -> None:
+    """gateway.enabled: the GatewayClass, the xDS Service and the operator's settings for
+    it; disabled: none of them, the operator told so, and no Gateway API permissions."""
+    on = objects({"gatewayClass": {"name": "team-gw"}, "gateway": {"xdsPort": 18123}})
+    (gateway_class,) = [o for o in on if o["kind"] == "GatewayClass"]
+    assert gateway_class["metadata"]["name"] == "team-gw"
+    assert gateway_class["spec"]["controllerName"] == "infergate.io/gateway-controller"
+    (xds,) = [o for o in on if o["kind"] == "Service"]
+    assert xds["metadata"]["name"] == "ig-infergate-xds"
+    assert xds["spec"]["ports"][0]["port"] == 18123
+    (deployment,) = [o for o in on if o["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["INFERGATE_GATEWAY"] == "true"
+    assert env["INFERGATE_XDS_PORT"] == "18123"
+    assert env["INFERGATE_XDS_ADDRESS"] == "ig-infergate-xds.infergate.svc"
+    assert {"name": "xds", "containerPort": 18123, "protocol": "TCP"} in container["ports"]
+    assert (
+        xds["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
+    # The settings the chart sets are the operator's own (declared once, in settings.py).
+    from infergate.operator.settings import GatewaySettings
+
+    names = set(GatewaySettings().to_env())
+    assert {k for k in env if k in names or k.startswith("INFERGATE_XDS")} <= names
+
+    off = objects({"gateway": {"enabled": False}})
+    assert not [o for o in off if o["kind"] in ("GatewayClass", "Service")]
+    (deployment,) = [o for o in off if o["kind"] == "Deployment"]
+    env = {
+        e["name"]: e.get("value")
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["INFERGATE_GATEWAY"] == "false"
+    groups = {
+        group
+        for o in off
+        if o["kind"] in ("ClusterRole", "Role")
+        for rule in o["rules"]
+        for group in rule["apiGroups"]
+    }
+    assert "gateway.networking.k8s.io" not in groups
+    assert not [
+        o for o in objects({"gatewayClass": {"create": False}}) if o["kind"] == "GatewayClass"
+    ]

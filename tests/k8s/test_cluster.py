@@ -183,6 +183,8 @@ def test_api_server_accepts_valid_examples(
 @pytest.fixture(scope="module")
 def crds_installed(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "-k", str(ROOT / "crds"))
+    # The chart's GatewayClass and sample HTTPRoute are checked by the API server too.
+    cluster.kubectl("apply", "--server-side", "-k", str(ROOT / "crds" / "gateway-api"))
     for crd in CRD_NAMES:
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
 

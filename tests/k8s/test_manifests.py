@@ -54,7 +54,7 @@ def test_operator_install_matches_the_chart() -> None:
         for o in objs
         if o["kind"] == "ClusterRole"
     }
-    assert roles == chart_roles and set(roles) == {"", "-discovery"}
+    assert roles == chart_roles and set(roles) == {"", "-discovery", "-gateway"}
 
 
 def test_samples_pool_selects_the_engine_and_standalone_overlay_switches_envoy_on() -> None:

@@ -12,7 +12,12 @@ import yaml
 
 KUBE_VERSION = "1.32"
 ROOT = Path(__file__).resolve().parents[2]
-CUSTOM_GROUPS = ("inference.networking.k8s.io", "inference.networking.x-k8s.io", "kopf.dev")
+CUSTOM_GROUPS = (
+    "inference.networking.k8s.io",
+    "inference.networking.x-k8s.io",
+    "kopf.dev",
+    "gateway.networking.k8s.io",
+)
 
 #: The chart's value sets: test_chart.py lints and validates each offline, and
 #: test_cluster.py has the API server check the custom objects each renders.
@@ -28,6 +33,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "sample-gpu": {"sample": {"enabled": True, "mode": "gpu", "failureMode": "FailOpen"}},
     "sample-pd": {"sample": {"enabled": True, "pd": {"enabled": True, "threshold": 512}}},
+    "gateway-off": {"gateway": {"enabled": False}},
     "scoped-standalone-ha": {
         "operator": {"replicas": 2, "peering": "", "watchNamespaces": ["team-a", "team-b"]},
         "epp": {"replicas": 2, "extraArgs": ["--refresh-metrics-interval", "0.1"]},
@@ -54,12 +60,12 @@ def validate_object(obj: dict[str, Any]) -> str:
     the shape every object needs here: the API server checks it in test_cluster.py."""
     import kubernetes_validate
 
-    if is_custom(obj):
-        assert obj.get("kind") and obj.get("metadata", {}).get("name"), obj
-        return "crd"
     if obj.get("kind") == "HTTPRoute":
         check_httproute(obj)
         return "httproute"
+    if is_custom(obj):
+        assert obj.get("kind") and obj.get("metadata", {}).get("name"), obj
+        return "crd"
     kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
     return "kubernetes"
 

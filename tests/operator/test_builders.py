@@ -69,6 +69,7 @@ def test_parse_reads_the_pool_and_defaults() -> None:
         ),
         (lambda b: b["spec"].update(targetPorts=[]), "InvalidTargetPorts"),
         (lambda b: b["spec"]["endpointPickerRef"].pop("port"), "InvalidExtensionRef"),
+        (lambda b: b["spec"].pop("endpointPickerRef"), "EndpointPickerRefMissing"),
         (
             lambda b: b["spec"]["endpointPickerRef"].update(failureMode="Maybe"),
             "InvalidExtensionRef",

@@ -55,7 +55,7 @@ def run_operator(
     return processes.start(
         name,
         [*cli, "operator", f"--namespace={namespace}", "--peering=infergate",
-         f"--liveness=http://127.0.0.1:{port}/healthz"],
+         f"--liveness=http://127.0.0.1:{port}/healthz", f"--xds-port={free_port()}"],
         ready=http_ready(f"http://127.0.0.1:{port}/healthz"), timeout=120, env=env,
     )  # fmt: skip
 
@@ -297,9 +297,9 @@ def test_invalid_pools_get_a_false_condition_and_a_warning_event(
 
     wait_for(lambda: accepted() == "False/EndpointPickerConfigNotFound", "config not found")
     assert cluster.get("deployment", "qwen-pool-epp", namespace) is None
-    events = json.loads(
-        cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout
-    )["items"]
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)[
+        "items"
+    ]
     assert any(
         e["type"] == "Warning" and e["reason"] == "EndpointPickerConfigNotFound" for e in events
     )

@@ -58,8 +58,11 @@ class HeaderBasedTestingFilter(Filter):
 
     The header is a comma-separated list of ``ip`` or ``ip:port``; a port demands an exact
     match, a bare IP matches any port of that address. The order of the header is kept (the
-    first listed endpoint is the primary). No header, or no match, leaves no candidate,
-    which the EPP answers with 503 — as GIE's conformance profile expects.
+    first listed endpoint is the primary). A header that names no endpoint of the pool
+    leaves no candidate, which the EPP answers with 503: a test that pins another pool's
+    pod must not reach this one. Without the header (or with an empty one) every endpoint
+    stays, as GIE's reference conformance EPP does: several GIE tests send plain requests
+    and expect any pod of the pool to answer.
     """
 
     type_name = "header-based-testing-filter"
@@ -69,7 +72,7 @@ class HeaderBasedTestingFilter(Filter):
     ) -> list[EndpointState]:
         value = request.headers.get(TEST_SELECTION_HEADER, "")
         if not value.strip():
-            return []
+            return list(endpoints)
         by_host: dict[str, list[EndpointState]] = {}
         for state in endpoints:
             by_host.setdefault(_normal_host(state.endpoint.address), []).append(state)
@@ -132,7 +135,7 @@ class BoundedLoadFilter(Filter):
         self, cycle: CycleState, request: InferenceRequest, endpoints: list[EndpointState]
     ) -> list[EndpointState]:
         if len(endpoints) < 2:
-            return endpoints
+            return list(endpoints)
         loads = [endpoint_load(e) for e in endpoints]
         factor = float(self.params.loadFactor)  # type: ignore[attr-defined]
         slack = int(self.params.loadSlack)  # type: ignore[attr-defined]
