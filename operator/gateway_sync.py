@@ -64,10 +64,13 @@ class SyncResult:
     deleted: list[str] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    #: Proxies that could not be applied (the API server's answer); retried on the next
+    #: pass when the error is transient, else on the next change or resync.
+    errors: list[str] = field(default_factory=list)
     retry: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.applied or self.deleted or self.statuses or self.conflicts)
+        return bool(self.applied or self.deleted or self.statuses or self.conflicts or self.errors)
 
 
 @dataclass
@@ -103,8 +106,13 @@ class GatewaySync:
         result = SyncResult()
         gateways = {key_of(g): g for g in objects.gateways}
         for key in sorted(translation.snapshots):
-            if key in gateways:
+            if key not in gateways:
+                continue
+            try:
                 self._apply_proxy(gateways[key], proxies, result)
+            except KubeError as error:  # one Gateway's proxy must not hold up the others
+                result.errors.append(f"Gateway {key[0]}/{key[1]}: {error}")
+                result.retry = result.retry or error.status in (409, 429) or error.status >= 500
         self._prune(translation, gateways, proxies, result)
         self._write_statuses(objects, translation, result)
         return result
