@@ -242,7 +242,7 @@ async def reconcile_once(
     if result.retry:
         controller.dirty.set()
     for error in result.errors:
-        log.warning("gateway proxy not applied: %s", error)
+        log.warning("gateway controller: not written: %s", error)
     if result or published:
         log.info(
             "gateway pass %d: %d gateways, %d routes; published=%s applied=%s deleted=%s "

@@ -238,10 +238,13 @@ class GatewaySync:
         try:
             self.kube.patch_status(kind, namespace, name, patch, resource_version=version)
         except KubeError as error:
-            if error.status not in (404, 409):
-                raise
-            result.conflicts.append(f"{kind} {namespace}/{name} ({error.status})")
-            result.retry = error.status == 409
+            if error.status in (404, 409):  # gone, or written meanwhile: the watch says
+                result.conflicts.append(f"{kind} {namespace}/{name} ({error.status})")
+                result.retry = result.retry or error.status == 409
+            elif 400 <= error.status < 500 and error.status != 429:
+                result.errors.append(f"status of {kind} {namespace}/{name}: {error}")
+            else:
+                raise  # the API server is struggling: the whole pass is retried
             return
         self._written[memo_key] = (version, _timeless(want))
         result.statuses.append(f"{kind} {namespace}/{name}")
