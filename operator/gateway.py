@@ -241,6 +241,8 @@ async def reconcile_once(
     controller.passes += 1
     if result.retry:
         controller.dirty.set()
+    for error in result.errors:
+        log.warning("gateway controller: not written: %s", error)
     if result or published:
         log.info(
             "gateway pass %d: %d gateways, %d routes; published=%s applied=%s deleted=%s "

@@ -64,10 +64,13 @@ class SyncResult:
     deleted: list[str] = field(default_factory=list)
     statuses: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    #: Proxies that could not be applied (the API server's answer); retried on the next
+    #: pass when the error is transient, else on the next change or resync.
+    errors: list[str] = field(default_factory=list)
     retry: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.applied or self.deleted or self.statuses or self.conflicts)
+        return bool(self.applied or self.deleted or self.statuses or self.conflicts or self.errors)
 
 
 @dataclass
@@ -103,8 +106,13 @@ class GatewaySync:
         result = SyncResult()
         gateways = {key_of(g): g for g in objects.gateways}
         for key in sorted(translation.snapshots):
-            if key in gateways:
+            if key not in gateways:
+                continue
+            try:
                 self._apply_proxy(gateways[key], proxies, result)
+            except KubeError as error:  # one Gateway's proxy must not hold up the others
+                result.errors.append(f"Gateway {key[0]}/{key[1]}: {error}")
+                result.retry = result.retry or error.status in (409, 429) or error.status >= 500
         self._prune(translation, gateways, proxies, result)
         self._write_statuses(objects, translation, result)
         return result
@@ -230,10 +238,13 @@ class GatewaySync:
         try:
             self.kube.patch_status(kind, namespace, name, patch, resource_version=version)
         except KubeError as error:
-            if error.status not in (404, 409):
-                raise
-            result.conflicts.append(f"{kind} {namespace}/{name} ({error.status})")
-            result.retry = error.status == 409
+            if error.status in (404, 409):  # gone, or written meanwhile: the watch says
+                result.conflicts.append(f"{kind} {namespace}/{name} ({error.status})")
+                result.retry = result.retry or error.status == 409
+            elif 400 <= error.status < 500 and error.status != 429:
+                result.errors.append(f"status of {kind} {namespace}/{name}: {error}")
+            else:
+                raise  # the API server is struggling: the whole pass is retried
             return
         self._written[memo_key] = (version, _timeless(want))
         result.statuses.append(f"{kind} {namespace}/{name}")

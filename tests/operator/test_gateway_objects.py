@@ -366,3 +366,28 @@ def test_route_and_pool_parents_written_only_with_something_of_ours(kind: str) -
     )
     result = _sync(kube).sync(objects, translation, {})
     assert result.statuses == [f"{kind} ns/x"]
+
+
+def test_a_proxy_the_api_server_refuses_does_not_hold_up_the_rest() -> None:
+    """One Gateway's Deployment refused (say, by an admission policy): the other Gateway's
+    proxy is applied and both statuses are written; a 422 is not retried in a loop."""
+
+    class Refusing(RecordingKube):
+        def apply(self, obj: Obj) -> Obj:
+            if obj["metadata"]["name"] == "bad-infergate":
+                raise KubeError(422, "PATCH", obj["metadata"]["name"], "denied")
+            return super().apply(obj)
+
+    kube = Refusing()
+    bad, good = gateway("bad"), gateway("good")
+    translation = Translation(
+        snapshots={("ns", "bad"): Snapshot(resources={}), ("ns", "good"): Snapshot(resources={})},
+        gateway_status={
+            ("ns", "bad"): {"conditions": [cond("Accepted", "True")]},
+            ("ns", "good"): {"conditions": [cond("Accepted", "True")]},
+        },
+    )
+    result = _sync(kube).sync(ClusterObjects(gateways=(bad, good)), translation, {})
+    assert len(result.errors) == 1 and "ns/bad" in result.errors[0] and not result.retry
+    assert "apply Deployment good-infergate" in kube.calls
+    assert {"status Gateway bad", "status Gateway good"} <= set(kube.calls)
