@@ -14,6 +14,7 @@ rule and match order.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from infergate.gateway.listeners import Listener
 from infergate.gateway.matches import Invalid, Match, compile_match, parse_duration
 from infergate.gateway.model import Meta, as_dict, as_list, meta
 from infergate.gateway.options import TranslateOptions
-from infergate.gateway.types import Obj
+from infergate.gateway.types import Key, Obj
 from infergate.wire.names import SERVED_HEADER
 
 _PARENT_REF_FIELDS = ("group", "kind", "namespace", "name", "sectionName", "port")
@@ -208,9 +209,15 @@ def route_configuration(
     listeners: list[Listener],
     attachments: list[Attachment],
     options: TranslateOptions,
+    shadowed: dict[Key, list[str]] | None = None,
 ) -> Obj:
     """One port's RouteConfiguration: a virtual host per hostname, each holding the
-    rules of the listener that hostname belongs to (listener isolation)."""
+    rules of the listener that hostname belongs to (listener isolation).
+
+    ``shadowed`` collects, per HTTPRoute, the matches another route serves: two routes
+    with the same match on the same host are both accepted (the spec says so), and
+    precedence gives the match to the older one; the other's owner learns it from a
+    condition instead of from traffic that never arrives."""
     by_hostname: dict[str, list[Attachment]] = {}
     for att in attachments:
         for host in att.hostnames:
@@ -222,11 +229,28 @@ def route_configuration(
         if owner is None:
             continue
         entries = _vhost_entries(domain, owner, by_hostname)
+        if shadowed is not None:
+            _note_shadowed(domain, entries, shadowed)
         routes = [
             _envoy_route(att.route, rule, j, m, port, options) for _, att, rule, j, m in entries
         ]
         virtual_hosts.append({"name": domain, "domains": [domain], "routes": routes})
     return {"name": name, "virtual_hosts": virtual_hosts}
+
+
+def _note_shadowed(domain: str, entries: list[Any], shadowed: dict[Key, list[str]]) -> None:
+    """Record each match that an earlier entry (higher precedence) of another route has
+    exactly: Envoy takes the first, so the later one never sees a request."""
+    first: dict[str, Route] = {}
+    for _, att, rule, j, match in entries:
+        ident = json.dumps(match.envoy, sort_keys=True)
+        winner = first.setdefault(ident, att.route)
+        if winner is not att.route:
+            w = winner.meta
+            shadowed.setdefault(att.route.meta.key, []).append(
+                f"rule {rule.index} match {j} on {domain} is served by HTTPRoute "
+                f"{w.namespace}/{w.name}, which has the same match and precedence"
+            )
 
 
 def _owning_listener(domain: str, listeners: list[Listener]) -> str | None:

@@ -99,6 +99,12 @@ class _Gateway:
         return self.problem is None and any(x.usable for x in self.listeners)
 
 
+#: Condition on an HTTPRoute parent entry whose match another route serves (an
+#: implementation-specific type, so domain-prefixed as the Gateway API asks).
+SHADOWED = "infergate.io/Shadowed"
+SHADOWED_REASON = "ShadowedByPrecedence"
+
+
 @dataclass
 class _Run:
     """The state of one translation."""
@@ -111,6 +117,8 @@ class _Run:
     gateways: dict[Key, _Gateway] = field(default_factory=dict)
     #: pool → gateway → whether some route naming the pool is accepted there.
     pool_refs: dict[Key, dict[Key, bool]] = field(default_factory=dict)
+    #: gateway → HTTPRoute → its matches another route serves there (route_configuration).
+    shadowed: dict[Key, dict[Key, list[str]]] = field(default_factory=dict)
     out: Translation = field(default_factory=Translation)
 
 
@@ -131,6 +139,7 @@ def translate(objects: ClusterObjects, options: TranslateOptions | None = None) 
         _route_parents(run, obj)
     for gateway in run.gateways.values():
         _finish_gateway(run, gateway)
+    _shadowed_conditions(run)
     _pool_parents(run)
     return run.out
 
@@ -218,7 +227,10 @@ def _snapshot(run: _Run, gateway: _Gateway) -> Snapshot:
         attachments = [a for a in gateway.attachments if a.listener in on_port]
         name = route_config_name(port)
         listeners.append(envoy_listener(port, run.options))
-        route_configs.append(route_configuration(name, port, on_port, attachments, run.options))
+        shadowed = run.shadowed.setdefault(gateway.meta.key, {})
+        route_configs.append(
+            route_configuration(name, port, on_port, attachments, run.options, shadowed)
+        )
     names = sorted({n for rc in route_configs for n in _referenced_clusters(rc)})
     resources = [run.catalog.resources[n] for n in names if n in run.catalog.resources]
     return Snapshot(
@@ -288,6 +300,32 @@ def _route_parents(run: _Run, obj: Obj) -> None:
                 ),
             }
         )
+
+
+def _shadowed_conditions(run: _Run) -> None:
+    """Tell a route's owner which of its matches another route serves on a Gateway.
+
+    The Gateway API accepts both of two routes with the same match and gives the match
+    to the older (then the first by namespace/name); nothing in its standard conditions
+    says the other one lost. infergate adds ``infergate.io/Shadowed`` (True, reason
+    ``ShadowedByPrecedence``) to that route's parent entry, naming the route that serves
+    the match; the entry stays Accepted, as the spec requires."""
+    routes = index(run.objects.http_routes)
+    for gateway_key, by_route in run.shadowed.items():
+        echo_key = {"namespace": gateway_key[0], "name": gateway_key[1]}
+        for route_key, messages in by_route.items():
+            previous = as_list(as_dict(routes.get(route_key, {}).get("status")).get("parents"))
+            for entry in run.out.route_parents.get(route_key, []):
+                ref = entry["parentRef"]
+                if {"namespace": ref.get("namespace"), "name": ref.get("name")} != echo_key:
+                    continue
+                cond = c.true(SHADOWED, SHADOWED_REASON, "; ".join(sorted(set(messages))))
+                before = _previous_parent(previous, ref)
+                gen = meta(routes.get(route_key, {})).generation
+                entry["conditions"] = [
+                    *entry["conditions"],
+                    *c.render([cond], before, gen, run.now),
+                ]
 
 
 def _compile(obj: Obj, run: _Run) -> Route:

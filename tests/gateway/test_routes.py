@@ -29,7 +29,7 @@ from gateway_objects import (
 )
 
 from infergate.gateway.backends import INVALID_BACKEND_CLUSTER
-from infergate.gateway.translate import TranslateOptions, translate
+from infergate.gateway.translate import SHADOWED, TranslateOptions, translate
 from infergate.gateway.types import Translation
 
 NOW = "2025-01-02T00:00:00Z"
@@ -47,6 +47,11 @@ def parent_conditions(
 ) -> dict[str, tuple[str, str]]:
     (entry,) = t.route_parents[(namespace, name)]
     return conditions(entry)
+
+
+def parent_message(t: Translation, name: str, type_: str, namespace: str = APPS) -> str:
+    (entry,) = t.route_parents[(namespace, name)]
+    return next(str(x["message"]) for x in entry["conditions"] if x["type"] == type_)
 
 
 def only_route(t: Translation, domain: str = "*") -> dict[str, Any]:
@@ -237,6 +242,12 @@ def test_precedence_across_routes() -> None:
     # Routes that overlap are all accepted: precedence, not rejection, settles it.
     for name in ("young", "b-old", "a-old", "mix"):
         assert parent_conditions(t, name)["Accepted"] == ("True", "Accepted")
+    # The routes that lost a match to an identical, older one are told which route serves it.
+    for loser in ("young", "b-old"):
+        assert parent_conditions(t, loser)[SHADOWED] == ("True", "ShadowedByPrecedence")
+        assert "apps/a-old" in parent_message(t, loser, SHADOWED)
+    assert SHADOWED not in parent_conditions(t, "a-old")
+    assert SHADOWED not in parent_conditions(t, "mix")
 
 
 def test_exact_hostname_routes_win_over_wildcard_ones() -> None:

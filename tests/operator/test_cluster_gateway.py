@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from infergate.gateway.bootstrap import ADMIN_CLUSTER
+from infergate.gateway.translate import SHADOWED
 from infergate.operator import constants as c
 from infergate.operator.gateway_objects import proxy_name
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
@@ -456,14 +457,16 @@ def test_conflicting_routes_the_oldest_keeps_the_path(gw: GatewayEnv, envoy_bina
     accepted_gateway(gw, name)
     gw.apply(service(old_backend, 8080), service(new_backend, 8080))
     _, admin = run_proxy(gw, name, envoy_binary)
+    # creationTimestamp has one-second resolution: two routes made within a second tie,
+    # and the spec breaks the tie by namespace/name, so the older also sorts first.
     older = route(
-        unique("r"), name, service_ref(old_backend, 8080), path="/same", hostname="a.example"
+        unique("a-r"), name, service_ref(old_backend, 8080), path="/same", hostname="a.example"
     )
     gw.apply(older)
     wait_for(has(lambda: route_parent(gw, older["metadata"]["name"], name), Accepted="True", ResolvedRefs="True"), "older route")  # fmt: skip
     wait_for(lambda: routed_clusters(admin, "/same", "a.example"), "the route in Envoy's config")
     newer = route(
-        unique("r"), name, service_ref(new_backend, 8080), path="/same", hostname="a.example"
+        unique("b-r"), name, service_ref(new_backend, 8080), path="/same", hostname="a.example"
     )
     gw.apply(newer)
     newer_parent = functools.partial(route_parent, gw, newer["metadata"]["name"], name)
@@ -471,6 +474,9 @@ def test_conflicting_routes_the_oldest_keeps_the_path(gw: GatewayEnv, envoy_bina
     wait_for(lambda: len(routed_clusters(admin, "/same")) == 2, "both routes in Envoy's config")
     (winner,) = routed_clusters(admin, "/same", "a.example")
     assert old_backend in winner and new_backend not in winner, winner
+    # The newcomer's owner is told, on its parent entry, which route serves its match.
+    wait_for(has(newer_parent, **{SHADOWED: "True"}), "the newer route's Shadowed condition")
+    assert SHADOWED not in route_parent(gw, older["metadata"]["name"], name)
 
 
 def test_a_pool_whose_epp_service_lacks_the_port_is_not_resolved(gw: GatewayEnv) -> None:
