@@ -165,6 +165,9 @@ class OperatorRig:
 
     events: int
     backends: tuple[str, str] = ("a", "b")
+    kubectl_s: list[float] = field(default_factory=list)
+    """Seconds each change's ``kubectl apply`` took, in order: how much of the time to
+    follow is the client itself."""
     _driver: ControlPlaneDriver | None = None
     _address: str = ""
 
@@ -218,7 +221,9 @@ class OperatorRig:
 
     async def change(self, to: str) -> None:
         # kubectl is a blocking subprocess: on a thread, so load (b) keeps its rate.
+        start = time.perf_counter()
         await asyncio.to_thread(self._kubectl_apply, to)
+        self.kubectl_s.append(time.perf_counter() - start)
 
     async def applied(self) -> float | None:
         return None  # the ADS server is in the operator's process: acks are not seen here
@@ -407,6 +412,8 @@ def main() -> None:
             result = asyncio.run(run(rig, args))
         finally:
             rig.close()
+    if isinstance(rig, OperatorRig):
+        result["latency"]["kubectl_s"] = summary(rig.kubectl_s[: args.changes])
     result["mode"] = "through-operator" if args.through_operator else "local"
     report(result, args)
     if args.json:
@@ -431,6 +438,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     latency, loss = result["latency"], result["loss"]
     print(f"(a) route flip -> first answer from the new backend, {latency['changes']} flips")
     print(f"    issue -> traffic follows: {latency['follow_s']}")
+    if latency.get("kubectl_s"):
+        print(f"    of which kubectl apply itself: {latency['kubectl_s']}")
     if latency["acked_s"]:
         print(f"    issue -> every replica acked: {latency['acked_s']}")
     print(
