@@ -180,7 +180,7 @@ class OperatorRig:
             workdir, [_infergate_cli()], bin_dir, "infergate",
             objects=objects, namespaces=(BENCH_NS,),
         )  # fmt: skip
-        for to in (*self.backends[::-1], self.backends[0]):
+        for to in self.backends[::-1]:  # B, then A: measuring starts on A
             self._kubectl_apply(to)
             if not self._address:
                 self._address = self.driver.gateway_address(BENCH_GATEWAY, BENCH_NS)
