@@ -10,10 +10,16 @@
 
 The change is pluggable (:class:`Rig`): the local rig (default) runs the ADS server on
 its own event loop thread, one real Envoy and two SSE backends, and changes the route with
-``AdsServer.set_snapshot``; a cluster rig can implement ``change`` as a ``kubectl apply``
-of an HTTPRoute and reuse :func:`measure_latency` and :func:`measure_loss` as they are.
+``AdsServer.set_snapshot``. With ``--through-operator``, :class:`OperatorRig` brings up
+the conformance suite's control-plane driver (etcd, kube-apiserver, controllers, kwok;
+the chart installed with helm; the operator as a process; pods run by the conformance
+pod runtime) with ``gateway_route_change.yaml``: a Gateway of class infergate, whose
+Envoy runs on the operator's bootstrap and gets its config from the operator over xDS,
+and two SSE backends behind Services. A change is a ``kubectl apply`` of the HTTPRoute
+naming the other Service; the time counted starts before kubectl does.
 
     python benchmarks/gateway_route_change.py [--changes 50] [--load-changes 20] [--rate 100]
+    python benchmarks/gateway_route_change.py --through-operator
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
+import httpx
+import yaml
 
 from infergate.gateway.xds import AdsServer
 from infergate.gateway.xds_harness import (
@@ -40,6 +49,9 @@ from infergate.gateway.xds_harness import (
     start_gateway_envoy,
 )
 from infergate.procs import ProcessGroup, free_port
+
+if TYPE_CHECKING:
+    from conformance.drivers.controlplane import ControlPlaneDriver
 
 NODE = "bench/gateway"
 
@@ -119,10 +131,7 @@ class LocalRig:
         return time.perf_counter() - self._changed_at if ok else None
 
     def backend_of(self, body: bytes) -> str | None:
-        try:
-            return str(json.loads(body)["backend"])
-        except (ValueError, KeyError, TypeError):
-            return None
+        return backend_named(body)
 
     def stream_backend(self, body: bytes) -> str | None:
         return check_sse(body, self.events)
@@ -133,6 +142,123 @@ class LocalRig:
             backend.close()
         self.loop.run(self.server.stop(0))
         self.loop.close()
+
+
+def backend_named(body: bytes) -> str | None:
+    """The ``backend`` an SSE backend's ``GET /who`` answer names (None: not such an answer)."""
+    try:
+        return str(json.loads(body)["backend"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+MANIFEST = Path(__file__).with_name("gateway_route_change.yaml")
+BENCH_NS = "gateway-bench"
+BENCH_GATEWAY = "bench"
+
+
+@dataclass
+class OperatorRig:
+    """The same two-backend flip through the real operator: what a user sees between
+    ``kubectl apply`` of an HTTPRoute and traffic following it (API server, operator
+    watch, translation, ADS push, Envoy's RDS/CDS update), not only the xDS leg."""
+
+    events: int
+    backends: tuple[str, str] = ("a", "b")
+    kubectl_s: list[float] = field(default_factory=list)
+    """Seconds each change's ``kubectl apply`` took, in order: how much of the time to
+    follow is the client itself."""
+    _driver: ControlPlaneDriver | None = None
+    _address: str = ""
+
+    def start(self, workdir: Path) -> OperatorRig:
+        """Control plane, chart, operator and the topology; returns once the Gateway
+        answers from each backend in turn (so no flip pays for a backend starting)."""
+        driver_class, bin_dir = _controlplane_driver()
+        objects = [o for o in self._manifest(self.backends[0]) if o["kind"] != "HTTPRoute"]
+        self._driver = driver_class(
+            workdir, [_infergate_cli()], bin_dir, "infergate",
+            objects=objects, namespaces=(BENCH_NS,),
+        )  # fmt: skip
+        for to in self.backends[::-1]:  # B, then A: measuring starts on A
+            self._kubectl_apply(to)
+            if not self._address:
+                self._address = self.driver.gateway_address(BENCH_GATEWAY, BENCH_NS)
+            self._settle(to)
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self._address}"
+
+    def _manifest(self, to: str) -> list[dict[str, Any]]:
+        text = MANIFEST.read_text().replace("{BACKEND}", to)
+        return [doc for doc in yaml.safe_load_all(text) if doc]
+
+    @property
+    def driver(self) -> ControlPlaneDriver:
+        assert self._driver is not None, "OperatorRig.start() first"
+        return self._driver
+
+    def _kubectl_apply(self, to: str) -> None:
+        """``kubectl apply`` of the HTTPRoute to backend ``to``, as a user would."""
+        route = [o for o in self._manifest(to) if o["kind"] == "HTTPRoute"]
+        self.driver.cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(route))
+
+    def _settle(self, to: str, timeout: float = 180.0) -> None:
+        """Wait, through connection errors and 404/503s, until ``to`` answers."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                try:
+                    response = client.get(f"{self.base_url}/who")
+                    if response.status_code == 200 and self.backend_of(response.content) == to:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"the Gateway never answered from {to} within {timeout}s")
+
+    async def change(self, to: str) -> None:
+        # kubectl is a blocking subprocess: on a thread, so load (b) keeps its rate.
+        start = time.perf_counter()
+        await asyncio.to_thread(self._kubectl_apply, to)
+        self.kubectl_s.append(time.perf_counter() - start)
+
+    async def applied(self) -> float | None:
+        return None  # the ADS server is in the operator's process: acks are not seen here
+
+    def backend_of(self, body: bytes) -> str | None:
+        return backend_named(body)
+
+    def stream_backend(self, body: bytes) -> str | None:
+        return check_sse(body, self.events)
+
+    def close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
+
+
+def _controlplane_driver() -> tuple[type[ControlPlaneDriver], Path]:
+    """The conformance suite's control-plane driver class and the binaries it needs.
+    ``conformance`` is a folder of this checkout, not an installed package: the repo
+    root goes on the path only for this mode."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from conformance.drivers.controlplane import ControlPlaneDriver
+    from infergate.testing.controlplane import binaries_dir, missing_binaries
+
+    bin_dir = binaries_dir()
+    missing = missing_binaries(bin_dir)
+    if missing:
+        raise SystemExit(f"control-plane binaries missing in {bin_dir}: {missing}")
+    return ControlPlaneDriver, bin_dir
+
+
+def _infergate_cli() -> str:
+    """This environment's ``infergate`` (the operator and pods run it)."""
+    import shutil
+
+    return shutil.which("infergate") or str(Path(sys.executable).parent / "infergate")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -196,11 +322,14 @@ async def measure_loss(
             except (TimeoutError, aiohttp.ClientError) as error:
                 outcomes[type(error).__name__] += 1
 
-        async def load(duration_s: float) -> None:
+        stop = asyncio.Event()
+
+        async def load() -> None:
             tasks = []
             start = time.perf_counter()
             sent = 0
-            while (now := time.perf_counter() - start) < duration_s:
+            while not stop.is_set():
+                now = time.perf_counter() - start
                 while sent < now * rate:
                     tasks.append(asyncio.ensure_future(one()))
                     sent += 1
@@ -211,13 +340,16 @@ async def measure_loss(
             first = rig.backends.index(rig.backend_of(await response.read()) or rig.backends[0])
 
         async def flips() -> None:
+            # The load lasts until a spacing after the last flip, however long each
+            # change takes to issue (a kubectl apply is not instant).
             await asyncio.sleep(spacing_s)
             for index in range(changes):
                 await rig.change(rig.backends[(first + index + 1) % 2])
                 await asyncio.sleep(spacing_s)
+            await asyncio.sleep(spacing_s)
+            stop.set()
 
-        duration = spacing_s * (changes + 2)
-        await asyncio.gather(load(duration), flips())
+        await asyncio.gather(load(), flips())
     total = sum(outcomes.values())
     return {
         "changes": changes,
@@ -267,24 +399,49 @@ def main() -> None:
         help="local rig: flips change only the route (default: each flip also swaps clusters)",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--through-operator",
+        action="store_true",
+        help="flip an HTTPRoute with kubectl apply through the real operator on the real "
+        "control plane (needs `make controlplane`)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="gw-route-bench-") as workdir:
-        rig = LocalRig(events=args.events, keep_clusters=args.keep_clusters)
-        rig.start(Path(workdir))
+        rig = make_rig(args, Path(workdir))
         try:
             result = asyncio.run(run(rig, args))
         finally:
             rig.close()
+    if isinstance(rig, OperatorRig):
+        result["latency"]["kubectl_s"] = summary(rig.kubectl_s[: args.changes])
+    result["mode"] = "through-operator" if args.through_operator else "local"
     report(result, args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+
+
+def make_rig(args: argparse.Namespace, workdir: Path) -> LocalRig | OperatorRig:
+    """The rig ``args`` ask for, started (closed again if starting fails)."""
+    rig: LocalRig | OperatorRig
+    if args.through_operator:
+        rig = OperatorRig(events=args.events)
+    else:
+        rig = LocalRig(events=args.events, keep_clusters=args.keep_clusters)
+    try:
+        return rig.start(workdir)
+    except BaseException:
+        rig.close()
+        raise
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     latency, loss = result["latency"], result["loss"]
     print(f"(a) route flip -> first answer from the new backend, {latency['changes']} flips")
     print(f"    issue -> traffic follows: {latency['follow_s']}")
-    print(f"    issue -> every replica acked: {latency['acked_s']}")
+    if latency.get("kubectl_s"):
+        print(f"    of which kubectl apply itself: {latency['kubectl_s']}")
+    if latency["acked_s"]:
+        print(f"    issue -> every replica acked: {latency['acked_s']}")
     print(
         f"(b) {loss['requests']} streams at {loss['rate_per_s']:.0f}/s "
         f"({args.events} events x {args.interval_ms} ms) across {loss['changes']} flips "

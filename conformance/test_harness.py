@@ -17,6 +17,7 @@ import pytest
 
 from conformance.drivers.runtime import ECHO_SERVER, container_kind, redirect_ads
 from conformance.report import FAILED, GIE_TESTS, PASSED, SKIPPED, build_report
+from infergate.gateway.xds_harness import check_sse
 from infergate.procs import ProcessGroup, free_port, tcp_ready
 from infergate.testing.pods import container_env, expand
 
@@ -104,8 +105,22 @@ def test_runtime_fills_env_and_args_as_the_kubelet_does() -> None:
     assert env == {"POD_IP": "127.9.9.4", "WHERE": "127.9.9.4:80", "NS": "ns"}
     assert expand("--ip=$(POD_IP) $(UNSET) $$(POD_IP)", env) == "--ip=127.9.9.4 $(UNSET) $(POD_IP)"
     images = ("infergate/conformance-echo:dev", "ghcr.io/infergate/epp:conformance",
-              "docker.io/envoyproxy/envoy:v1.33-latest", "busybox")  # fmt: skip
-    assert [container_kind(i) for i in images] == ["echo", "epp", "envoy", None]
+              "docker.io/envoyproxy/envoy:v1.33-latest", "infergate/sse-backend:dev",
+              "busybox")  # fmt: skip
+    assert [container_kind(i) for i in images] == ["echo", "epp", "envoy", "sse", None]
+
+
+def test_sse_backend_process_names_itself_and_streams(processes: ProcessGroup) -> None:
+    """What the runtime runs for an ``sse-backend`` image (the route-change benchmark's
+    backends): ``/who`` names the backend, ``/sse`` streams complete events."""
+    port = free_port()
+    argv = [sys.executable, "-m", "infergate.gateway.xds_harness", "--name", "b",
+            "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    processes.start("sse", argv, ready=tcp_ready("127.0.0.1", port))
+    with httpx.Client() as client:
+        assert client.get(f"http://127.0.0.1:{port}/who").json() == {"backend": "b"}
+        stream = client.get(f"http://127.0.0.1:{port}/sse?events=3&interval_ms=1")
+    assert check_sse(stream.content, 3) == "b"
 
 
 def test_runtime_points_only_the_ads_cluster_at_the_operator() -> None:

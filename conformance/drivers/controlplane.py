@@ -63,20 +63,34 @@ class ControlPlaneDriver(Driver):
     settle_timeout = 120.0
 
     def __init__(
-        self, workdir: Path, cli: Sequence[str], bin_dir: Path, gateway_class: str
+        self,
+        workdir: Path,
+        cli: Sequence[str],
+        bin_dir: Path,
+        gateway_class: str,
+        *,
+        objects: Sequence[topo.Obj] | None = None,
+        namespaces: Sequence[str] = (topo.APP_NS, topo.INFRA_NS),
     ) -> None:
+        """``objects`` (default: the suite's base.yaml) are applied once the operator and
+        the pod runtime run; the runtime serves pods in ``namespaces``. Both can be
+        changed so the route-change benchmark brings up only its own small topology."""
         self.workdir = workdir
         self.cli = list(cli)
+        self.objects = (
+            list(objects) if objects is not None else list(topo.base_objects(gateway_class))
+        )
+        self.namespaces = tuple(namespaces)
         self.group = ProcessGroup()
         self._http = httpx.Client(timeout=30.0)
         self.plane = ControlPlane(bin_dir=bin_dir, workdir=workdir / "plane").start()
         try:
-            self._start(bin_dir, gateway_class)
+            self._start(bin_dir)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, bin_dir: Path, gateway_class: str) -> None:
+    def _start(self, bin_dir: Path) -> None:
         plane = self.plane
         self.cluster = Cluster(
             kubeconfig=plane.admin_kubeconfig, bin_dir=bin_dir, workdir=self.workdir
@@ -91,9 +105,9 @@ class ControlPlaneDriver(Driver):
         self._start_operator(xds_port)
         self.runtime = PodRuntime(
             self._kube, self.cluster, self.workdir / "pods",
-            namespaces=(topo.APP_NS, topo.INFRA_NS), cli=self.cli, xds=("127.0.0.1", xds_port),
+            namespaces=self.namespaces, cli=self.cli, xds=("127.0.0.1", xds_port),
         ).start()  # fmt: skip
-        self._kube.apply_all(topo.base_objects(gateway_class))
+        self._kube.apply_all(self.objects)
 
     def _start_operator(self, xds_port: int) -> None:
         """The operator on the chart's ServiceAccount token, xDS on ``xds_port``."""

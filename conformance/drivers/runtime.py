@@ -9,6 +9,8 @@ in-pod addresses made the pod's IP, the ServiceAccount's token as a kubeconfig),
 the container's ``env`` and ``$(VAR)``-expanded args:
 
 * ``…conformance-echo…`` → ``conformance/echo/server.py`` on the pod's IP;
+* ``…sse-backend…`` → :mod:`infergate.gateway.xds_harness`'s streaming backend on the
+  pod's IP (the route-change benchmark's backends: ``GET /sse`` streams events);
 * ``…/epp…`` → ``infergate`` from this checkout;
 * ``…envoy…`` → the real Envoy on the bootstrap from the Gateway's ConfigMap. One thing
   more is changed there, what cluster DNS would provide: the static cluster the
@@ -64,6 +66,8 @@ def container_kind(image: str) -> str | None:
     name = image.rsplit("/", 1)[-1]
     if "conformance-echo" in name:
         return "echo"
+    if "sse-backend" in name:
+        return "sse"
     if name.startswith("epp"):
         return "epp"
     if "envoy" in image:
@@ -199,6 +203,10 @@ class PodRuntime:
             argv = pod_argv(
                 pod, {**expanded, "command": []}, [sys.executable, str(ECHO_SERVER)], mounts
             )
+            return [*argv, "--host", ip], {**_base_env(), **env}
+        if kind == "sse":
+            entry = [sys.executable, "-m", "infergate.gateway.xds_harness"]
+            argv = pod_argv(pod, {**expanded, "command": []}, entry, mounts)
             return [*argv, "--host", ip], {**_base_env(), **env}
         if kind == "epp":
             argv = pod_argv(pod, {**expanded, "command": []}, self.cli, mounts)

@@ -8,10 +8,12 @@ and small streaming (SSE) HTTP backends that say who answered.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -55,10 +57,10 @@ class SseBackend:
     With ``&hold=1`` the stream stops after its first event until :attr:`gate` is set,
     so a test knows a stream is in flight across a config change, without timing it."""
 
-    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.name = name
         self.gate = threading.Event()
-        self._server = _QuietServer((host, 0), _handler(name, self.gate))
+        self._server = _QuietServer((host, port), _handler(name, self.gate))
         self._server.daemon_threads = True
         self.host = host
         self.port = int(self._server.server_address[1])
@@ -320,3 +322,25 @@ class SpawnedProcess(ManagedProcess):
                 start_new_session=True,
             )
         return self
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve one :class:`SseBackend` until SIGTERM: what a pod runs when a benchmark on
+    the control plane needs a streaming backend behind a Service (see
+    ``conformance/drivers/runtime.py``, images named ``sse-backend``)."""
+    parser = argparse.ArgumentParser(description="an SSE backend that names itself")
+    parser.add_argument("--name", required=True, help="what it answers as its backend name")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    backend = SseBackend(args.name, args.host, args.port)
+    print(f"sse backend {args.name} on {args.host}:{backend.port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
