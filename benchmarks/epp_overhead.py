@@ -228,7 +228,9 @@ def run_rate(run: Run, rate: float, body: dict[str, Any], args: argparse.Namespa
         for path in paths[shift:] + paths[:shift]:
             before = {p.name: _cpu(p.pid) for p in paths}
             started = time.monotonic()
-            result = asyncio.run(open_loop(path.url, rate, args.seconds, seed=round_index, body=body))
+            result = asyncio.run(
+                open_loop(path.url, rate, args.seconds, seed=round_index, body=body)
+            )
             wall = time.monotonic() - started
             for other in paths:
                 spent = _cpu(other.pid) - before[other.name]

@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from infergate.epp.config import load_config, parse_config
+from infergate.epp.config import ConfigError, load_config, parse_config
 from infergate.epp.datalayer.collector import Collectors
 from infergate.epp.datalayer.completions import CompletionSubscriptions
 from infergate.epp.datalayer.datastore import Datastore
@@ -44,6 +44,7 @@ from prometheus_client import start_http_server
 log = logging.getLogger("infergate.epp")
 
 HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+GRPC_SERVERS = ("aio", "sync")
 
 
 class Epp:
@@ -51,6 +52,10 @@ class Epp:
 
     def __init__(self, options: EppOptions) -> None:
         self.options = options
+        if options.grpc_server not in GRPC_SERVERS:
+            raise ConfigError(
+                f"--grpc-server must be one of {', '.join(GRPC_SERVERS)}, not {options.grpc_server!r}"
+            )
         config = options.config or (
             parse_config(options.config_text, "--config-text")
             if options.config_text
@@ -121,6 +126,8 @@ class Epp:
             self.metrics,
         )
         self._grpc: grpc.aio.Server | None = None
+        self._sync: grpc.Server | None = None  # --grpc-server sync: ext-proc, EDS, health
+        self._sync_health = health.HealthServicer()
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
@@ -141,7 +148,9 @@ class Epp:
         )
         for service in HEALTH_SERVICES:
             await self._health.set(service, status)
+            self._sync_health.set(service, status)
         await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        self._sync_health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
 
     def _endpoint_removed(self, key: str) -> None:
         if self.datastore.get(key) is None:  # gone, not relabelled: its records will not come
@@ -158,32 +167,52 @@ class Epp:
         self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
         self._tasks = [t for t in self._tasks if not t.done()]
 
-    async def start(self) -> None:
-        o = self.options
-        self._grpc = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.keepalive_permit_without_calls", 1),
-                # Off unless asked: a second EPP on a busy port must fail, not share it.
-                ("grpc.so_reuseport", int(o.reuse_port)),
-            ]
-        )
+    def _grpc_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Off unless asked: a second EPP on a busy port must fail, not share it.
+            ("grpc.so_reuseport", int(self.options.reuse_port)),
+        ]
+
+    def _ext_proc_server(self) -> grpc.aio.Server | grpc.Server:
+        """The ext-proc port's server with ext-proc, EDS and health on it (``--grpc-server``)."""
+        if self.options.grpc_server == "sync":
+            from infergate.epp.sync_server import LockedLoop, SyncEds, SyncExtProc, sync_server
+
+            loop = asyncio.get_running_loop()
+            if not isinstance(loop, LockedLoop):
+                raise RuntimeError("--grpc-server sync runs on sync_server.LockedLoop")
+            server = sync_server(self.options.max_streams, self._grpc_options())
+            pb_grpc.add_ExternalProcessorServicer_to_server(
+                SyncExtProc(self.ext_proc, loop), server
+            )
+            eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
+                SyncEds(self.eds, loop), server
+            )
+            health_pb2_grpc.add_HealthServicer_to_server(self._sync_health, server)
+            self._sync = server
+            return server
+        self._grpc = grpc.aio.server(options=self._grpc_options())
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         # Health on the ext-proc port too, over its transport: Envoy's check then fails
         # when ext-proc would (TLS mismatch, not gRPC), not only when the port is closed.
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        return self._grpc
+
+    async def start(self) -> None:
+        o = self.options
+        server = self._ext_proc_server()
         try:  # grpc raises RuntimeError (older versions return 0) on a busy port
             if o.secure_serving:
                 from infergate.epp.tls import server_credentials
 
                 credentials, self.certificate = server_credentials(o.cert_path)
-                self.grpc_port = self._grpc.add_secure_port(
-                    f"{o.host}:{o.grpc_port}", credentials
-                )
+                self.grpc_port = server.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)
             else:
-                self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
+                self.grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
         except RuntimeError as error:
             raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
@@ -218,7 +247,10 @@ class Epp:
                 o.pool_name, o.pool_namespace, self.datastore, self.objectives
             )
             await self._kube.start()
-        await self._grpc.start()
+        if self._grpc is not None:
+            await self._grpc.start()
+        if self._sync is not None:
+            self._sync.start()
         await self._health_server.start()
         log.info(
             "endpoint picker serving ext-proc (%s) on %s:%d, health on %d, metrics on %d; "
@@ -254,6 +286,9 @@ class Epp:
         self._stop.set()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._sync is not None:
+            stopped = self._sync.stop(grace)
+            await asyncio.get_running_loop().run_in_executor(None, stopped.wait, grace + 1.0)
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._kube is not None:

@@ -176,6 +176,12 @@ class EppOptions:
         help="EPP processes behind the one ext-proc port (SO_REUSEPORT); state (prefix index, "
         "flow control) is per process. Worker i serves metrics on --metrics-port + i.",
     )
+    grpc_server: str = option(
+        "--grpc-server",
+        default="aio",
+        help="ext-proc's gRPC server: aio (grpc.aio on the event loop) or sync (grpc's "
+        "thread-pool server, a thread per stream; docs/architecture.md).",
+    )
     reuse_port: bool = option(
         "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
     )
