@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
@@ -41,10 +41,13 @@ from infergate.epp.server import ExtProcServer, Limits
 from infergate.epp.types import Endpoint
 from prometheus_client import start_http_server
 
+if TYPE_CHECKING:
+    from infergate.epp.h2_server import H2Server
+
 log = logging.getLogger("infergate.epp")
 
 HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
-GRPC_SERVERS = ("aio", "sync")
+GRPC_SERVERS = ("aio", "h2", "sync")
 
 
 class Epp:
@@ -127,6 +130,7 @@ class Epp:
         )
         self._grpc: grpc.aio.Server | None = None
         self._sync: grpc.Server | None = None  # --grpc-server sync: ext-proc, EDS, health
+        self._h2: H2Server | None = None  # --grpc-server h2: the same on the event loop
         self._sync_health = health.HealthServicer()
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -202,7 +206,44 @@ class Epp:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         return self._grpc
 
-    async def start(self) -> None:
+    def _h2_server(self) -> H2Server:
+        """ext-proc, EDS and health on the event loop's own HTTP/2 server (epp/h2_server.py)."""
+        from envoy.service.discovery.v3 import discovery_pb2
+        from envoy.service.ext_proc.v3 import external_processor_pb2
+        from infergate.epp.h2_server import H2Server, Method
+
+        health_request = health_pb2.HealthCheckRequest.FromString
+        return H2Server(
+            {
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process": Method(
+                    "ext_proc",
+                    lambda: self.ext_proc,
+                    external_processor_pb2.ProcessingRequest.FromString,
+                ),
+                "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints": Method(
+                    "stream", self.eds.StreamEndpoints, discovery_pb2.DiscoveryRequest.FromString
+                ),
+                "/grpc.health.v1.Health/Check": Method("unary", self._health.Check, health_request),
+                "/grpc.health.v1.Health/Watch": Method("unary", self._health.Watch, health_request),
+            },
+            max_message=64 << 20,
+            max_streams=self.options.max_streams,
+        )
+
+    async def _start_h2(self) -> None:
+        o = self.options
+        context = None
+        if o.secure_serving:
+            from infergate.epp.tls import server_ssl_context
+
+            context, self.certificate = server_ssl_context(o.cert_path)
+        self._h2 = self._h2_server()
+        try:
+            self.grpc_port = await self._h2.start(o.host, o.grpc_port, context, o.reuse_port)
+        except OSError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+
+    async def _start_grpc(self) -> None:
         o = self.options
         server = self._ext_proc_server()
         try:  # grpc raises RuntimeError (older versions return 0) on a busy port
@@ -215,6 +256,13 @@ class Epp:
                 self.grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
         except RuntimeError as error:
             raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+
+    async def start(self) -> None:
+        o = self.options
+        if o.grpc_server == "h2":
+            await self._start_h2()
+        else:
+            await self._start_grpc()
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
         try:
@@ -286,6 +334,8 @@ class Epp:
         self._stop.set()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._h2 is not None:
+            await self._h2.stop(grace)
         if self._sync is not None:
             stopped = self._sync.stop(grace)
             await asyncio.get_running_loop().run_in_executor(None, stopped.wait, grace + 1.0)

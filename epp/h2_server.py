@@ -1,0 +1,545 @@
+"""gRPC for ext-proc, EDS and health on the EPP's own event loop (``--grpc-server h2``).
+
+Why: under grpc.aio each gRPC event (a message in, a message sent, a stream's end) is
+picked up by grpc's poller thread and handed to the asyncio loop through a wake-up socket,
+then resumes the stream's task: thread hops and loop iterations per message, most of the
+EPP's CPU per request (docs/architecture.md, "The ext-proc transport"). Here the loop
+itself reads the HTTP/2 connection Envoy holds to the EPP: one socket read brings
+whatever frames arrived for every stream, each complete gRPC message is handed to its
+stream's :class:`~infergate.epp.server.StreamState` in place, and the answers of all
+streams go out in one socket write.
+
+What it implements of gRPC over HTTP/2 (``h2``'s connection state machine does the
+framing, HPACK and flow-control accounting): length-prefixed messages without
+compression, response headers / trailers (``grpc-status``, ``grpc-message``) and
+trailers-only errors, RST_STREAM as cancellation, send-window flow control, GOAWAY on
+stop, TLS with ALPN ``h2``. Methods are served from a table (:class:`Method`): the
+ext-proc stream on a fast path (:class:`ExtProcCall`, no task per stream unless a
+decision really waits, e.g. flow control queueing it), the rest (EDS, health) through
+their asyncio servicers unchanged (:class:`AioCall`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.message import DecodeError
+from infergate.epp.server import ExtProcServer, ObserverState, Phase, StreamState, immediate
+
+log = logging.getLogger("infergate.epp.h2_server")
+
+_GRPC_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+_END = object()
+#: Our receive windows and frame size: large, since every byte is acknowledged as it is
+#: read and the EPP's own limits (``Limits``) bound what a stream may hold.
+_WINDOW = 16 << 20
+_FRAME = 1 << 20
+
+
+def _status(code: grpc.StatusCode) -> int:
+    return int(code.value[0])
+
+
+class Stream:
+    """One HTTP/2 stream: gRPC messages in, flow-controlled messages and trailers out."""
+
+    __slots__ = ("buffer", "call", "conn", "headers_sent", "id", "pending", "trailers")
+
+    def __init__(self, conn: Connection, stream_id: int) -> None:
+        self.conn, self.id = conn, stream_id
+        self.buffer = bytearray()  # a gRPC message not yet complete
+        self.pending = bytearray()  # framed bytes waiting for the peer's send window
+        self.headers_sent = False
+        self.trailers: list[tuple[bytes, bytes]] | None = None  # set once: finishing
+        self.call: ExtProcCall | AioCall | None = None
+
+    def send(self, payload: bytes) -> None:
+        if self.trailers is not None or self.id not in self.conn.streams:
+            return
+        self.pending += b"\x00" + len(payload).to_bytes(4, "big") + payload
+        self.conn.pump(self)
+
+    def finish(self, code: int = 0, message: str = "") -> None:
+        """End the stream with ``grpc-status`` ``code`` once what is pending has gone."""
+        if self.trailers is not None or self.id not in self.conn.streams:
+            return
+        self.trailers = [(b"grpc-status", str(code).encode())]
+        if message:
+            self.trailers.append((b"grpc-message", quote(message, safe=" ").encode()))
+        self.conn.pump(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A served gRPC method: ``ext_proc`` (the fast path), or an asyncio servicer method
+    taking (request iterator | request, context): ``stream`` or ``unary`` requests."""
+
+    kind: str
+    call: Callable[..., Any]
+    decode: Callable[[bytes], Any]
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/2 connection (Envoy holds one per worker thread to each EPP)."""
+
+    def __init__(self, server: H2Server) -> None:
+        self.server = server
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=False,
+                header_encoding=None,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+                validate_inbound_headers=False,
+                normalize_inbound_headers=False,
+            )
+        )
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, Stream] = {}
+        self._reading = False  # inside data_received: one write at its end
+        self.peer = ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        peer = transport.get_extra_info("peername")
+        self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.server.connections.add(self)
+        self.h2.initiate_connection()
+        self.h2.update_settings(
+            {
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
+                h2.settings.SettingCodes.MAX_FRAME_SIZE: _FRAME,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_streams,
+            }
+        )
+        self.h2.increment_flow_control_window(_WINDOW - 65_535)
+        self.flush()
+
+    def flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as error:
+            log.warning("gRPC connection from %s: HTTP/2 protocol error (%s)", self.peer, error)
+            self.flush()
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._reading = True
+        try:
+            for event in events:
+                self._event(event)
+        finally:
+            self._reading = False
+        self.flush()
+
+    def _event(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.DataReceived):
+            if event.flow_controlled_length:
+                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            stream = self.streams.get(event.stream_id)
+            if stream is not None and event.data:
+                self._data(stream, event.data)
+        elif isinstance(event, h2.events.RequestReceived):
+            self._request(event.stream_id, event.headers)
+        elif isinstance(event, h2.events.StreamEnded):
+            stream = self.streams.get(event.stream_id)
+            if stream is not None and stream.call is not None:
+                stream.call.on_end()
+        elif isinstance(event, h2.events.StreamReset):
+            self._drop(event.stream_id)
+        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+            for stream in list(self.streams.values()):
+                if stream.pending:
+                    self.pump(stream)
+
+    def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+        stream = Stream(self, stream_id)
+        self.streams[stream_id] = stream
+        path = next((value for key, value in headers if key == b":path"), b"")
+        method = self.server.methods.get(path)
+        if method is None:
+            stream.finish(_status(grpc.StatusCode.UNIMPLEMENTED), f"unknown method {path!r}")
+        elif method.kind == "ext_proc":
+            stream.call = ExtProcCall(method.call(), stream)
+        else:
+            stream.call = AioCall(method, stream)
+
+    def _data(self, stream: Stream, data: bytes) -> None:
+        buffer = stream.buffer
+        buffer += data
+        while len(buffer) >= 5 and stream.trailers is None:
+            size = int.from_bytes(buffer[1:5], "big")
+            if size > self.server.max_message:
+                code = _status(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                self._fail(stream, code, f"message of {size} bytes over the limit")
+                return
+            if len(buffer) < 5 + size:
+                return
+            if buffer[0]:
+                self._fail(stream, _status(grpc.StatusCode.UNIMPLEMENTED), "compressed message")
+                return
+            message = bytes(buffer[5 : 5 + size])
+            del buffer[: 5 + size]
+            if stream.call is not None:
+                stream.call.on_message(message)
+
+    def _fail(self, stream: Stream, code: int, message: str) -> None:
+        stream.finish(code, message)
+        if stream.call is not None:
+            stream.call.on_close()
+
+    def pump(self, stream: Stream) -> None:
+        """Send what ``stream`` has pending as far as the windows allow, then its trailers."""
+        h2conn = self.h2
+        try:
+            if stream.pending and not stream.headers_sent:
+                h2conn.send_headers(stream.id, _GRPC_HEADERS)
+                stream.headers_sent = True
+            while stream.pending:
+                size = min(
+                    h2conn.local_flow_control_window(stream.id),
+                    h2conn.max_outbound_frame_size,
+                    len(stream.pending),
+                )
+                if size <= 0:
+                    return  # WindowUpdated resumes it
+                h2conn.send_data(stream.id, bytes(stream.pending[:size]))
+                del stream.pending[:size]
+            if stream.trailers is not None:
+                headers = (
+                    stream.trailers if stream.headers_sent else _GRPC_HEADERS + stream.trailers
+                )
+                h2conn.send_headers(stream.id, headers, end_stream=True)
+                self._done(stream)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._drop(stream.id)  # the peer reset or closed it meanwhile
+        if not self._reading:
+            self.flush()
+
+    def _done(self, stream: Stream) -> None:
+        """Our side has ended: a peer still sending is told to stop, as gRPC servers do."""
+        self.streams.pop(stream.id, None)
+        state = self.h2.streams.get(stream.id)
+        if state is not None and not state.closed:
+            with contextlib.suppress(h2.exceptions.H2Error):
+                self.h2.reset_stream(stream.id, h2.errors.ErrorCodes.NO_ERROR)
+
+    def _drop(self, stream_id: int) -> None:
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None and stream.call is not None:
+            stream.call.on_close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        for stream_id in list(self.streams):
+            self._drop(stream_id)
+        self.transport = None
+
+    def goaway(self) -> None:
+        with contextlib.suppress(h2.exceptions.H2Error):
+            self.h2.close_connection()
+            self.flush()
+
+
+class _Resumed:
+    """The rest of a coroutine that suspended on a loop future, awaited by a task."""
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any) -> None:
+        self.coro, self.yielded = coro, yielded
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        value = self.yielded
+        while True:
+            try:
+                sent = yield value
+            except BaseException as error:
+                try:
+                    value = self.coro.throw(error)
+                except StopIteration as stop:
+                    return stop.value
+            else:
+                try:
+                    value = self.coro.send(sent)
+                except StopIteration as stop:
+                    return stop.value
+
+
+async def _await(awaitable: _Resumed) -> Any:
+    return await awaitable
+
+
+class ExtProcCall:
+    """One ext-proc stream: ``ExtProcServer.Process``'s loop, driven by arriving messages.
+
+    A message's ``StreamState.handle`` runs in place; only when it suspends (the
+    decision waits on the loop) does a task finish it, later messages waiting their turn.
+    """
+
+    def __init__(self, server: ExtProcServer, stream: Stream) -> None:
+        self.server, self.stream = server, stream
+        self.state = StreamState(server)
+        self.observer: ObserverState | None = None
+        self.busy: asyncio.Task[Any] | None = None
+        self.backlog: deque[bytes | object] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+        self.closed = False
+        server.active_streams += 1
+        self.refused = server.active_streams > server.limits.max_streams
+
+    def on_message(self, raw: bytes) -> None:
+        if self.closed:
+            return
+        if self.busy is not None:
+            self.backlog.append(raw)
+            return
+        try:
+            message = pb.ProcessingRequest.FromString(raw)
+        except DecodeError as error:
+            log.warning("ext-proc stream from %s: corrupt frame (%s)", self.stream.conn.peer, error)
+            self._finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "corrupt ProcessingRequest")
+            return
+        if self.refused:
+            self.server.count("overloaded_503")
+            self.state.phase = Phase.DONE
+            log.warning("ext-proc stream refused: %d streams open", self.server.active_streams - 1)
+            self._send([immediate(503, "the endpoint picker has too many requests open; retry")])
+            self._finish()
+            return
+        if self.observer is not None:
+            self.observer.handle(message)
+            return
+        if message.observability_mode and self.state.phase is Phase.HEADERS:
+            self.observer = ObserverState(self.server)  # never answered (Envoy does not wait)
+            self.observer.handle(message)
+            return
+        coro = self.state.handle(message)
+        try:
+            yielded = coro.send(None)
+        except StopIteration as stop:
+            self._answered(stop.value)
+        except Exception:
+            self._failed(message)
+        else:
+            self.busy = asyncio.get_running_loop().create_task(_await(_Resumed(coro, yielded)))
+            self.busy.add_done_callback(lambda task: self._resumed(task, message))
+
+    def _resumed(self, task: asyncio.Task[Any], message: pb.ProcessingRequest) -> None:
+        self.busy = None
+        if task.cancelled() or self.closed:
+            return
+        if task.exception() is not None:
+            self._failed(message, task.exception())
+        else:
+            self._answered(task.result())
+        while self.backlog and self.busy is None and not self.closed:
+            item = self.backlog.popleft()
+            if item is _END:
+                self.on_end()
+            else:
+                assert isinstance(item, bytes)
+                self.on_message(item)
+
+    def _failed(self, message: pb.ProcessingRequest, error: BaseException | None = None) -> None:
+        log.error(
+            "ext-proc stream failed while handling %s",
+            message.WhichOneof("request"),
+            exc_info=error or True,
+        )
+        self.server.count("error")
+        self.state.phase = Phase.DONE
+        self._answered([immediate(500, "the endpoint picker failed on this request")])
+
+    def _answered(self, responses: list[pb.ProcessingResponse]) -> None:
+        self._send(responses)
+        state = self.state
+        if state.phase is Phase.BODY and state.deadline:
+            if self.timer is None:
+                self.timer = asyncio.get_running_loop().call_at(state.deadline, self._timed_out)
+        elif self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _send(self, responses: list[pb.ProcessingResponse]) -> None:
+        for response in responses:
+            self.stream.send(response.SerializeToString())
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if not self.closed and self.busy is None and self.state.phase is Phase.BODY:
+            self._send(self.state.timed_out())
+            self._finish()
+
+    def on_end(self) -> None:
+        """Envoy half-closed the stream: answer with OK trailers once nothing is pending."""
+        if self.busy is not None:
+            self.backlog.append(_END)
+            return
+        self._finish()
+
+    def _finish(self, code: int = 0, message: str = "") -> None:
+        self.stream.finish(code, message)
+        self.on_close()
+
+    def on_close(self) -> None:
+        """The stream is over (finished, reset by Envoy or its connection gone)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.busy is not None:
+            self.busy.cancel()
+        if self.observer is not None:
+            self.observer.end(complete=False)
+        else:
+            self.state.close()
+        self.server.active_streams -= 1
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """What the asyncio servicers served here use of ``grpc.aio.ServicerContext``."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def peer(self) -> str:
+        return self.stream.conn.peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: Any) -> None:
+        raise _Abort(code, details)
+
+    async def write(self, message: Any) -> None:
+        self.stream.send(message.SerializeToString())
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        pass
+
+    def set_details(self, details: str) -> None:
+        pass
+
+
+class AioCall:
+    """An asyncio servicer method (EDS, health) on a stream: a task fed by a queue."""
+
+    def __init__(self, method: Method, stream: Stream) -> None:
+        self.method, self.stream = method, stream
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while (item := await self.queue.get()) is not _END:
+            yield item
+
+    async def _run(self) -> None:
+        stream = self.stream
+        context = _Context(stream)
+        result: Any
+        try:
+            if self.method.kind == "unary":
+                request = await self.queue.get()
+                if request is _END:
+                    stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "no request")
+                    return
+                result = self.method.call(request, context)
+            else:
+                result = self.method.call(self._requests(), context)
+            if inspect.isasyncgen(result):
+                item: Any
+                async for item in result:
+                    stream.send(item.SerializeToString())
+            elif inspect.isawaitable(result):
+                value = await result
+                if value is not None:
+                    stream.send(value.SerializeToString())
+            stream.finish()
+        except _Abort as abort:
+            stream.finish(_status(abort.code), abort.details)
+        except Exception:
+            log.exception("gRPC call on %s failed", stream.conn.peer)
+            stream.finish(_status(grpc.StatusCode.UNKNOWN), "internal error")
+
+    def on_message(self, raw: bytes) -> None:
+        try:
+            self.queue.put_nowait(self.method.decode(raw))
+        except DecodeError:
+            self.stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "corrupt message")
+            self.on_close()
+
+    def on_end(self) -> None:
+        self.queue.put_nowait(_END)
+
+    def on_close(self) -> None:
+        self.task.cancel()
+
+
+class H2Server:
+    """The listening socket and its connections (see the module docstring)."""
+
+    def __init__(self, methods: dict[str, Method], max_message: int, max_streams: int) -> None:
+        self.methods = {path.encode(): method for path, method in methods.items()}
+        self.max_message = max_message
+        self.max_streams = max_streams
+        self.connections: set[Connection] = set()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None, reuse_port: bool
+    ) -> int:
+        """Bind and serve; the bound port (``port`` 0 picks one). A busy port raises OSError."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: Connection(self),
+            host,
+            port,
+            ssl=ssl_context,
+            reuse_port=reuse_port or None,
+            backlog=1024,
+        )
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, tell every connection to go away, and close them after ``grace``
+        (or as soon as their streams have ended)."""
+        if self._server is None:
+            return
+        self._server.close()
+        for connection in list(self.connections):
+            connection.goaway()
+        deadline = asyncio.get_running_loop().time() + grace
+        while any(c.streams for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for connection in list(self.connections):
+            if connection.transport is not None:
+                connection.transport.close()
+        await self._server.wait_closed()
+        self._server = None
