@@ -121,14 +121,18 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.server.connections.add(self)
-        self.h2.initiate_connection()
-        self.h2.update_settings(
-            {
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
-                h2.settings.SettingCodes.MAX_FRAME_SIZE: _FRAME,
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.server.max_streams,
-            }
+        # Streams past --max-streams get the EPP's own 503, so HTTP/2 allows more (h2's
+        # default is 100); set before the preface, it is in force from the first stream.
+        codes = h2.settings.SettingCodes
+        self.h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                codes.MAX_CONCURRENT_STREAMS: self.server.max_streams + 1000,
+                codes.MAX_HEADER_LIST_SIZE: self.h2.DEFAULT_MAX_HEADER_LIST_SIZE,
+            },
         )
+        self.h2.initiate_connection()
+        self.h2.update_settings({codes.INITIAL_WINDOW_SIZE: _WINDOW, codes.MAX_FRAME_SIZE: _FRAME})
         self.h2.increment_flow_control_window(_WINDOW - 65_535)
         self.flush()
 

@@ -178,7 +178,7 @@ class EppOptions:
     )
     grpc_server: str = option(
         "--grpc-server",
-        default="aio",
+        default="h2",
         help="ext-proc's gRPC server: aio (grpc.aio on the event loop) or sync (grpc's "
         "thread-pool server, a thread per stream; docs/architecture.md).",
     )
