@@ -451,30 +451,31 @@ class _Context:
 
 
 class AioCall:
-    """An asyncio servicer method (EDS, health) on a stream: a task fed by a queue."""
+    """An asyncio servicer method (EDS, health) on a stream.
+
+    A unary call (a health check) runs in place when its request has ended, like an
+    ext-proc message, so Envoy's checks are answered even while the loop is busy; a
+    task takes over only if it suspends (``Watch``). A streaming call (EDS) is a task
+    fed by a queue.
+    """
 
     def __init__(self, method: Method, stream: Stream) -> None:
         self.method, self.stream = method, stream
+        self.context = _Context(stream)
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.request: Any = _END
+        self.task: asyncio.Task[Any] | None = None
+        if method.kind != "unary":
+            result = method.call(self._requests(), self.context)
+            self.task = asyncio.get_running_loop().create_task(self._serve(result))
 
     async def _requests(self) -> AsyncIterator[Any]:
         while (item := await self.queue.get()) is not _END:
             yield item
 
-    async def _run(self) -> None:
+    async def _serve(self, result: Any) -> None:
         stream = self.stream
-        context = _Context(stream)
-        result: Any
         try:
-            if self.method.kind == "unary":
-                request = await self.queue.get()
-                if request is _END:
-                    stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "no request")
-                    return
-                result = self.method.call(request, context)
-            else:
-                result = self.method.call(self._requests(), context)
             if inspect.isasyncgen(result):
                 item: Any
                 async for item in result:
@@ -492,16 +493,35 @@ class AioCall:
 
     def on_message(self, raw: bytes) -> None:
         try:
-            self.queue.put_nowait(self.method.decode(raw))
+            request = self.method.decode(raw)
         except DecodeError:
             self.stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "corrupt message")
             self.on_close()
+            return
+        if self.method.kind != "unary":
+            self.queue.put_nowait(request)
+        elif self.request is _END:
+            self.request = request
 
     def on_end(self) -> None:
-        self.queue.put_nowait(_END)
+        if self.method.kind != "unary":
+            self.queue.put_nowait(_END)
+            return
+        if self.task is not None:
+            return
+        if self.request is _END:
+            self.stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "no request")
+            return
+        coro = self._serve(self.method.call(self.request, self.context))
+        try:
+            yielded = coro.send(None)
+        except StopIteration:
+            return
+        self.task = asyncio.get_running_loop().create_task(_await(_Resumed(coro, yielded)))
 
     def on_close(self) -> None:
-        self.task.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
 
 class H2Server:
