@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from infergate.epp.config import ConfigError, load_config, parse_config
 from infergate.epp.datalayer.collector import Collectors
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("infergate.epp")
 
 HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
-GRPC_SERVERS = ("aio", "h2", "sync")
+GRPC_SERVERS = ("aio", "h2")
 
 
 class Epp:
@@ -129,9 +129,7 @@ class Epp:
             self.metrics,
         )
         self._grpc: grpc.aio.Server | None = None
-        self._sync: grpc.Server | None = None  # --grpc-server sync: ext-proc, EDS, health
         self._h2: H2Server | None = None  # --grpc-server h2: the same on the event loop
-        self._sync_health = health.HealthServicer()
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
@@ -152,9 +150,7 @@ class Epp:
         )
         for service in HEALTH_SERVICES:
             await self._health.set(service, status)
-            self._sync_health.set(service, status)
         await self._health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-        self._sync_health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
 
     def _endpoint_removed(self, key: str) -> None:
         if self.datastore.get(key) is None:  # gone, not relabelled: its records will not come
@@ -180,24 +176,8 @@ class Epp:
             ("grpc.so_reuseport", int(self.options.reuse_port)),
         ]
 
-    def _ext_proc_server(self) -> grpc.aio.Server | grpc.Server:
-        """The ext-proc port's server with ext-proc, EDS and health on it (``--grpc-server``)."""
-        if self.options.grpc_server == "sync":
-            from infergate.epp.sync_server import LockedLoop, SyncEds, SyncExtProc, sync_server
-
-            loop = asyncio.get_running_loop()
-            if not isinstance(loop, LockedLoop):
-                raise RuntimeError("--grpc-server sync runs on sync_server.LockedLoop")
-            server = sync_server(self.options.max_streams, self._grpc_options())
-            pb_grpc.add_ExternalProcessorServicer_to_server(
-                SyncExtProc(self.ext_proc, loop), server
-            )
-            eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(
-                SyncEds(self.eds, loop), server
-            )
-            health_pb2_grpc.add_HealthServicer_to_server(self._sync_health, server)
-            self._sync = server
-            return server
+    def _ext_proc_server(self) -> grpc.aio.Server:
+        """grpc.aio's server for the ext-proc port, with ext-proc, EDS and health on it."""
         self._grpc = grpc.aio.server(options=self._grpc_options())
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
@@ -297,8 +277,6 @@ class Epp:
             await self._kube.start()
         if self._grpc is not None:
             await self._grpc.start()
-        if self._sync is not None:
-            self._sync.start()
         await self._health_server.start()
         log.info(
             "endpoint picker serving ext-proc (%s) on %s:%d, health on %d, metrics on %d; "
@@ -336,9 +314,6 @@ class Epp:
             await self._grpc.stop(grace)
         if self._h2 is not None:
             await self._h2.stop(grace)
-        if self._sync is not None:
-            stopped = self._sync.stop(grace)
-            await asyncio.get_running_loop().run_in_executor(None, stopped.wait, grace + 1.0)
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._kube is not None:

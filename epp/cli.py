@@ -84,20 +84,14 @@ def _run(options: EppOptions) -> None:
     from infergate.epp.app import run
 
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(options.grpc_server)) as runner:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(run(options))
     except OSError as error:
         _fail(str(error), code=1)
 
 
-def _loop_factory(grpc_server: str = "aio") -> Any:
-    """uvloop when installed (it ships with uvicorn[standard]): a cheaper event loop.
-    ``--grpc-server sync`` shares the EPP's state with stream threads through a lock
-    that only its own selector loop can release while it waits (epp/sync_server.py)."""
-    if grpc_server == "sync":
-        from infergate.epp.sync_server import LockedLoop
-
-        return LockedLoop
+def _loop_factory() -> Any:
+    """uvloop when installed (it ships with uvicorn[standard]): a cheaper event loop."""
     try:
         import uvloop
     except ImportError:

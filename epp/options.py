@@ -179,8 +179,9 @@ class EppOptions:
     grpc_server: str = option(
         "--grpc-server",
         default="h2",
-        help="ext-proc's gRPC server: aio (grpc.aio on the event loop) or sync (grpc's "
-        "thread-pool server, a thread per stream; docs/architecture.md).",
+        help="The ext-proc port's gRPC server: h2 (HTTP/2 read by the event loop itself) or "
+        "aio (grpc.aio: a poller thread hands every event to the loop; about 1.5x the CPU "
+        "per request, docs/architecture.md).",
     )
     reuse_port: bool = option(
         "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
