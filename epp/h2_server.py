@@ -494,7 +494,8 @@ class AioCall:
     def on_message(self, raw: bytes) -> None:
         try:
             request = self.method.decode(raw)
-        except DecodeError:
+        except DecodeError as error:  # one line, as for ext-proc streams
+            log.warning("gRPC stream from %s: corrupt frame (%s)", self.stream.conn.peer, error)
             self.stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "corrupt message")
             self.on_close()
             return
