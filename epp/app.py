@@ -239,7 +239,7 @@ class Epp:
 
     async def start(self) -> None:
         o = self.options
-        if o.grpc_server == "h2":
+        if o.grpc_server == "h2" and _h2_installed():
             await self._start_h2()
         else:
             await self._start_grpc()
@@ -334,6 +334,16 @@ class Epp:
             server.server_close()
             thread.join(timeout=2)
             self._metrics_http = None
+
+
+def _h2_installed() -> bool:
+    """An environment installed before ``h2`` became a dependency still serves (grpc.aio)."""
+    try:
+        import h2  # noqa: F401
+    except ImportError:
+        log.warning("the h2 package is not installed: serving ext-proc with grpc.aio")
+        return False
+    return True
 
 
 async def run(options: EppOptions) -> None:
