@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import logging
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ _END = object()
 #: read and the EPP's own limits (``Limits``) bound what a stream may hold.
 _WINDOW = 16 << 20
 _FRAME = 1 << 20
+#: Work per read after which the connection lets the loop serve others (``_yield_loop``).
+_SLICE_S = 0.01
 
 
 def _status(code: grpc.StatusCode) -> int:
@@ -150,6 +153,7 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        started = time.monotonic()
         self._reading = True
         try:
             for event in events:
@@ -157,6 +161,20 @@ class Connection(asyncio.Protocol):
         finally:
             self._reading = False
         self.flush()
+        if time.monotonic() - started > _SLICE_S and self.transport is not None:
+            self._yield_loop()
+
+    def _yield_loop(self) -> None:
+        """Let the loop serve others before reading on: an event loop may read a busy socket
+        many times per wake-up (libuv does, up to 32 reads), and a backlog of requests
+        would otherwise hold the loop long enough to fail Envoy's 1 s health check."""
+        assert self.transport is not None
+        self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _event(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.DataReceived):
