@@ -52,12 +52,31 @@ _END = object()
 #: read and the EPP's own limits (``Limits``) bound what a stream may hold.
 _WINDOW = 16 << 20
 _FRAME = 1 << 20
-#: Work per read after which the connection lets the loop serve others (``_yield_loop``).
+#: Handling received events for longer lets the loop serve others first (``_drain``).
 _SLICE_S = 0.01
 
 
 def _status(code: grpc.StatusCode) -> int:
     return int(code.value[0])
+
+
+class _H2Connection(h2.connection.H2Connection):
+    """``h2``'s connection state machine, counting open streams only every 64th time.
+
+    ``h2`` counts them (and forgets closed ones) by a pass over every stream it tracks,
+    each time a stream opens: quadratic when a backlog holds thousands open. The count
+    only enforces the advertised stream limit, which is far above ``--max-streams``
+    (the EPP answers 503 itself), so a count up to 64 streams old does.
+    """
+
+    _sweeps = 0
+    _counted = 0
+
+    def _open_streams(self, remainder: int) -> int:
+        self._sweeps += 1
+        if self._sweeps % 64 == 1:
+            self._counted = super()._open_streams(remainder)
+        return self._counted
 
 
 class Stream:
@@ -104,7 +123,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, server: H2Server) -> None:
         self.server = server
-        self.h2 = h2.connection.H2Connection(
+        self.h2 = _H2Connection(
             h2.config.H2Configuration(
                 client_side=False,
                 header_encoding=None,
@@ -116,7 +135,9 @@ class Connection(asyncio.Protocol):
         )
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
-        self._reading = False  # inside data_received: one write at its end
+        self._reading = False  # handling received events: one write at the end
+        self._backlog: deque[h2.events.Event] = deque()  # received, not yet handled
+        self._paused = False  # reading paused while the backlog is handled in slices
         self.peer = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -153,28 +174,43 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
             return
+        self._backlog.extend(events)
+        if not self._paused:  # paused: a scheduled _drain takes them
+            self._drain()
+
+    def _drain(self) -> None:
+        """Handle received events for at most ``_SLICE_S``, then let the loop serve others.
+
+        An event loop reads a busy socket in large pieces (uvloop: up to 256 KiB, libuv
+        up to 32 reads per wake-up): with a backlog, one piece is ~100 requests to route.
+        Handled whole, that would hold the loop long enough to delay every other
+        connection, Envoy's health checks (1 s, one failure marks the EPP down) included;
+        so reading pauses while the rest of the backlog waits its turn.
+        """
+        backlog = self._backlog
         started = time.monotonic()
         self._reading = True
         try:
-            for event in events:
-                self._event(event)
+            handled = 0
+            while backlog:
+                self._event(backlog.popleft())
+                handled += 1
+                if handled % 8 == 0 and time.monotonic() - started > _SLICE_S:
+                    break
         finally:
             self._reading = False
         self.flush()
-        if time.monotonic() - started > _SLICE_S and self.transport is not None:
-            self._yield_loop()
-
-    def _yield_loop(self) -> None:
-        """Let the loop serve others before reading on: an event loop may read a busy socket
-        many times per wake-up (libuv does, up to 32 reads), and a backlog of requests
-        would otherwise hold the loop long enough to fail Envoy's 1 s health check."""
-        assert self.transport is not None
-        self.transport.pause_reading()
-        asyncio.get_running_loop().call_soon(self._resume)
-
-    def _resume(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            backlog.clear()
+        elif backlog:
+            if not self._paused:
+                transport.pause_reading()
+                self._paused = True
+            asyncio.get_running_loop().call_soon(self._drain)
+        elif self._paused:
+            transport.resume_reading()
+            self._paused = False
 
     def _event(self, event: h2.events.Event) -> None:
         if isinstance(event, h2.events.DataReceived):
@@ -275,6 +311,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self._backlog.clear()
         for stream_id in list(self.streams):
             self._drop(stream_id)
         self.transport = None
