@@ -36,7 +36,6 @@ from urllib.parse import quote
 import grpc
 import h2.config
 import h2.connection
-import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
@@ -297,12 +296,9 @@ class Connection(asyncio.Protocol):
             self.flush()
 
     def _done(self, stream: Stream) -> None:
-        """Our side has ended: a peer still sending is told to stop, as gRPC servers do."""
+        """Our side has ended. A peer still sending may go on (what it sends is dropped):
+        a reset would let a gRPC client discard the answer it has not read yet."""
         self.streams.pop(stream.id, None)
-        state = self.h2.streams.get(stream.id)
-        if state is not None and not state.closed:
-            with contextlib.suppress(h2.exceptions.H2Error):
-                self.h2.reset_stream(stream.id, h2.errors.ErrorCodes.NO_ERROR)
 
     def _drop(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
