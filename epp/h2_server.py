@@ -91,10 +91,16 @@ class Stream:
         self.trailers: list[tuple[bytes, bytes]] | None = None  # set once: finishing
         self.call: ExtProcCall | AioCall | None = None
 
-    def send(self, payload: bytes) -> None:
+    def send(self, *payloads: bytes) -> None:
+        """Messages in one go: their frames are cut across message boundaries, so a
+        request body echoed as 16 KiB chunks (each just over Envoy's 16 KiB frame once
+        framed) takes one DATA frame per chunk, not two."""
         if self.trailers is not None or self.id not in self.conn.streams:
             return
-        self.pending += b"\x00" + len(payload).to_bytes(4, "big") + payload
+        pending = self.pending
+        for payload in payloads:
+            pending += len(payload).to_bytes(5, "big")  # flag 0 (not compressed), length
+            pending += payload
         self.conn.pump(self)
 
     def finish(self, code: int = 0, message: str = "") -> None:
@@ -244,23 +250,32 @@ class Connection(asyncio.Protocol):
             stream.call = AioCall(method, stream)
 
     def _data(self, stream: Stream, data: bytes) -> None:
+        """Complete gRPC messages of ``data`` to the stream's call, the rest kept. A frame
+        that starts on a message boundary (the usual case) is read in place."""
         buffer = stream.buffer
-        buffer += data
-        while len(buffer) >= 5 and stream.trailers is None:
-            size = int.from_bytes(buffer[1:5], "big")
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+            buffer.clear()
+        view = memoryview(data)
+        start, end = 0, len(data)
+        while end - start >= 5 and stream.trailers is None:
+            size = int.from_bytes(view[start + 1 : start + 5], "big")
             if size > self.server.max_message:
                 code = _status(grpc.StatusCode.RESOURCE_EXHAUSTED)
                 self._fail(stream, code, f"message of {size} bytes over the limit")
                 return
-            if len(buffer) < 5 + size:
-                return
-            if buffer[0]:
+            if end - start < 5 + size:
+                break
+            if view[start]:
                 self._fail(stream, _status(grpc.StatusCode.UNIMPLEMENTED), "compressed message")
                 return
-            message = bytes(buffer[5 : 5 + size])
-            del buffer[: 5 + size]
+            message = data[start + 5 : start + 5 + size]
+            start += 5 + size
             if stream.call is not None:
                 stream.call.on_message(message)
+        if start < end and stream.trailers is None:
+            buffer += view[start:]
 
     def _fail(self, stream: Stream, code: int, message: str) -> None:
         stream.finish(code, message)
@@ -437,8 +452,8 @@ class ExtProcCall:
             self.timer = None
 
     def _send(self, responses: list[pb.ProcessingResponse]) -> None:
-        for response in responses:
-            self.stream.send(response.SerializeToString())
+        if responses:
+            self.stream.send(*(response.SerializeToString() for response in responses))
 
     def _timed_out(self) -> None:
         self.timer = None
