@@ -7,14 +7,14 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from infergate.epp.config import load_config, parse_config
+from infergate.epp.config import ConfigError, load_config, parse_config
 from infergate.epp.datalayer.collector import Collectors
 from infergate.epp.datalayer.completions import CompletionSubscriptions
 from infergate.epp.datalayer.datastore import Datastore
@@ -41,9 +41,13 @@ from infergate.epp.server import ExtProcServer, Limits
 from infergate.epp.types import Endpoint
 from prometheus_client import start_http_server
 
+if TYPE_CHECKING:
+    from infergate.epp.h2_server import H2Server
+
 log = logging.getLogger("infergate.epp")
 
 HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+GRPC_SERVERS = ("aio", "h2")
 
 
 class Epp:
@@ -51,6 +55,10 @@ class Epp:
 
     def __init__(self, options: EppOptions) -> None:
         self.options = options
+        if options.grpc_server not in GRPC_SERVERS:
+            raise ConfigError(
+                f"--grpc-server must be one of {', '.join(GRPC_SERVERS)}, not {options.grpc_server!r}"
+            )
         config = options.config or (
             parse_config(options.config_text, "--config-text")
             if options.config_text
@@ -121,6 +129,7 @@ class Epp:
             self.metrics,
         )
         self._grpc: grpc.aio.Server | None = None
+        self._h2: H2Server | None = None  # --grpc-server h2: the same on the event loop
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health = health_aio.HealthServicer()
@@ -158,34 +167,82 @@ class Epp:
         self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
         self._tasks = [t for t in self._tasks if not t.done()]
 
-    async def start(self) -> None:
-        o = self.options
-        self._grpc = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.keepalive_permit_without_calls", 1),
-                # Off unless asked: a second EPP on a busy port must fail, not share it.
-                ("grpc.so_reuseport", int(o.reuse_port)),
-            ]
-        )
+    def _grpc_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Off unless asked: a second EPP on a busy port must fail, not share it.
+            ("grpc.so_reuseport", int(self.options.reuse_port)),
+        ]
+
+    def _ext_proc_server(self) -> grpc.aio.Server:
+        """grpc.aio's server for the ext-proc port, with ext-proc, EDS and health on it."""
+        self._grpc = grpc.aio.server(options=self._grpc_options())
         pb_grpc.add_ExternalProcessorServicer_to_server(self.ext_proc, self._grpc)
         eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, self._grpc)
         # Health on the ext-proc port too, over its transport: Envoy's check then fails
         # when ext-proc would (TLS mismatch, not gRPC), not only when the port is closed.
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        return self._grpc
+
+    def _h2_server(self) -> H2Server:
+        """ext-proc, EDS and health on the event loop's own HTTP/2 server (epp/h2_server.py)."""
+        from envoy.service.discovery.v3 import discovery_pb2
+        from envoy.service.ext_proc.v3 import external_processor_pb2
+        from infergate.epp.h2_server import H2Server, Method
+
+        health_request = health_pb2.HealthCheckRequest.FromString
+        return H2Server(
+            {
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process": Method(
+                    "ext_proc",
+                    lambda: self.ext_proc,
+                    external_processor_pb2.ProcessingRequest.FromString,
+                ),
+                "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints": Method(
+                    "stream", self.eds.StreamEndpoints, discovery_pb2.DiscoveryRequest.FromString
+                ),
+                "/grpc.health.v1.Health/Check": Method("unary", self._health.Check, health_request),
+                "/grpc.health.v1.Health/Watch": Method("unary", self._health.Watch, health_request),
+            },
+            max_message=64 << 20,
+            max_streams=self.options.max_streams,
+        )
+
+    async def _start_h2(self) -> None:
+        o = self.options
+        context = None
+        if o.secure_serving:
+            from infergate.epp.tls import server_ssl_context
+
+            context, self.certificate = server_ssl_context(o.cert_path)
+        self._h2 = self._h2_server()
+        try:
+            self.grpc_port = await self._h2.start(o.host, o.grpc_port, context, o.reuse_port)
+        except OSError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+
+    async def _start_grpc(self) -> None:
+        o = self.options
+        server = self._ext_proc_server()
         try:  # grpc raises RuntimeError (older versions return 0) on a busy port
             if o.secure_serving:
                 from infergate.epp.tls import server_credentials
 
                 credentials, self.certificate = server_credentials(o.cert_path)
-                self.grpc_port = self._grpc.add_secure_port(
-                    f"{o.host}:{o.grpc_port}", credentials
-                )
+                self.grpc_port = server.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)
             else:
-                self.grpc_port = self._grpc.add_insecure_port(f"{o.host}:{o.grpc_port}")
+                self.grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
         except RuntimeError as error:
             raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+
+    async def start(self) -> None:
+        o = self.options
+        if o.grpc_server == "h2" and _h2_installed():
+            await self._start_h2()
+        else:
+            await self._start_grpc()
         self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
         try:
@@ -218,7 +275,8 @@ class Epp:
                 o.pool_name, o.pool_namespace, self.datastore, self.objectives
             )
             await self._kube.start()
-        await self._grpc.start()
+        if self._grpc is not None:
+            await self._grpc.start()
         await self._health_server.start()
         log.info(
             "endpoint picker serving ext-proc (%s) on %s:%d, health on %d, metrics on %d; "
@@ -254,6 +312,8 @@ class Epp:
         self._stop.set()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._h2 is not None:
+            await self._h2.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(0)
         if self._kube is not None:
@@ -274,6 +334,16 @@ class Epp:
             server.server_close()
             thread.join(timeout=2)
             self._metrics_http = None
+
+
+def _h2_installed() -> bool:
+    """An environment installed before ``h2`` became a dependency still serves (grpc.aio)."""
+    try:
+        import h2  # noqa: F401
+    except ImportError:
+        log.warning("the h2 package is not installed: serving ext-proc with grpc.aio")
+        return False
+    return True
 
 
 async def run(options: EppOptions) -> None:

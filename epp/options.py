@@ -176,6 +176,13 @@ class EppOptions:
         help="EPP processes behind the one ext-proc port (SO_REUSEPORT); state (prefix index, "
         "flow control) is per process. Worker i serves metrics on --metrics-port + i.",
     )
+    grpc_server: str = option(
+        "--grpc-server",
+        default="h2",
+        help="The ext-proc port's gRPC server: h2 (HTTP/2 read by the event loop itself) or "
+        "aio (grpc.aio: a poller thread hands every event to the loop; about 1.5x the CPU "
+        "per request, docs/architecture.md).",
+    )
     reuse_port: bool = option(
         "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
     )

@@ -8,6 +8,8 @@ verifying its certificate, so a self-signed certificate generated at start-up is
 from __future__ import annotations
 
 import datetime
+import ssl
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -44,6 +46,24 @@ def self_signed(hostnames: tuple[str, ...] = ("localhost",)) -> tuple[bytes, byt
 
 def server_credentials(cert_path: Path | None) -> tuple[grpc.ServerCredentials, bytes]:
     """Credentials for the ext-proc port and the certificate they present."""
+    key, cert = _key_and_cert(cert_path)
+    return grpc.ssl_server_credentials([(key, cert)]), cert
+
+
+def server_ssl_context(cert_path: Path | None) -> tuple[ssl.SSLContext, bytes]:
+    """The same for ``--grpc-server h2``: an SSLContext offering HTTP/2 (ALPN ``h2``)."""
+    key, cert = _key_and_cert(cert_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["h2"])
+    with tempfile.TemporaryDirectory() as tmp:  # the ssl module loads keys from files only
+        (Path(tmp) / "tls.key").write_bytes(key)
+        (Path(tmp) / "tls.crt").write_bytes(cert)
+        context.load_cert_chain(Path(tmp) / "tls.crt", Path(tmp) / "tls.key")
+    return context, cert
+
+
+def _key_and_cert(cert_path: Path | None) -> tuple[bytes, bytes]:
     if cert_path is not None:
         try:
             key = (cert_path / "tls.key").read_bytes()
@@ -52,4 +72,4 @@ def server_credentials(cert_path: Path | None) -> tuple[grpc.ServerCredentials, 
             raise OSError(f"--cert-path {cert_path}: {error}") from error
     else:
         key, cert = self_signed()
-    return grpc.ssl_server_credentials([(key, cert)]), cert
+    return key, cert

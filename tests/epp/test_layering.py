@@ -32,7 +32,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("framework", ("infergate.epp.framework",)),
     ("scheduling", ("infergate.epp.scheduling",)),
     ("requestcontrol", ("infergate.epp.requestcontrol",)),
-    ("servers", ("infergate.epp.server", "infergate.epp.eds", "infergate.epp.tls")),
+    (
+        "servers",
+        (
+            "infergate.epp.server",
+            "infergate.epp.h2_server",
+            "infergate.epp.eds",
+            "infergate.epp.tls",
+        ),
+    ),
     ("app", ("infergate.epp.app", "infergate.epp.workers")),
     ("cli", ("infergate.epp.cli",)),
 ]
