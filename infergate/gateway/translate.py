@@ -312,12 +312,11 @@ def _shadowed_conditions(run: _Run) -> None:
     the match; the entry stays Accepted, as the spec requires."""
     routes = index(run.objects.http_routes)
     for gateway_key, by_route in run.shadowed.items():
-        echo_key = {"namespace": gateway_key[0], "name": gateway_key[1]}
         for route_key, messages in by_route.items():
             previous = as_list(as_dict(routes.get(route_key, {}).get("status")).get("parents"))
             for entry in run.out.route_parents.get(route_key, []):
                 ref = entry["parentRef"]
-                if {"namespace": ref.get("namespace"), "name": ref.get("name")} != echo_key:
+                if _gateway_key(ref, route_key[0]) != gateway_key:
                     continue
                 cond = c.true(SHADOWED, SHADOWED_REASON, "; ".join(sorted(set(messages))))
                 before = _previous_parent(previous, ref)
