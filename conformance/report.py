@@ -129,10 +129,10 @@ def build_report(
         "gatewayAPIChannel": "standard",
         "gatewayAPIVersion": GATEWAY_API_VERSION,
         "implementation": {
-            "contact": ["https://github.com/infergate/infergate/issues"],
+            "contact": ["the infergate maintainers, through the project's issue tracker"],
             "organization": "infergate",
             "project": "infergate",
-            "url": "https://github.com/infergate/infergate",
+            "url": "infergate's source tree (README.md, conformance/README.md)",
             "version": _git_version(root),
         },
         "kind": "ConformanceReport",
