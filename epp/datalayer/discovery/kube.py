@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -93,7 +94,9 @@ class KubeDiscovery:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            await asyncio.to_thread(config.load_kube_config)
+            # KUBECONFIG read now: the client's own default is frozen at its import.
+            path = os.environ.get("KUBECONFIG") or None
+            await asyncio.to_thread(config.load_kube_config, config_file=path)
         api = client.ApiClient()
         core = client.CoreV1Api(api)
         custom = client.CustomObjectsApi(api)
