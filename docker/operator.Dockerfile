@@ -1,5 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # The infergate operator: kopf + the kubernetes client, nothing of the engine (no torch).
+# Its dependencies are the EPP's (docker/epp.Dockerfile, the same stage word for word, so
+# the two images share that layer): `infergate` itself imports more than kopf needs.
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/infergate/operator:0.1.0 .
 #   make images IMAGES=operator     (the same file, no Docker daemon: docs/images.md)
 # Debian's python3 on debian:bookworm-slim, PyPI wheels in a venv. Layers, bottom up: the
@@ -21,8 +23,10 @@ ARG PIP_CERT
 ARG DEBIAN_FRONTEND=noninteractive
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update && apt-get install -y --no-install-recommends python3-venv
-RUN python3 -m venv /opt/infergate \
- && /opt/infergate/bin/pip install "kopf>=1.37" "kubernetes>=29" "pyyaml>=6" "typer>=0.12" "rich>=13" "pydantic>=2.6" \
+COPY pyproject.toml /src/
+RUN python3 -c 'import re, tomllib; deps = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]; engine_only = {"torch", "safetensors", "jinja2", "xgrammar"}; print("\n".join(d for d in deps if re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0] not in engine_only))' > /tmp/requirements.txt \
+ && python3 -m venv /opt/infergate \
+ && /opt/infergate/bin/pip install -r /tmp/requirements.txt \
  && find /opt/infergate -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM deps AS app
