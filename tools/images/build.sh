@@ -22,6 +22,7 @@
 #   DEBIAN_MIRROR           default http://deb.debian.org/debian
 #   STORAGE_DRIVER          buildah's: overlay (default) or vfs
 #   INFERGATE_IMAGES_CA_BUNDLE  a CA bundle pip in the build trusts (default: $PIP_CERT)
+#   TORCH_INDEX_URL         the engines' torch index instead of their Dockerfiles' default
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -47,8 +48,9 @@ done
 
 die() { echo "tools/images/build.sh: $*" >&2; exit 1; }
 [[ "$(id -u)" == 0 ]] || die "needs root: debootstrap, chroot and buildah's overlay store do (docs/images.md)"
+# buildah and debootstrap build; umoci, runc and skopeo are what tests/images runs them with.
 missing=()
-for tool in buildah debootstrap; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+for tool in buildah debootstrap umoci runc skopeo; do command -v "$tool" >/dev/null || missing+=("$tool"); done
 if [[ ${#missing[@]} -gt 0 ]]; then
   command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get to install them"
   echo "installing ${missing[*]} (apt)" >&2
@@ -143,8 +145,33 @@ if [[ $refresh_base == 1 ]] || ! bah inspect --type image "$base_ref" >/dev/null
   echo "== base took $((SECONDS - start))s" >&2
 fi
 
+# The CPU engine's torch comes from PyTorch's own index, not PyPI: say so at once if this
+# machine cannot reach it (pip would retry for minutes, then report "no matching
+# distribution"). TORCH_INDEX_URL overrides the Dockerfiles' index for both engines.
+torch_index() {
+  if [[ -n "${TORCH_INDEX_URL:-}" ]]; then echo "$TORCH_INDEX_URL"; return; fi
+  sed -n 's/^ARG TORCH_INDEX_URL=//p' "docker/$1.Dockerfile"
+}
+for name in "${images[@]}"; do
+  [[ "$name" == engine || "$name" == engine-cuda ]] || continue
+  index="$(torch_index "$name")"
+  python3 - "$index" "$ca_bundle" <<'PY' || die "$name: torch's index $index is unreachable from this machine; set TORCH_INDEX_URL to a mirror, or build engine-cuda (PyPI's torch also runs on CPU) (docs/images.md)"
+import ssl, sys, urllib.request
+index, cafile = sys.argv[1].rstrip("/"), sys.argv[2] or None
+try:
+    context = ssl.create_default_context(cafile=cafile)
+    urllib.request.urlopen(f"{index}/torch/", timeout=20, context=context).close()
+except OSError as error:
+    sys.exit(f"{index}/torch/: {error}")
+PY
+done
+
 report=()
 for name in "${images[@]}"; do
+  torch_args=()
+  if [[ -n "${TORCH_INDEX_URL:-}" && "$name" == engine* ]]; then
+    torch_args=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
+  fi
   case "$name" in
     engine-cuda) ref="ghcr.io/infergate/engine:$version-cuda" ;;
     *) ref="ghcr.io/infergate/$name:$version" ;;
@@ -153,7 +180,7 @@ for name in "${images[@]}"; do
   echo "== $name: buildah bud -f docker/$name.Dockerfile -> $ref" >&2
   bah bud --isolation chroot --layers --pull=never --timestamp "$epoch" \
     --build-arg "DEBIAN_IMAGE=$base_ref" \
-    --volume "$cache/pip:/root/.cache/pip" "${ca_args[@]}" \
+    --volume "$cache/pip:/root/.cache/pip" "${ca_args[@]}" "${torch_args[@]}" \
     --ignorefile "docker/$name.Dockerfile.dockerignore" \
     -f "docker/$name.Dockerfile" -t "$ref" . >&2 \
     || die "buildah bud of docker/$name.Dockerfile failed (see above)"
