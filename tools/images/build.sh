@@ -168,9 +168,11 @@ done
 
 report=()
 for name in "${images[@]}"; do
+  # The engines' config records which index their torch came from.
   torch_args=()
-  if [[ -n "${TORCH_INDEX_URL:-}" && "$name" == engine* ]]; then
-    torch_args=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
+  if [[ "$name" == engine* ]]; then
+    torch_args=(--label "io.infergate.torch-index=$(torch_index "$name")")
+    [[ -z "${TORCH_INDEX_URL:-}" ]] || torch_args+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
   fi
   case "$name" in
     engine-cuda) ref="ghcr.io/infergate/engine:$version-cuda" ;;
