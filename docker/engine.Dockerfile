@@ -6,7 +6,7 @@
 # base, python3 (apt), the dependencies with torch (change rarely), infergate itself.
 ARG DEBIAN_IMAGE=debian:bookworm-slim
 
-FROM ${DEBIAN_IMAGE} AS python
+FROM ${DEBIAN_IMAGE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 ca-certificates \
@@ -16,7 +16,7 @@ RUN apt-get update \
 # pip's cache stays in this stage, which the image does not keep. PIP_CERT: a CA bundle
 # for pip when the build machine is behind a TLS-intercepting proxy (tools/images/build.sh
 # mounts the host's, for the build only); unset, pip trusts Debian's bundle.
-FROM python AS deps
+FROM runtime AS deps
 ARG PIP_CERT
 ARG DEBIAN_FRONTEND=noninteractive
 ARG TORCH_VERSION=2.13.0
@@ -42,7 +42,7 @@ COPY engine engine
 RUN /opt/infergate/bin/pip install --no-deps --root /app . \
  && find /app -name '__pycache__' -prune -exec rm -rf {} +
 
-FROM python
+FROM runtime
 COPY --from=deps /opt/infergate /opt/infergate
 COPY --from=app /app/opt/infergate /opt/infergate
 ENV PATH=/opt/infergate/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
