@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-controlplane clean
+.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-controlplane images clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -87,6 +87,15 @@ conformance-controlplane: install controlplane ## GIE's conformance suite (Gatew
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \
 		-p no:cacheprovider --conformance-driver=controlplane \
 		--conformance-report=$(CONFORMANCE_REPORT)
+
+# The images of docker/ built without a Docker daemon (buildah, from Debian packages and PyPI
+# wheels; needs root) into OCI layouts under build/images/, then checked and run under runc
+# by tests/images (docs/images.md). IMAGES="operator epp" builds and tests only those.
+IMAGES ?= operator epp engine engine-cuda
+images: install controlplane ## Build the docker/ images (no Docker daemon; root) into build/images/ and run each (tests/images)
+	tools/images/build.sh $(IMAGES)
+	INFERGATE_IMAGES_REQUIRED="$(IMAGES)" INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) \
+		$(BIN)/pytest tests/images $(PYTEST_ARGS)
 
 clean: ## Remove the venv, caches and build outputs
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

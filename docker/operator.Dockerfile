@@ -1,23 +1,51 @@
 # syntax=docker/dockerfile:1.7
 # The infergate operator: kopf + the kubernetes client, nothing of the engine (no torch).
+# Its dependencies are the EPP's (docker/epp.Dockerfile, the same stage word for word, so
+# the two images share that layer): `infergate` itself imports more than kopf needs.
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/infergate/operator:0.1.0 .
-FROM python:3.11-slim AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+#   make images IMAGES=operator     (the same file, no Docker daemon: docs/images.md)
+# Debian's python3 on debian:bookworm-slim, PyPI wheels in a venv. Layers, bottom up: the
+# base, python3 (apt), the dependencies (change rarely), infergate itself (every commit).
+ARG DEBIAN_IMAGE=debian:bookworm-slim
+
+FROM ${DEBIAN_IMAGE} AS runtime
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 ca-certificates \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
+ && useradd --uid 65532 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin nonroot
+
+# pip's cache stays in this stage, which the image does not keep. PIP_CERT: a CA bundle
+# for pip when the build machine is behind a TLS-intercepting proxy (tools/images/build.sh
+# mounts the host's, for the build only); unset, pip trusts Debian's bundle.
+FROM runtime AS deps
+ARG PIP_CERT
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3-venv
+COPY pyproject.toml /src/
+RUN python3 -c 'import re, tomllib; deps = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]; engine_only = {"torch", "safetensors", "jinja2", "xgrammar"}; print("\n".join(d for d in deps if re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0] not in engine_only))' > /tmp/requirements.txt \
+ && python3 -m venv /opt/infergate \
+ && /opt/infergate/bin/pip install -r /tmp/requirements.txt \
+ && find /opt/infergate -name '__pycache__' -prune -exec rm -rf {} +
+
+FROM deps AS app
+ARG PIP_CERT
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY infergate infergate
 COPY operator operator
 COPY epp epp
 COPY engine engine
-RUN python -m venv /opt/infergate \
- && /opt/infergate/bin/pip install "kopf>=1.37" "kubernetes>=29" "pyyaml>=6" "typer>=0.12" "rich>=13" "pydantic>=2.6" \
- && /opt/infergate/bin/pip install --no-deps . \
- && find /opt/infergate -name '__pycache__' -prune -exec rm -rf {} +
+RUN /opt/infergate/bin/pip install --no-deps --root /app . \
+ && find /app -name '__pycache__' -prune -exec rm -rf {} +
 
-FROM python:3.11-slim
-COPY --from=build /opt/infergate /opt/infergate
+FROM runtime
+COPY --from=deps /opt/infergate /opt/infergate
+COPY --from=app /app/opt/infergate /opt/infergate
 ENV PATH=/opt/infergate/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
 # 65532 is the conventional "nonroot" uid; the chart runs with a read-only root FS.
 USER 65532:65532
+EXPOSE 8080
 ENTRYPOINT ["infergate"]
 CMD ["operator", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
