@@ -80,7 +80,6 @@ class CandidateSamplingFilter(Filter):
             if e.key not in keys:
                 keys.add(e.key)
                 kept.append(e)
-        cycle["sampling.kept"] = len(kept)
         return kept
 
     def _present(self, keys: set[str], endpoints: list[EndpointState]) -> list[EndpointState]:
