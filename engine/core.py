@@ -133,6 +133,7 @@ class EngineCore:
                 lambda: self.scheduler.num_running,
                 lambda: self.scheduler.num_waiting,
                 self.kv.usage,
+                lambda: self.scheduler.pending_prefill_tokens,
             )
             if lora is not None:
                 metrics.bind_lora(

@@ -64,7 +64,7 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         r, labels, m = self.registry, ["model_name"], model_name
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
-        self._live: tuple[Callable[[], float], ...] = (float, float, float)
+        self._live: tuple[Callable[[], float], ...] = (float, float, float, float)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r)
@@ -175,13 +175,15 @@ class EngineMetrics:
         num_running: Callable[[], float],
         num_waiting: Callable[[], float],
         kv_usage: Callable[[], float],
+        pending_prefill: Callable[[], float] = float,
     ) -> None:
-        """Read live values from the engine at scrape time."""
+        """Read live values from the engine at scrape time (``pending_prefill``: prompt
+        tokens admitted and not yet computed, for load reports only)."""
         self._running.labels(self._model).set_function(num_running)
         self._waiting.labels(self._model).set_function(num_waiting)
         self._kv_usage.labels(self._model).set_function(kv_usage)
         self._kv_usage_legacy.labels(self._model).set_function(kv_usage)
-        self._live = (num_running, num_waiting, kv_usage)
+        self._live = (num_running, num_waiting, kv_usage, pending_prefill)
 
     def bind_lora(
         self, running: Callable[[], set[str]], waiting: Callable[[], set[str]], max_lora: int
@@ -192,7 +194,7 @@ class EngineMetrics:
     def load_state(self) -> tuple[object, ...]:
         """The engine's load as a load report carries it (:mod:`infergate.wire.load`), in
         its field order from ``waiting``: read now, from the same sources as ``/metrics``."""
-        running, waiting, kv_usage = self._live
+        running, waiting, kv_usage, pending_prefill = self._live
         prefill = self.prefill_time
         return (
             int(waiting()), int(running()), min(1.0, max(0.0, float(kv_usage()))),
@@ -201,6 +203,7 @@ class EngineMetrics:
             prefill._sum.get(), float(sum(b.get() for b in prefill._buckets)),
             self.request_prompt_tokens._sum.get(),
             self.prefix_hits._value.get(), self.prefix_queries._value.get(),
+            max(0.0, float(pending_prefill())),
         )  # fmt: skip
 
     def request_finished(self, reason: str) -> None:

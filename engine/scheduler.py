@@ -106,6 +106,23 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens of running requests whose KV is not computed yet: ``Σ (prompt −
+        computed)``. A request's computed count advances after its step, so a prefill in
+        progress counts until it is done. Waiting requests are left out: their prefix hit
+        is known only at admission, and a hit waiting one step would read as a long
+        prefill (their count is reported apart, as ``waiting``).
+
+        Why: a router that did not send those requests (another EPP replica) sees from
+        this how much prefill stands between a new request and its first token. Read
+        from the load reporter's thread while the step thread runs: the copy keeps the
+        iteration safe, and a sum that misses one change is one tick old, as any sample."""
+        return sum(
+            max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            for request in list(self.running)
+        )
+
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -56,6 +56,9 @@ class Metrics:
     prompt_tokens_total: float = 0.0
     prefix_hits_total: float = 0.0
     prefix_queries_total: float = 0.0
+    #: Prompt tokens of the engine's running requests not computed yet, whoever routed
+    #: them (load reports only; 0 from a scrape): prefill another replica started.
+    prefill_pending_tokens: float = 0.0
     updated_at: float = 0.0
     #: Set when the snapshot is a pushed load report (:mod:`infergate.wire.load`): the
     #: engine's sampling tick and heartbeat, and how long the report took to arrive.
@@ -114,6 +117,8 @@ class EndpointState:
     #: engine's latest load report (``metrics.updated_at`` as of ``_report_seen``).
     picks_since_report: int = 0
     done_since_report: int = 0
+    #: Uncached prompt tokens this EPP sent here since that report (its prefill work).
+    prefill_since_report: float = 0.0
     _report_seen: float = 0.0
 
     @property
@@ -125,6 +130,7 @@ class EndpointState:
             self._report_seen = self.metrics.updated_at
             self.picks_since_report = 0
             self.done_since_report = 0
+            self.prefill_since_report = 0.0
 
     def note_pick(self) -> None:
         """This EPP sent a request here (counted in :attr:`in_flight_requests` too)."""
@@ -137,6 +143,27 @@ class EndpointState:
         self._sync_report()
         self.in_flight_requests = max(0, self.in_flight_requests - 1)
         self.done_since_report += 1
+
+    def note_prefill(self, tokens: float) -> None:
+        """This EPP sent ``tokens`` uncached prompt tokens here (after :meth:`note_pick`)."""
+        self._sync_report()
+        self.prefill_since_report += tokens
+
+    def pending_prefill_seconds(self, per_token: float, now: float) -> float:
+        """Prefill work ahead of a new request here, whoever routed it, in seconds:
+        ``max(0, pending × per_token − age) + sent × per_token``, with ``pending`` the
+        engine's running prompt tokens not yet computed at its last load report, ``age``
+        the report's age (the engine has worked that long since), and ``sent`` the uncached
+        tokens this EPP routed here after it (not drained: the next report, within a tick
+        of the change they make, replaces them). 0 for an endpoint that does not push (a
+        scrape does not carry it)."""
+        self._sync_report()
+        m = self.metrics
+        if not m.pushed:
+            return 0.0
+        age = max(0.0, now - m.updated_at)
+        reported = max(0.0, m.prefill_pending_tokens * per_token - age)
+        return reported + self.prefill_since_report * per_token
 
     def load(self) -> int:
         """Requests on the endpoint, whoever sent them.

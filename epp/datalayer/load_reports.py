@@ -62,6 +62,7 @@ def snapshot(report: load.LoadReport, now: float, wall: float) -> Metrics:
         prompt_tokens_total=report.prompt_tokens_total,
         prefix_hits_total=report.prefix_hits_total,
         prefix_queries_total=report.prefix_queries_total,
+        prefill_pending_tokens=report.prefill_pending_tokens,
         updated_at=now,
         tick=report.tick,
         heartbeat=report.heartbeat,

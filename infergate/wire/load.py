@@ -62,6 +62,10 @@ class LoadReport(msgspec.Struct, array_like=True, gc=False):
     prompt_tokens_total: _Total
     prefix_hits_total: _Total
     prefix_queries_total: _Total
+    #: Prompt tokens of running requests not yet computed (a prefill in progress counts
+    #: until its step ends): the prefill work ahead of a new request, whoever routed it.
+    #: Last, with a default, so a report from an engine without it still decodes.
+    prefill_pending_tokens: _Total = 0.0
 
 
 #: The payload's size cap: a report is a few hundred bytes; LoRA names make it longer.

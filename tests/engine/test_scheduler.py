@@ -252,3 +252,22 @@ def test_random_workloads_finish_and_free_every_block(
     assert all_free(s)
     for r in requests[1:]:
         assert r.num_output_tokens == max_tokens
+
+
+def test_pending_prefill_counts_running_prompts_until_their_step_ends() -> None:
+    """What a load report tells other EPP replicas: running prompt tokens not computed
+    yet. A prefill in progress counts until its step's update; a prefix hit counts only
+    its uncached part; a waiting request is not counted (its hit is unknown yet)."""
+    s = make(budget=64)
+    s.add(req("a", list(range(100))))
+    assert s.pending_prefill_tokens == 0  # waiting: reported as a count, not as tokens
+    out = s.schedule()  # admitted; its first 64-token chunk runs now
+    assert s.pending_prefill_tokens == 100
+    s.update_after_step(out, [None])
+    assert s.pending_prefill_tokens == 36
+    step(s)  # the last chunk
+    assert s.pending_prefill_tokens == 0
+    drain(s)
+    s.add(req("b", list(range(100)) + [7, 7]))  # the same 96 cached tokens + 6 new ones
+    s.schedule()
+    assert s.pending_prefill_tokens == 102 - 96

@@ -321,6 +321,47 @@ async def test_an_endpoint_with_stale_metrics_is_predicted_slow() -> None:
     assert states[picked] is alive
 
 
+async def test_a_prefill_another_replica_started_is_seen_from_the_engines_load_report() -> None:
+    """Two replicas' view of one engine: replica B never routed there, so its own prefill
+    clock says idle; the engine's load report says 3,000 prompt tokens are being prefilled
+    (replica A's cold request). B must predict that wait and send the next cold request to
+    the other, idle engine; once the report shows the prefill done, either will do."""
+    states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.0)
+    busy, idle = states
+    for state in states:  # both push load reports, received at the scorer's clock
+        state.metrics = Metrics(
+            block_size=16, num_gpu_blocks=10_000, running=0, counts_reported=True,
+            updated_at=now[0], tick=0.01, heartbeat=0.5,
+        )  # fmt: skip
+    busy.metrics = Metrics(
+        block_size=16, num_gpu_blocks=10_000, running=1, counts_reported=True,
+        prefill_pending_tokens=3000.0, updated_at=now[0], tick=0.01, heartbeat=0.5,
+    )  # fmt: skip
+    assert busy.prefill_busy_until == 0.0 and busy.in_flight_requests == 0  # not ours
+    # 3,000 tokens x 30 us = 90 ms of someone else's prefill, 10 ms of it done since.
+    now[0] += 0.01
+    assert busy.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(0.08)
+    picked, _, cycle = await schedule(ctx, states, "c" * 4000, scorer)  # 1,000 cold tokens
+    assert states[picked] is idle
+    predicted = cycle["latency.predicted"]
+    assert predicted[busy.key] - predicted[idle.key] == pytest.approx(0.08, rel=0.05)
+    # This replica's own pick counts on top of the report until the next report.
+    assert idle.prefill_since_report == pytest.approx(1001, abs=2)
+    assert idle.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(1001 * PER_TOKEN, rel=0.01)
+    # The next report shows the prefill done: the engine is idle again for everyone.
+    busy.metrics = Metrics(
+        block_size=16, num_gpu_blocks=10_000, running=1, counts_reported=True,
+        updated_at=now[0], tick=0.01, heartbeat=0.5,
+    )  # fmt: skip
+    assert busy.pending_prefill_seconds(PER_TOKEN, now[0]) == 0.0
+    picked, _, _ = await schedule(ctx, states, "d" * 4000, scorer)
+    assert states[picked] is busy  # idle now carries this replica's 1,001-token prefill
+    # A scraped endpoint carries no such report: the term is 0, as before.
+    scraped = fleet(1)[0]
+    scraped.metrics.prefill_pending_tokens = 5000.0
+    assert scraped.pending_prefill_seconds(PER_TOKEN, time.monotonic()) == 0.0
+
+
 # -- robustness: queueing behind a full cache, bounded load, adapters only when in play --
 
 

@@ -19,8 +19,15 @@ token there (all times in seconds)::
 * ``wait(e)``: prefill work already queued there. The EPP keeps a virtual clock per
   endpoint: routing a request adds ``per_token × uncached`` seconds of work, and the work
   drains at one second per second (an engine works through its prefills at its own pace),
-  so ``wait = max(0, busy_until − now)``. The engine's reported waiting queue sets a floor
-  (``waiting × base``) for work that did not come through this EPP.
+  so ``wait = max(0, busy_until − now)``. Two floors cover work that did not come through
+  this EPP (another replica's, or a client's sent around it): the engine's reported waiting
+  queue, ``waiting × base``, and, from an engine that pushes load reports, its pending
+  prefill, ``max(0, pending × per_token − age) + sent × per_token``: ``pending`` its
+  running requests' prompt tokens not yet computed at its last report, ``age`` the
+  report's age (the engine has worked that long since), ``sent`` the uncached tokens this
+  EPP routed there after it.
+  With one replica the clock and the report agree; with several, only the report sees the
+  prefill another replica started, which would otherwise look like an idle engine.
 * ``evict(e)``: what loading this prompt will cost *later*. If the uncached tokens do
   not fit in the part of ``e``'s KV cache the index believes free, the overflow evicts
   other prefixes that will have to be recomputed: ``overflow_tokens × per_token ×
@@ -166,7 +173,12 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         for e in endpoints:
             cost = self._cost(e)
             uncached = max(1.0, prompt - cached.get(e.key, 0.0))
-            wait = max(e.prefill_busy_until - now, e.metrics.waiting * cost.base, 0.0)
+            wait = max(
+                e.prefill_busy_until - now,
+                e.metrics.waiting * cost.base,
+                e.pending_prefill_seconds(cost.per_token, now),
+                0.0,
+            )
             lifetime = self._lifetime.get(e.key) or (
                 cost.seconds(prompt) + output * PRIOR_DECODE_STEP_S
             )
@@ -213,6 +225,7 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         now = self.clock()
         work = self._cost(primary).per_token * uncached
         primary.prefill_busy_until = max(primary.prefill_busy_until, now) + work
+        primary.note_prefill(uncached)
         request.notes["latency.predicted_ttft"] = (cycle.get("latency.predicted") or {}).get(
             primary.key
         )
