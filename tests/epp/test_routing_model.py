@@ -344,7 +344,9 @@ async def test_a_prefill_another_replica_started_is_seen_from_the_engines_load_r
     picked, _, cycle = await schedule(ctx, states, "c" * 4000, scorer)  # 1,000 cold tokens
     assert states[picked] is idle
     predicted = cycle["latency.predicted"]
-    assert predicted[busy.key] - predicted[idle.key] == pytest.approx(0.08, rel=0.05)
+    # The wait, and the delay this prompt would add to the prefill in progress there.
+    interference = 1001 * PER_TOKEN
+    assert predicted[busy.key] - predicted[idle.key] == pytest.approx(0.08 + interference, rel=0.05)
     # This replica's own pick counts on top of the report until the next report.
     assert idle.prefill_since_report == pytest.approx(1001, abs=2)
     assert idle.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(1001 * PER_TOKEN, rel=0.01)
@@ -360,6 +362,28 @@ async def test_a_prefill_another_replica_started_is_seen_from_the_engines_load_r
     scraped = fleet(1)[0]
     scraped.metrics.prefill_pending_tokens = 5000.0
     assert scraped.pending_prefill_seconds(PER_TOKEN, time.monotonic()) == 0.0
+
+
+async def test_a_cold_prompt_avoids_an_engine_still_prefilling_another() -> None:
+    """Engine A is 5 ms from the end of a prefill; engine B prefills nothing but decodes 8
+    requests (8 ms at 1 ms each). Predicting only the new request's TTFT, A is 2 ms sooner
+    for a cold 2,000-token prompt; but sharing A's steps would delay the prefill in
+    progress by the new prompt's 60 ms. So the cold prompt goes to B — while a request of
+    a group A holds (a few uncached tokens, no delay to speak of) still goes to A."""
+
+    async def pick(text: str, **params: object) -> str:
+        states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.001, **params)
+        a, b = states
+        await schedule(ctx, [a], "g" * 8000 + " q0", scorer)  # A holds group g (1 running)
+        a.prefill_busy_until = now[0] + 0.005
+        b.metrics.running = 8
+        picked, _, _ = await schedule(ctx, states, text, scorer)
+        return "A" if states[picked] is a else "B"
+
+    cold = "c" * 8000
+    assert await pick(cold) == "B"
+    assert await pick("g" * 8000 + " q1") == "A"
+    assert await pick(cold, interferencePenalty=0.0) == "A"  # the own-TTFT-only policy
 
 
 # -- robustness: queueing behind a full cache, bounded load, adapters only when in play --

@@ -4,7 +4,7 @@ For every candidate endpoint ``e`` the scorer predicts this request's time to fi
 token there (all times in seconds)::
 
     ttft(e) = max(wait(e), queue(e)) + base(e) + per_token(e) × uncached(e) + evict(e)
-              + busy(e)
+              + interfere(e) + busy(e)
 
 * ``uncached(e) = prompt_tokens − cached(e)``: ``prompt_tokens`` is the prompt's length
   in characters over the learned characters-per-token; ``cached(e)`` is what the prefix
@@ -52,6 +52,16 @@ token there (all times in seconds)::
   capacity × (1 − kv_usage)`` and ``held`` the mean tokens a running request holds. So
   ``queue(e) = (waiting(e) + k) ÷ X``. This is what makes a sticky engine with a full
   cache lose to a cold idle one once the queue costs more than the prefill it saves.
+* ``interfere(e) = per_token(e) × uncached(e) × interferencePenalty`` while ``e`` is
+  still prefilling another request (its clock or its report shows prefill work left),
+  else 0: the delay this request adds to *that* request's first token. An engine
+  schedules prefill in chunks that share each step's token budget, so a second prompt
+  that arrives while the first is still in its chunks makes the first one's last steps
+  longer by the second's chunk. Predicting only the new request's own TTFT misses this:
+  two cold prompts ~100 ms apart on one engine of eight (the 8-engine cell of the
+  routing lab's matrix) gave the first one twice a cold prefill, which was that cell's
+  1 % tail. A hit's few uncached tokens cost nearly nothing here, so stickiness is
+  unchanged; a cold prompt goes to an engine that is not prefilling when there is one.
 * ``busy(e) = running(e) × decodeSecondsPerRequest``: a small tie-break for decode load.
 * An endpoint whose metrics are stale (DESIGN.md: stale means saturated; a dead engine
   stops answering its scrapes) gets ``STALE_PENALTY_S`` added, so it is chosen only when
@@ -101,6 +111,13 @@ class PredictedLatencyParams(BaseModel):
         ge=0,
         description="Share of an evicted token's recompute charged to the request that "
         "evicts it (0: ignore future misses; 1: every evicted token will be needed again).",
+    )
+    interferencePenalty: float = Field(
+        1.0,
+        ge=0,
+        description="Share of this request's prefill charged when the endpoint is still "
+        "prefilling another request (0: ignore the delay it adds to that request's first "
+        "token; 1: charge it in full).",
     )
     decodeSecondsPerRequest: float = Field(
         0.0002, ge=0, description="Tie-break: added TTFT per running request."
@@ -171,31 +188,39 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
         reuse = self.reuse
         for e in endpoints:
-            cost = self._cost(e)
-            uncached = max(1.0, prompt - cached.get(e.key, 0.0))
-            wait = max(
-                e.prefill_busy_until - now,
-                e.metrics.waiting * cost.base,
-                e.pending_prefill_seconds(cost.per_token, now),
-                0.0,
-            )
-            lifetime = self._lifetime.get(e.key) or (
-                cost.seconds(prompt) + output * PRIOR_DECODE_STEP_S
-            )
-            wait = max(wait, queue_seconds(e, uncached + output, lifetime))
-            ttft = wait + cost.seconds(uncached)
+            ttft, uncached = self._predict_one(e, now, prompt, cached.get(e.key, 0.0), output)
             if prefix is not None and self.p.evictionPenalty > 0:
                 free = prefix.free_tokens(e, model)
                 if free is not None and uncached > free:
-                    ttft += (uncached - free) * cost.per_token * self.p.evictionPenalty * reuse
-            batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
-            ttft += batch * self.p.decodeSecondsPerRequest
+                    ttft += (uncached - free) * self._cost(e).per_token * self.p.evictionPenalty * reuse
             if stale(e, now):
                 ttft += STALE_PENALTY_S
             out.append((ttft, uncached))
         cycle["latency.predicted"] = {e.key: t for e, (t, _) in zip(endpoints, out, strict=True)}
         cycle["latency.uncached"] = {e.key: u for e, (_, u) in zip(endpoints, out, strict=True)}
         return out
+
+    def _predict_one(
+        self, e: EndpointState, now: float, prompt: float, cached: float, output: float
+    ) -> tuple[float, float]:
+        """(TTFT seconds without the eviction and staleness terms, uncached tokens) of a
+        ``prompt``-token request of which ``e`` holds ``cached`` (module docstring)."""
+        cost = self._cost(e)
+        uncached = max(1.0, prompt - cached)
+        prefilling = max(
+            e.prefill_busy_until - now, e.pending_prefill_seconds(cost.per_token, now), 0.0
+        )
+        wait = max(prefilling, e.metrics.waiting * cost.base)
+        lifetime = self._lifetime.get(e.key) or (
+            cost.seconds(prompt) + output * PRIOR_DECODE_STEP_S
+        )
+        wait = max(wait, queue_seconds(e, uncached + output, lifetime))
+        ttft = wait + cost.seconds(uncached)
+        if prefilling > 0.0:
+            # Shares steps with the prefill in progress: delays that request's first token.
+            ttft += uncached * cost.per_token * self.p.interferencePenalty
+        batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
+        return ttft + batch * self.p.decodeSecondsPerRequest, uncached
 
     def _cost(self, e: EndpointState) -> PrefillCost:
         """The endpoint's learned cost, or the pinned one when the config pins it."""
