@@ -8,7 +8,7 @@ exposition stays a few small families.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -235,7 +235,11 @@ class EngineMetrics:
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
 
-    def render(self) -> bytes:
+    def render(self, names: Sequence[str] = ()) -> bytes:
+        """The page; with ``names``, only those samples (``x_sum``, ``x_count``, ``x_total``
+        or a family's own name), as prometheus_client's ``name[]`` filter selects them."""
+        if names:
+            return generate_latest(self.registry.restricted_registry(names))
         return generate_latest(self.registry)
 
 

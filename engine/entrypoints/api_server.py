@@ -73,8 +73,11 @@ def _add_ops_routes(app: FastAPI, engine: AsyncEngine, config: ServerConfig,
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        body = metrics.render() if metrics is not None else b""
+    async def prometheus(request: Request) -> Response:
+        # ``name[]=…`` renders only those samples, as prometheus_client's exposition app
+        # (vLLM's /metrics) does: the Endpoint Picker asks for the dozen it reads.
+        names = request.query_params.getlist("name[]")
+        body = metrics.render(names) if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     if config.dev_mode:  # as vLLM's VLLM_SERVER_DEV_MODE: not a production route

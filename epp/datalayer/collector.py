@@ -2,7 +2,9 @@
 
 Each loop keeps one keep-alive connection to its endpoint (:mod:`.http_get`: an asyncio
 protocol and httptools' parser; aiohttp's client cost more CPU per request than the rest
-of a scrape together). Each loop starts at a random phase of the interval, so a pool's scrapes are
+of a scrape together), and asks only for the samples its dialect reads
+(:meth:`~infergate.epp.datalayer.dialects.Dialect.query`): ~1 KB rather than the ~30 KB
+page, so the engine renders, and the EPP receives and scans, a thirtieth of it. Each loop starts at a random phase of the interval, so a pool's scrapes are
 spread over it rather than fired together, and then keeps a fixed rate. A page equal to
 the endpoint's previous one (an idle engine) is not parsed again: the snapshot only gets
 newer. A failed scrape keeps the previous snapshot, which ages into staleness — and stale
@@ -90,11 +92,12 @@ class _Scraper:
     def __init__(self, collectors: Collectors, endpoint: Endpoint) -> None:
         self.c = collectors
         self.endpoint = endpoint
-        self.url = f"http://{endpoint.key}{collectors.path}"
-        self.http = KeepAliveGet(
-            endpoint.address, endpoint.port, collectors.path, collectors.timeout
-        )
         self.dialect = dialect_for(endpoint)
+        # Only the samples the dialect reads (a server that ignores the query sends all).
+        separator = "&" if "?" in collectors.path else "?"
+        path = f"{collectors.path}{separator}{self.dialect.query()}"
+        self.url = f"http://{endpoint.key}{path}"
+        self.http = KeepAliveGet(endpoint.address, endpoint.port, path, collectors.timeout)
         self.failing = False
         self.last_page = b""
         self.last: Metrics | None = None

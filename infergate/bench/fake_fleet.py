@@ -5,7 +5,8 @@ sees of an idle engine does. Each fake engine is:
 
 * an HTTP port answering ``GET /metrics`` with a real engine metrics page (rendered by
   the engine's own :class:`~infergate.engine.metrics.EngineMetrics`, vLLM's names,
-  histograms included, ~30 KB), ``GET /v1/models`` and ``GET /health``;
+  histograms included, ~30 KB; with ``name[]=…`` only those samples, as vLLM's
+  prometheus_client app answers it), ``GET /v1/models`` and ``GET /health``;
 * with ``push=True``, also a ZMQ PUB port sending load reports
   (:mod:`infergate.wire.load`) every heartbeat at a random phase, plus changed reports
   at ``changes_per_s`` across the fleet, as a real engine's completion-events port does.
@@ -29,11 +30,15 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import yaml
 
 from infergate.wire import load
+
+if TYPE_CHECKING:
+    from infergate.engine.metrics import EngineMetrics
 
 PAGE_VARIANTS = 16
 PUSH_LABEL = "infergate.io/completion-events-port"
@@ -43,11 +48,13 @@ def _constant(value: float) -> Callable[[], float]:
     return lambda: value
 
 
-def metrics_pages(variants: int, block_size: int = 16, num_gpu_blocks: int = 4096) -> list[bytes]:
-    """``variants`` engine metrics pages that differ in their live gauges."""
+def metrics_engines(
+    variants: int, block_size: int = 16, num_gpu_blocks: int = 4096
+) -> list[EngineMetrics]:
+    """``variants`` engines' metrics that differ in their live gauges."""
     from infergate.engine.metrics import EngineMetrics
 
-    pages = []
+    engines = []
     for v in range(variants):
         m = EngineMetrics("model", block_size=block_size, num_gpu_blocks=num_gpu_blocks)
         m.bind(_constant(v % 4), _constant(v % 3), _constant(v / (2 * variants)))
@@ -56,8 +63,13 @@ def metrics_pages(variants: int, block_size: int = 16, num_gpu_blocks: int = 409
             m.prefill_time.observe(0.005 * i)
             m.request_prompt_tokens.observe(200 + i)
             m.e2e.observe(0.5 + 0.01 * i)
-        pages.append(m.render())
-    return pages
+        engines.append(m)
+    return engines
+
+
+def metrics_pages(variants: int, block_size: int = 16, num_gpu_blocks: int = 4096) -> list[bytes]:
+    """``variants`` engine metrics pages that differ in their live gauges."""
+    return [m.render() for m in metrics_engines(variants, block_size, num_gpu_blocks)]
 
 
 def _response(body: bytes, content_type: bytes) -> bytes:
@@ -83,19 +95,22 @@ class _Http(asyncio.Protocol):
         while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
             head, self.buffer = self.buffer[:end], self.buffer[end + 4 :]
             parts = head.split(b" ", 2)
-            path = parts[1] if len(parts) > 1 else b""
+            path, _, query = (parts[1] if len(parts) > 1 else b"").partition(b"?")
             if path == b"/metrics":
                 self.fleet.scrapes += 1
                 self.fleet.last_scrape[self.index] = time.monotonic()
                 if self.fleet.changing:
                     self.variant = (self.variant + 1) % PAGE_VARIANTS
-                self.transport.write(self.fleet.metric_responses[self.variant])
+                self.transport.write(self.fleet.metrics_response(query, self.variant))
             elif path == b"/v1/models":
                 self.transport.write(self.fleet.models_response)
             elif path == b"/health":
                 self.transport.write(_response(b"", b"text/plain"))
             else:
                 self.transport.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+
+_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 class FakeFleet:
@@ -117,10 +132,11 @@ class FakeFleet:
         self.heartbeat = heartbeat
         self.tick = tick
         self.changes_per_s = changes_per_s
-        self.metric_responses = [
-            _response(page, b"text/plain; version=0.0.4; charset=utf-8")
-            for page in metrics_pages(PAGE_VARIANTS)
-        ]
+        self._engines = metrics_engines(PAGE_VARIANTS)
+        self.metric_responses = [_response(m.render(), _TEXT) for m in self._engines]
+        #: Per query string: the pages of the samples its ``name[]`` asks for, rendered
+        #: by the engine's own code, as a real engine's ``/metrics`` answers it.
+        self._filtered: dict[bytes, list[bytes]] = {}
         models = b'{"object":"list","data":[{"id":"model","object":"model","owned_by":"fake"}]}'
         self.models_response = _response(models, b"application/json")
         self.http_ports: list[int] = []
@@ -136,6 +152,18 @@ class FakeFleet:
         self._sockets: list[Any] = []
         self._zmq: Any = None
         self._task: asyncio.Task[None] | None = None
+
+    def metrics_response(self, query: bytes, variant: int) -> bytes:
+        """The response to ``GET /metrics?query`` for page ``variant`` (no query: all)."""
+        if not query:
+            return self.metric_responses[variant]
+        pages = self._filtered.get(query)
+        if pages is None:
+            names = parse_qs(query.decode("latin-1")).get("name[]", [])
+            pages = [_response(m.render(names), _TEXT) for m in self._engines]
+            if len(self._filtered) < 64:  # bounded: the EPP sends one query per dialect
+                self._filtered[query] = pages
+        return pages[variant]
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

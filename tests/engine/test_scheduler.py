@@ -268,6 +268,6 @@ def test_pending_prefill_counts_running_prompts_until_their_step_ends() -> None:
     step(s)  # the last chunk
     assert s.pending_prefill_tokens == 0
     drain(s)
-    s.add(req("b", list(range(100)) + [7, 7]))  # the same 96 cached tokens + 6 new ones
+    s.add(req("b", [*range(100), 7, 7]))  # the same 96 cached tokens + 6 new ones
     s.schedule()
     assert s.pending_prefill_tokens == 102 - 96

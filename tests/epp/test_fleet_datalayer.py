@@ -107,6 +107,45 @@ async def test_load_reports_replace_scraping_and_stop_when_the_engine_dies(
     assert not epp.saturation.is_stale(scraped_state)
 
 
+async def test_a_scrape_asks_for_the_samples_it_reads_and_parses_them_the_same(
+    processes: ProcessGroup, tiny_model: Path, epp_factory: EppFactory
+) -> None:
+    """The collector asks ``/metrics?name[]=…`` for the dialect's samples. A real engine
+    answers with those alone (as vLLM's prometheus_client app does), a twentieth of the
+    page, and it parses to the same snapshot as the whole page; the fake fleet answers
+    the same query the same way. The EPP scraping that engine receives small pages."""
+    from infergate.epp.datalayer.dialects import VLLM, parse_metrics
+
+    from infergate.bench.fake_fleet import FakeFleet
+
+    _, port, _ = _engine(processes, tiny_model, "engine")
+    url = f"http://127.0.0.1:{port}/metrics"
+    async with httpx.AsyncClient() as client:
+        full = (await client.get(url)).content
+        small = (await client.get(f"{url}?{VLLM.query()}")).content
+    assert len(small) * 10 < len(full)
+    assert b"_bucket" not in small and b"vllm:num_requests_running" in small
+
+    def fields(page: bytes) -> dict[str, Any]:
+        snapshot = parse_metrics(page, VLLM)
+        return {k: getattr(snapshot, k) for k in snapshot.__dataclass_fields__ if k != "updated_at"}
+
+    assert fields(small) == fields(full)
+    assert fields(full)["num_gpu_blocks"] > 0 and fields(full)["counts_reported"]
+    fleet = FakeFleet(1)
+    fake_full = fleet.metrics_response(b"", 0)
+    fake_small = fleet.metrics_response(VLLM.query().encode(), 0)
+    assert len(fake_small) * 10 < len(fake_full)
+    assert fields(fake_small.split(b"\r\n\r\n", 1)[1]) == fields(fake_full.split(b"\r\n\r\n", 1)[1])
+
+    epp: Epp = await epp_factory(static_endpoints=[Endpoint("127.0.0.1", port)])
+    await eventually(lambda: epp.collectors.scrapes >= 5)
+    children = epp.metrics._datalayer_children
+    updates = sum(children[s][0]._value.get() for s in ("scrape", "scrape_unchanged"))
+    received = sum(children[s][1]._value.get() for s in ("scrape", "scrape_unchanged"))
+    assert updates >= 5 and received / updates < 4096  # the filtered page, not ~30 KB
+
+
 async def test_a_thousand_endpoint_file_is_loaded_and_watched(
     tmp_path: Path, epp_factory: EppFactory
 ) -> None:
