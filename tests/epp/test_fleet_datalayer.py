@@ -196,6 +196,9 @@ def _bad_payloads() -> list[bytes]:
         (9, ["a" * 300]),  # adapter name too long
         (9, ["x"] * 5000),  # too many adapters
         (1, 0.0),  # tick 0
+        (16, -5.0),  # negative pending prefill
+        (16, float("nan")),
+        (16, 1e19),  # more prompt tokens than any engine holds
     ]:
         bad = list(good)
         bad[index] = value
@@ -265,6 +268,14 @@ async def test_bad_or_flooding_load_reports_cannot_crash_or_bloat_the_epp(
     await eventually(lambda: not push_alive(state.metrics, time.monotonic()), timeout=10)
     assert epp.datastore.get(endpoint.key) is state
     pub.close(0)
+
+
+def test_a_report_without_pending_prefill_decodes_as_zero() -> None:
+    """An engine from before the field (its report one element shorter) still decodes."""
+    full = msgspec.msgpack.decode(load.encode(_report(prefill_pending_tokens=300.0)))
+    assert len(full) == 17 and full[16] == 300.0
+    assert load.decode(msgspec.msgpack.encode(full)).prefill_pending_tokens == 300.0
+    assert load.decode(msgspec.msgpack.encode(full[:16])).prefill_pending_tokens == 0.0
 
 
 def test_pushed_snapshot_freshness_and_push_liveness() -> None:

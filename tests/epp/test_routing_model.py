@@ -264,6 +264,8 @@ async def test_eviction_penalty_keeps_a_new_group_off_a_full_cache() -> None:
 def test_predicted_latency_params_are_validated() -> None:
     with pytest.raises(ValueError, match="evictionPenalty"):
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"evictionPenalty": -1})
+    with pytest.raises(ValueError, match="interferencePenalty"):
+        REGISTRY["predicted-latency-scorer"].Params.model_validate({"interferencePenalty": -1})
     with pytest.raises(ValueError, match=r"Extra inputs are not permitted"):
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"weightz": 1})
 
