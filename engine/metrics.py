@@ -177,8 +177,8 @@ class EngineMetrics:
         kv_usage: Callable[[], float],
         pending_prefill: Callable[[], float] = float,
     ) -> None:
-        """Read live values from the engine at scrape time (``pending_prefill``: prompt
-        tokens admitted and not yet computed, for load reports only)."""
+        """Read live values from the engine at scrape time (``pending_prefill``: running
+        requests' prompt tokens not yet computed, for load reports only)."""
         self._running.labels(self._model).set_function(num_running)
         self._waiting.labels(self._model).set_function(num_waiting)
         self._kv_usage.labels(self._model).set_function(kv_usage)

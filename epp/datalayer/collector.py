@@ -3,9 +3,10 @@
 Each loop keeps one keep-alive connection to its endpoint (:mod:`.http_get`: an asyncio
 protocol and httptools' parser; aiohttp's client cost more CPU per request than the rest
 of a scrape together), and asks only for the samples its dialect reads
-(:meth:`~infergate.epp.datalayer.dialects.Dialect.query`): ~1 KB rather than the ~30 KB
-page, so the engine renders, and the EPP receives and scans, a thirtieth of it. Each loop starts at a random phase of the interval, so a pool's scrapes are
-spread over it rather than fired together, and then keeps a fixed rate. A page equal to
+(:meth:`~infergate.epp.datalayer.dialects.Dialect.query`): ~1.6 KB rather than the ~30 KB
+page, so the engine renders, and the EPP receives and scans, a twentieth of it. Each loop
+starts at a random phase of the interval, so a pool's scrapes are spread over it rather
+than fired together, and then keeps a fixed rate. A page equal to
 the endpoint's previous one (an idle engine) is not parsed again: the snapshot only gets
 newer. A failed scrape keeps the previous snapshot, which ages into staleness — and stale
 means saturated — so a dead engine drops out of scheduling without a special case.

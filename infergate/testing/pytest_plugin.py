@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,8 @@ def pytest_runtest_makereport(
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None, None]:
-    """Remember each ``cluster`` test that ran (its call phase passed or failed)."""
+    """Remember each ``cluster`` test that ran (its call phase passed, failed, or skipped
+    itself from inside)."""
     yield
     if report.when == "call" and "cluster" in report.keywords:
         _cluster_ran.append(f"{report.outcome} {report.nodeid}")
@@ -94,11 +96,12 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Print how many ``cluster`` tests ran against a real API server, and on what."""
     if not _cluster_ran:
         return
-    passed = sum(1 for line in _cluster_ran if line.startswith("passed"))
+    outcomes = Counter(line.split(" ", 1)[0] for line in _cluster_ran)
     where = os.environ.get("INFERGATE_TEST_KUBECONFIG") or "the local control plane"
+    skipped = f", {outcomes['skipped']} skipped" if outcomes["skipped"] else ""
     terminalreporter.write_line(
         f"cluster tier: {len(_cluster_ran)} cluster tests ran against {where} "
-        f"({passed} passed, {len(_cluster_ran) - passed} failed)"
+        f"({outcomes['passed']} passed, {outcomes['failed']} failed{skipped})"
     )
 
 

@@ -192,7 +192,8 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             if prefix is not None and self.p.evictionPenalty > 0:
                 free = prefix.free_tokens(e, model)
                 if free is not None and uncached > free:
-                    ttft += (uncached - free) * self._cost(e).per_token * self.p.evictionPenalty * reuse
+                    overflow = (uncached - free) * self._cost(e).per_token
+                    ttft += overflow * self.p.evictionPenalty * reuse
             if stale(e, now):
                 ttft += STALE_PENALTY_S
             out.append((ttft, uncached))
