@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import re._parser as _sre_parser  # the stdlib's own regex parser, for the size estimate
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,27 +181,25 @@ def _string_match(kind: str, value: Any) -> dict[str, Any]:
 
 def _headers(raw: Any) -> list[dict[str, Any]]:
     """Header matches; of several with one (case-insensitive) name, the first counts."""
-    out, seen = [], set()
-    for header in map(as_dict, as_list(raw)):
-        name = check_header_name(header.get("name")).lower()
-        if name in seen:
-            continue
-        seen.add(name)
-        kind = as_str(header.get("type"), "Exact")
-        out.append({"name": name, "string_match": _string_match(kind, header.get("value"))})
-    return out
+    return _named_matches(raw, str.lower)
 
 
 def _query_params(raw: Any) -> list[dict[str, Any]]:
     """Query-param matches; of several with one (exact) name, the first counts."""
+    return _named_matches(raw, str)
+
+
+def _named_matches(raw: Any, key: Callable[[str], str]) -> list[dict[str, Any]]:
+    """Name/value matches (Gateway API's header and query-param shape), names checked and
+    normalised by ``key``; of several with one normalised name, the first counts."""
     out, seen = [], set()
-    for param in map(as_dict, as_list(raw)):
-        name = check_header_name(param.get("name"))
+    for item in map(as_dict, as_list(raw)):
+        name = key(check_header_name(item.get("name")))
         if name in seen:
             continue
         seen.add(name)
-        kind = as_str(param.get("type"), "Exact")
-        out.append({"name": name, "string_match": _string_match(kind, param.get("value"))})
+        kind = as_str(item.get("type"), "Exact")
+        out.append({"name": name, "string_match": _string_match(kind, item.get("value"))})
     return out
 
 
