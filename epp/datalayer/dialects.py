@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from urllib.parse import urlencode
 
 from infergate.epp.types import Endpoint, Metrics
@@ -39,32 +40,25 @@ class Dialect:
     prefix_hits: str | None = None
     prefix_queries: str | None = None
 
+    @cached_property
+    def _families(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Each family parsing reads, with the suffixes of the samples it reads: gauges
+        and info series as named, histograms' ``_sum`` and ``_count`` (never their
+        buckets), counters' ``_total``."""
+        plain: tuple[str, ...] = ("",)
+        names = (*self.waiting, *self.running, *self.kv_usage, self.lora_info, self.cache_config)
+        out = [(n, plain) for n in names if n]
+        out += [(n, ("_sum", "_count")) for n in (self.prefill_time, self.prompt_tokens) if n]
+        out += [(n, ("_total",)) for n in (self.prefix_hits, self.prefix_queries) if n]
+        return tuple(out)
+
     def wanted(self) -> tuple[bytes, ...]:
-        names = [*self.waiting, *self.running, *self.kv_usage]
-        names += [
-            n
-            for n in (
-                self.lora_info,
-                self.cache_config,
-                self.prefill_time,
-                self.prompt_tokens,
-                self.prefix_hits,
-                self.prefix_queries,
-            )
-            if n
-        ]
-        return tuple(n.encode() for n in names)
+        """The families' names, as the page scan matches them."""
+        return tuple(name.encode() for name, _ in self._families)
 
     def sample_names(self) -> tuple[str, ...]:
-        """The exact sample names parsing reads: gauges and info series as named,
-        histograms' ``_sum`` and ``_count`` (never their buckets), counters' ``_total``."""
-        names = [*self.waiting, *self.running, *self.kv_usage]
-        names += [n for n in (self.lora_info, self.cache_config) if n]
-        for histogram in (self.prefill_time, self.prompt_tokens):
-            if histogram:
-                names += [histogram + "_sum", histogram + "_count"]
-        names += [n + "_total" for n in (self.prefix_hits, self.prefix_queries) if n]
-        return tuple(names)
+        """The exact sample names parsing reads (:attr:`_families` with their suffixes)."""
+        return tuple(name + suffix for name, suffixes in self._families for suffix in suffixes)
 
     def query(self) -> str:
         """``name[]=…`` for each sample name: prometheus_client's exposition app (vLLM's
