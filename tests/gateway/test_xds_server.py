@@ -154,6 +154,12 @@ class FakeEnvoy:
         self.call.cancel()
         await self.channel.close()
 
+    async def __aenter__(self) -> FakeEnvoy:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
 
 async def converge(envoy: FakeEnvoy, eds: tuple[str, ...] = ("a", "b")) -> None:
     """Play Envoy's start-up: CDS, EDS, LDS, RDS, each acked."""
@@ -218,8 +224,7 @@ async def test_startup_converges_and_wait_acked_says_so(server):
     ads, port = server
     target = config("a")
     ads.set_snapshot(NODE, target)
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         waiter = asyncio.ensure_future(ads.wait_acked(NODE, target, timeout=10))
         await converge(envoy)
         assert await waiter
@@ -228,16 +233,13 @@ async def test_startup_converges_and_wait_acked_says_so(server):
         assert ads.acked(NODE) == {t: target.version(t) for t in status.target}
         listeners = unpack(envoy.last[LISTENER_TYPE])
         assert listeners[0].address.socket_address.address == "0.0.0.0"
-    finally:
-        await envoy.close()
 
 
 async def test_make_before_break_orders_a_change_that_drops_a_cluster(server):
     """a→b while dropping a: clusters a+b first, routes after that ACK, then a goes."""
     ads, port = server
     ads.set_snapshot(NODE, config("a", clusters=("a",)))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy, eds=("a",))
         ads.set_snapshot(NODE, config("b", clusters=("b",)))
         cds = await envoy.recv()
@@ -277,15 +279,12 @@ async def test_make_before_break_orders_a_change_that_drops_a_cluster(server):
             if clean.version_info == target:
                 break
         assert await ads.wait_acked(NODE, timeout=10)
-    finally:
-        await envoy.close()
 
 
 async def test_a_route_only_change_is_one_rds_exchange(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
         target = config("b")
         ads.set_snapshot(NODE, target)
@@ -294,60 +293,48 @@ async def test_a_route_only_change_is_one_rds_exchange(server):
         envoy.ack(rds, ("routes",))
         assert await ads.wait_acked(NODE, target, timeout=10)
         assert ads.acked(NODE)[ROUTE_TYPE] == target.version(ROUTE_TYPE)
-    finally:
-        await envoy.close()
 
 
 async def test_an_unchanged_snapshot_sends_nothing(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
         assert ads.set_snapshot(NODE, config("a"))  # equal content, new object
         eds = envoy.last[ENDPOINT_TYPE]
         envoy.send(ENDPOINT_TYPE, ("a", "b"), version=eds.version_info, nonce=eds.nonce)
         assert (await envoy.recv()).type_url == ENDPOINT_TYPE  # nothing queued before it
-    finally:
-        await envoy.close()
 
 
 async def test_a_repeated_request_is_answered_for_a_warming_cluster(server):
     """Envoy re-creates an updated EDS cluster and asks again for the endpoints it has."""
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
         eds = envoy.last[ENDPOINT_TYPE]
         envoy.send(ENDPOINT_TYPE, ("a", "b"), version=eds.version_info, nonce=eds.nonce)
         again = await envoy.recv()
         assert again.type_url == ENDPOINT_TYPE and again.version_info == eds.version_info
         assert again.nonce != eds.nonce
-    finally:
-        await envoy.close()
 
 
 async def test_endpoints_are_filtered_by_name_and_missing_ones_come_empty(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         envoy.send(ENDPOINT_TYPE, ("b", "ghost"))
         eds = await envoy.recv()
         assignments = {m.cluster_name: m for m in unpack(eds)}
         assert sorted(assignments) == ["b", "ghost"]
         assert len(assignments["b"].endpoints[0].lb_endpoints) == 1
         assert not assignments["ghost"].endpoints
-    finally:
-        await envoy.close()
 
 
 async def test_nack_is_recorded_the_walk_stops_and_the_stream_keeps_serving(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
         good_rds = envoy.last[ROUTE_TYPE]
         bad = config("b", clusters=("b",))
@@ -373,15 +360,12 @@ async def test_nack_is_recorded_the_walk_stops_and_the_stream_keeps_serving(serv
         ads.set_snapshot(NODE, fixed)
         assert await play(envoy, ads.wait_acked(NODE, fixed, timeout=10))
         assert not ads.status(NODE).nacks
-    finally:
-        await envoy.close()
 
 
 async def test_stale_nonces_are_ignored(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
         ads.set_snapshot(NODE, config("b"))
         rds = await envoy.recv()
@@ -389,8 +373,6 @@ async def test_stale_nonces_are_ignored(server):
         envoy.send(ROUTE_TYPE, ("routes",), version="old", nonce="0")
         envoy.ack(rds, ("routes",))
         assert await ads.wait_acked(NODE, timeout=10)
-    finally:
-        await envoy.close()
 
 
 async def test_bind_address_rewrites_wildcard_listeners_per_node(server):
@@ -442,8 +424,7 @@ async def test_every_replica_must_ack(server):
 async def test_set_snapshot_from_another_thread(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
         target = config("b")
         thread = threading.Thread(target=ads.set_snapshot, args=(NODE, target))
@@ -452,26 +433,18 @@ async def test_set_snapshot_from_another_thread(server):
         rds = await envoy.recv()
         envoy.ack(rds, ("routes",))
         assert await ads.wait_acked(NODE, target, timeout=10)
-    finally:
-        await envoy.close()
 
 
 async def test_a_request_without_node_id_ends_only_that_stream(server):
     ads, port = server
     ads.set_snapshot(NODE, config("a"))
-    anonymous = FakeEnvoy(port, node_id="")
-    try:
+    async with FakeEnvoy(port, node_id="") as anonymous:
         anonymous.send(CLUSTER_TYPE)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await anonymous.recv()
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    finally:
-        await anonymous.close()
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
-    finally:
-        await envoy.close()
 
 
 async def test_garbage_frames_and_a_stream_flood_do_not_take_the_server_down(server):
@@ -506,11 +479,8 @@ async def test_garbage_frames_and_a_stream_flood_do_not_take_the_server_down(ser
     await channel.close()
     while sum(ads.status(f"flood/{i}").replicas for i in range(12)):
         await asyncio.sleep(0.05)
-    envoy = FakeEnvoy(port)
-    try:
+    async with FakeEnvoy(port) as envoy:
         await converge(envoy)
-    finally:
-        await envoy.close()
 
 
 def test_extension_types_parse_without_anyone_importing_their_modules(tmp_path):
