@@ -9,6 +9,7 @@ symlink ``infergate/operator -> ../operator`` (see operator/README.md).
 """
 
 from setuptools import find_namespace_packages, setup
+from setuptools_rust import Binding, RustExtension
 
 ROOTS = {
     "infergate": "infergate",
@@ -22,4 +23,16 @@ for package, folder in ROOTS.items():
     subs = find_namespace_packages(folder, exclude=["*__pycache__*"])
     packages.extend(f"{package}.{sub}" for sub in subs)
 
-setup(packages=packages, package_dir=ROOTS)
+# The EPP's HTTP/2 framing for gRPC (native/grpc_h2, the h2 crate through PyO3): built by
+# cargo (Rust >= 1.85) at install time, an abi3 module for every CPython from 3.11.
+# Optional: an install without cargo (the engine and operator images) still works, and an
+# EPP without the module serves ext-proc with grpc.aio, saying so.
+NATIVE = RustExtension(
+    "infergate.epp._grpc_h2",
+    path="native/grpc_h2/Cargo.toml",
+    binding=Binding.PyO3,
+    py_limited_api=True,
+    optional=True,
+)
+
+setup(packages=packages, package_dir=ROOTS, rust_extensions=[NATIVE], zip_safe=False)

@@ -239,7 +239,7 @@ class Epp:
 
     async def start(self) -> None:
         o = self.options
-        if o.grpc_server == "h2" and _h2_installed():
+        if o.grpc_server == "h2" and _native_installed():
             await self._start_h2()
         else:
             await self._start_grpc()
@@ -336,12 +336,16 @@ class Epp:
             self._metrics_http = None
 
 
-def _h2_installed() -> bool:
-    """An environment installed before ``h2`` became a dependency still serves (grpc.aio)."""
+def _native_installed() -> bool:
+    """``--grpc-server h2`` needs the native module (``native/grpc_h2``), built by cargo at
+    install time; an install made without a Rust toolchain still serves, with grpc.aio."""
     try:
-        import h2  # noqa: F401
+        import infergate.epp._grpc_h2  # noqa: F401
     except ImportError:
-        log.warning("the h2 package is not installed: serving ext-proc with grpc.aio")
+        log.warning(
+            "the native HTTP/2 module (native/grpc_h2) is not built: serving ext-proc with "
+            "grpc.aio; install cargo (Rust >= 1.85) and reinstall infergate to build it"
+        )
         return False
     return True
 

@@ -22,7 +22,6 @@ their asyncio servicers unchanged (:class:`AioCall`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import ssl
@@ -34,23 +33,19 @@ from typing import Any
 from urllib.parse import quote
 
 import grpc
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
+import infergate.epp._grpc_h2 as native
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 from infergate.epp.server import ExtProcServer, ObserverState, Phase, StreamState, immediate
 
 log = logging.getLogger("infergate.epp.h2_server")
 
-_GRPC_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 _END = object()
 #: Our receive windows and frame size: large, since every byte is acknowledged as it is
 #: read and the EPP's own limits (``Limits``) bound what a stream may hold.
 _WINDOW = 16 << 20
 _FRAME = 1 << 20
+_MAX_HEADER_LIST = 64 << 10
 #: Handling received events for longer lets the loop serve others first (``_drain``).
 _SLICE_S = 0.01
 
@@ -59,58 +54,27 @@ def _status(code: grpc.StatusCode) -> int:
     return int(code.value[0])
 
 
-class _H2Connection(h2.connection.H2Connection):
-    """``h2``'s connection state machine, counting open streams only every 64th time.
-
-    ``h2`` counts them (and forgets closed ones) by a pass over every stream it tracks,
-    each time a stream opens: quadratic when a backlog holds thousands open. The count
-    only enforces the advertised stream limit, which is far above ``--max-streams``
-    (the EPP answers 503 itself), so a count up to 64 streams old does.
-    """
-
-    _sweeps = 0
-    _counted = 0
-
-    def _open_streams(self, remainder: int) -> int:
-        self._sweeps += 1
-        if self._sweeps % 64 == 1:
-            self._counted = super()._open_streams(remainder)
-        return self._counted
-
-
 class Stream:
-    """One HTTP/2 stream: gRPC messages in, flow-controlled messages and trailers out."""
+    """One HTTP/2 stream, as the calls see it: messages out, then a status."""
 
-    __slots__ = ("buffer", "call", "conn", "headers_sent", "id", "pending", "trailers")
+    __slots__ = ("call", "conn", "finished", "id")
 
     def __init__(self, conn: Connection, stream_id: int) -> None:
         self.conn, self.id = conn, stream_id
-        self.buffer = bytearray()  # a gRPC message not yet complete
-        self.pending = bytearray()  # framed bytes waiting for the peer's send window
-        self.headers_sent = False
-        self.trailers: list[tuple[bytes, bytes]] | None = None  # set once: finishing
+        self.finished = False  # our side has ended: later messages are dropped
         self.call: ExtProcCall | AioCall | None = None
 
     def send(self, *payloads: bytes) -> None:
-        """Messages in one go: their frames are cut across message boundaries, so a
-        request body echoed as 16 KiB chunks (each just over Envoy's 16 KiB frame once
-        framed) takes one DATA frame per chunk, not two."""
-        if self.trailers is not None or self.id not in self.conn.streams:
-            return
-        pending = self.pending
-        for payload in payloads:
-            pending += len(payload).to_bytes(5, "big")  # flag 0 (not compressed), length
-            pending += payload
-        self.conn.pump(self)
+        """Messages in one go: framed together, so a request body echoed as 16 KiB chunks
+        takes one DATA frame per chunk where the peer's frame size allows."""
+        if not self.finished:
+            self.conn.send(self, payloads)
 
     def finish(self, code: int = 0, message: str = "") -> None:
         """End the stream with ``grpc-status`` ``code`` once what is pending has gone."""
-        if self.trailers is not None or self.id not in self.conn.streams:
-            return
-        self.trailers = [(b"grpc-status", str(code).encode())]
-        if message:
-            self.trailers.append((b"grpc-message", quote(message, safe=" ").encode()))
-        self.conn.pump(self)
+        if not self.finished:
+            self.finished = True
+            self.conn.finish(self, code, quote(message, safe=" ") if message else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,24 +88,27 @@ class Method:
 
 
 class Connection(asyncio.Protocol):
-    """One HTTP/2 connection (Envoy holds one per worker thread to each EPP)."""
+    """One HTTP/2 connection (Envoy holds one per worker thread to each EPP).
+
+    The framing, HPACK and flow control are native (``native/grpc_h2``, the ``h2``
+    crate, polled in place): bytes read go in, gRPC events come out as
+    ``(kind, stream_id, payload)``, and the bytes to write are taken once per read.
+    """
 
     def __init__(self, server: H2Server) -> None:
         self.server = server
-        self.h2 = _H2Connection(
-            h2.config.H2Configuration(
-                client_side=False,
-                header_encoding=None,
-                validate_outbound_headers=False,
-                normalize_outbound_headers=False,
-                validate_inbound_headers=False,
-                normalize_inbound_headers=False,
-            )
+        # Streams past --max-streams get the EPP's own 503, so HTTP/2 allows more.
+        self.native = native.GrpcConnection(
+            max_concurrent_streams=server.max_streams + 1000,
+            max_message=server.max_message,
+            window=_WINDOW,
+            max_frame_size=_FRAME,
+            max_header_list_size=_MAX_HEADER_LIST,
         )
         self.transport: asyncio.Transport | None = None
         self.streams: dict[int, Stream] = {}
         self._reading = False  # handling received events: one write at the end
-        self._backlog: deque[h2.events.Event] = deque()  # received, not yet handled
+        self._backlog: deque[tuple[int, int, bytes | None]] = deque()  # not yet handled
         self._paused = False  # reading paused while the backlog is handled in slices
         self.peer = ""
 
@@ -150,31 +117,21 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.server.connections.add(self)
-        # Streams past --max-streams get the EPP's own 503, so HTTP/2 allows more (h2's
-        # default is 100); set before the preface, it is in force from the first stream.
-        codes = h2.settings.SettingCodes
-        self.h2.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                codes.MAX_CONCURRENT_STREAMS: self.server.max_streams + 1000,
-                codes.MAX_HEADER_LIST_SIZE: self.h2.DEFAULT_MAX_HEADER_LIST_SIZE,
-            },
-        )
-        self.h2.initiate_connection()
-        self.h2.update_settings({codes.INITIAL_WINDOW_SIZE: _WINDOW, codes.MAX_FRAME_SIZE: _FRAME})
-        self.h2.increment_flow_control_window(_WINDOW - 65_535)
-        self.flush()
+        self.flush()  # our SETTINGS
 
     def flush(self) -> None:
-        data = self.h2.data_to_send()
+        data = self.native.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+        for kind, stream_id, _ in self.native.take_events():  # streams reset meanwhile
+            if kind == native.CLOSED:
+                self._drop(stream_id)
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as error:
-            log.warning("gRPC connection from %s: HTTP/2 protocol error (%s)", self.peer, error)
+            events = self.native.receive(data)
+        except ConnectionError as error:
+            log.warning("gRPC connection from %s: protocol error (%s)", self.peer, error)
             self.flush()
             if self.transport is not None:
                 self.transport.close()
@@ -198,7 +155,7 @@ class Connection(asyncio.Protocol):
         try:
             handled = 0
             while backlog:
-                self._event(backlog.popleft())
+                self._event(*backlog.popleft())
                 handled += 1
                 if handled % 8 == 0 and time.monotonic() - started > _SLICE_S:
                     break
@@ -217,30 +174,30 @@ class Connection(asyncio.Protocol):
             transport.resume_reading()
             self._paused = False
 
-    def _event(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.DataReceived):
-            if event.flow_controlled_length:
-                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            stream = self.streams.get(event.stream_id)
-            if stream is not None and event.data:
-                self._data(stream, event.data)
-        elif isinstance(event, h2.events.RequestReceived):
-            self._request(event.stream_id, event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
-            stream = self.streams.get(event.stream_id)
+    def _event(self, kind: int, stream_id: int, payload: bytes | None) -> None:
+        if kind == native.MESSAGE:
+            stream = self.streams.get(stream_id)
+            if stream is not None and stream.call is not None and payload is not None:
+                stream.call.on_message(payload)
+        elif kind == native.NEW:
+            self._request(stream_id, payload or b"")
+        elif kind == native.END:
+            stream = self.streams.get(stream_id)
             if stream is not None and stream.call is not None:
                 stream.call.on_end()
-        elif isinstance(event, h2.events.StreamReset):
-            self._drop(event.stream_id)
-        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
-            for stream in list(self.streams.values()):
-                if stream.pending:
-                    self.pump(stream)
+        elif kind == native.CLOSED:
+            self._drop(stream_id)
+        else:  # TOO_LARGE, COMPRESSED: the stream cannot go on
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                if kind == native.COMPRESSED:
+                    code = grpc.StatusCode.UNIMPLEMENTED
+                self._fail(stream, _status(code), (payload or b"").decode())
 
-    def _request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def _request(self, stream_id: int, path: bytes) -> None:
         stream = Stream(self, stream_id)
         self.streams[stream_id] = stream
-        path = next((value for key, value in headers if key == b":path"), b"")
         method = self.server.methods.get(path)
         if method is None:
             stream.finish(_status(grpc.StatusCode.UNIMPLEMENTED), f"unknown method {path!r}")
@@ -249,76 +206,29 @@ class Connection(asyncio.Protocol):
         else:
             stream.call = AioCall(method, stream)
 
-    def _data(self, stream: Stream, data: bytes) -> None:
-        """Complete gRPC messages of ``data`` to the stream's call, the rest kept. A frame
-        that starts on a message boundary (the usual case) is read in place."""
-        buffer = stream.buffer
-        if buffer:
-            buffer += data
-            data = bytes(buffer)
-            buffer.clear()
-        view = memoryview(data)
-        start, end = 0, len(data)
-        while end - start >= 5 and stream.trailers is None:
-            size = int.from_bytes(view[start + 1 : start + 5], "big")
-            if size > self.server.max_message:
-                code = _status(grpc.StatusCode.RESOURCE_EXHAUSTED)
-                self._fail(stream, code, f"message of {size} bytes over the limit")
-                return
-            if end - start < 5 + size:
-                break
-            if view[start]:
-                self._fail(stream, _status(grpc.StatusCode.UNIMPLEMENTED), "compressed message")
-                return
-            message = data[start + 5 : start + 5 + size]
-            start += 5 + size
-            if stream.call is not None:
-                stream.call.on_message(message)
-        if start < end and stream.trailers is None:
-            buffer += view[start:]
-
     def _fail(self, stream: Stream, code: int, message: str) -> None:
         stream.finish(code, message)
         if stream.call is not None:
             stream.call.on_close()
 
-    def pump(self, stream: Stream) -> None:
-        """Send what ``stream`` has pending as far as the windows allow, then its trailers."""
-        h2conn = self.h2
-        try:
-            if stream.pending and not stream.headers_sent:
-                h2conn.send_headers(stream.id, _GRPC_HEADERS)
-                stream.headers_sent = True
-            while stream.pending:
-                size = min(
-                    h2conn.local_flow_control_window(stream.id),
-                    h2conn.max_outbound_frame_size,
-                    len(stream.pending),
-                )
-                if size <= 0:
-                    return  # WindowUpdated resumes it
-                h2conn.send_data(stream.id, bytes(stream.pending[:size]))
-                del stream.pending[:size]
-            if stream.trailers is not None:
-                headers = (
-                    stream.trailers if stream.headers_sent else _GRPC_HEADERS + stream.trailers
-                )
-                h2conn.send_headers(stream.id, headers, end_stream=True)
-                self._done(stream)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-            self._drop(stream.id)  # the peer reset or closed it meanwhile
-        if not self._reading:
+    def send(self, stream: Stream, payloads: tuple[bytes, ...]) -> None:
+        if self.native.send(stream.id, list(payloads)) and not self._reading:
             self.flush()
 
-    def _done(self, stream: Stream) -> None:
+    def finish(self, stream: Stream, code: int, message: str) -> None:
         """Our side has ended. A peer still sending may go on (what it sends is dropped):
         a reset would let a gRPC client discard the answer it has not read yet."""
         self.streams.pop(stream.id, None)
+        self.native.finish(stream.id, code, message)
+        if not self._reading:
+            self.flush()
 
     def _drop(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
-        if stream is not None and stream.call is not None:
-            stream.call.on_close()
+        if stream is not None:
+            stream.finished = True
+            if stream.call is not None:
+                stream.call.on_close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -328,18 +238,26 @@ class Connection(asyncio.Protocol):
         self.transport = None
 
     def goaway(self) -> None:
-        with contextlib.suppress(h2.exceptions.H2Error):
-            self.h2.close_connection()
-            self.flush()
+        self.native.goaway()
+        self.flush()
 
 
-class _Resumed:
-    """The rest of a coroutine that suspended on a loop future, awaited by a task."""
+class _Stepped:
+    """A coroutine whose first step ran in place; awaited by the task it ran under.
 
-    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any) -> None:
-        self.coro, self.yielded = coro, yielded
+    Its task's own first step comes later (the loop's next round): if the coroutine
+    finished in place, that step just ends; if it suspended, the task carries on from
+    the future it yielded.
+    """
+
+    __slots__ = ("coro", "done", "yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro, self.done, self.yielded = coro, False, None
 
     def __await__(self) -> Generator[Any, Any, Any]:
+        if self.done:
+            return None
         value = self.yielded
         while True:
             try:
@@ -356,8 +274,46 @@ class _Resumed:
                     return stop.value
 
 
-async def _await(awaitable: _Resumed) -> Any:
+async def _await(awaitable: _Stepped) -> Any:
     return await awaitable
+
+
+def step_in_place(coro: Coroutine[Any, Any, Any]) -> tuple[asyncio.Task[Any], _Stepped, Any]:
+    """Run ``coro`` up to its first suspension now, as the current task of a new task.
+
+    Why: answering in the same loop round as the read (one write for every stream's
+    answers) needs the step to run here, not in the loop's next round as a task's would;
+    and code that wants a current task before it first suspends (aiohttp's timeouts,
+    ``asyncio.timeout``) must find one, the task that will finish it. Python 3.12's eager
+    task factory does this; on 3.11 the task is entered by hand, with asyncio's own
+    ``_enter_task``/``_leave_task``. Returns the task, the step (``done`` if the coroutine
+    finished in place) and its result. Raises what the coroutine raised in place.
+    """
+    loop = asyncio.get_running_loop()
+    step = _Stepped(coro)
+    task = loop.create_task(_await(step))
+    asyncio.tasks._enter_task(loop, task)
+    try:
+        step.yielded = coro.send(None)
+    except StopIteration as stop:
+        step.done = True
+        return task, step, stop.value
+    except BaseException:
+        step.done = True
+        raise
+    finally:
+        asyncio.tasks._leave_task(loop, task)
+    return task, step, None
+
+
+def _run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """The result of a coroutine that must not suspend."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("a handler that never awaits suspended")
 
 
 class ExtProcCall:
@@ -406,14 +362,18 @@ class ExtProcCall:
             return
         coro = self.state.handle(message)
         try:
-            yielded = coro.send(None)
-        except StopIteration as stop:
-            self._answered(stop.value)
+            if (message.WhichOneof("request") or "").startswith("request_"):
+                task, step, result = step_in_place(coro)
+            else:  # the response side never awaits: no task
+                task, step, result = None, None, _run_sync(coro)
         except Exception:
             self._failed(message)
+            return
+        if task is None or step is None or step.done:
+            self._answered(result)
         else:
-            self.busy = asyncio.get_running_loop().create_task(_await(_Resumed(coro, yielded)))
-            self.busy.add_done_callback(lambda task: self._resumed(task, message))
+            self.busy = task
+            task.add_done_callback(lambda task: self._resumed(task, message))
 
     def _resumed(self, task: asyncio.Task[Any], message: pb.ProcessingRequest) -> None:
         self.busy = None
@@ -579,12 +539,9 @@ class AioCall:
         if self.request is _END:
             self.stream.finish(_status(grpc.StatusCode.INVALID_ARGUMENT), "no request")
             return
-        coro = self._serve(self.method.call(self.request, self.context))
-        try:
-            yielded = coro.send(None)
-        except StopIteration:
-            return
-        self.task = asyncio.get_running_loop().create_task(_await(_Resumed(coro, yielded)))
+        task, step, _ = step_in_place(self._serve(self.method.call(self.request, self.context)))
+        if not step.done:
+            self.task = task
 
     def on_close(self) -> None:
         if self.task is not None:

@@ -41,6 +41,7 @@ class Named(Protocol):
     @property
     def name(self) -> str: ...
 
+
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
 )  # fmt: skip
@@ -63,9 +64,7 @@ GIE_BYTES_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
 class _EndpointGauges(Collector):
     """Per-endpoint gauges read from the datastore at scrape time (no per-update cost)."""
 
-    def __init__(
-        self, datastore: Endpoints, saturation: Staleness, pool_name: str = ""
-    ) -> None:
+    def __init__(self, datastore: Endpoints, saturation: Staleness, pool_name: str = "") -> None:
         self.datastore = datastore
         self.saturation = saturation
         self.pool_name = pool_name
@@ -275,9 +274,7 @@ class EppMetrics:
     def observe_pick_age(self, state: EndpointState, now: float) -> None:
         """The freshness of the snapshot a decision used (the picked endpoint's)."""
         metrics = state.metrics
-        self._age_children["push" if metrics.pushed else "scrape"].observe(
-            metrics.freshness(now)
-        )
+        self._age_children["push" if metrics.pushed else "scrape"].observe(metrics.freshness(now))
 
     def forget_endpoint(self, key: str) -> None:
         """Drop a departed endpoint's labelled series (fleet churn must not grow them)."""

@@ -178,11 +178,10 @@ class EppOptions:
     )
     grpc_server: str = option(
         "--grpc-server",
-        default="aio",
-        help="The ext-proc port's gRPC server: aio (grpc.aio) or h2 (experimental: HTTP/2 read "
-        "by the event loop itself, a quarter to a third less CPU per 2 KB request, more at 220 KB; plugins "
-        "that await network I/O, such as the precise prefix scorer's tokenizer calls, fail "
-        "under it; docs/architecture.md).",
+        default="h2",
+        help="The ext-proc port's gRPC server: h2 (HTTP/2 read by the event loop itself, framed "
+        "natively by the h2 crate; the least CPU per request) or aio (grpc.aio, the previous "
+        "server: a poller thread hands each gRPC event to the loop); docs/architecture.md.",
     )
     reuse_port: bool = option(
         "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."

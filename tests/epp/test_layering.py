@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "infergate.epp.server",
             "infergate.epp.h2_server",
+            "infergate.epp._grpc_h2",  # native (native/grpc_h2): HTTP/2 for h2_server
             "infergate.epp.eds",
             "infergate.epp.tls",
         ),

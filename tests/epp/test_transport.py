@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 import pytest
@@ -68,3 +70,110 @@ async def test_h2_large_body_comes_back_unchanged(epp_factory, channel_for) -> N
     assert b"".join(s.body for s in streamed) == payload
     assert [s.end_of_stream for s in streamed][-1]
     await stream.close()
+
+
+def test_the_native_transport_is_built_and_the_default() -> None:
+    """``make install`` builds native/grpc_h2; without it the EPP would fall back to aio."""
+    import infergate.epp._grpc_h2 as native
+    from infergate.epp.options import EppOptions
+
+    assert EppOptions().grpc_server == "h2"
+    assert callable(native.GrpcConnection)
+
+
+PROCESS = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+async def _raw_call(port: int, frames: bytes) -> dict[bytes, bytes]:
+    """One gRPC call written by hand with the ``h2`` package as the client: ``frames`` as
+    the request's DATA, then the trailers (or trailers-only headers) the EPP answers."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    request = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", PROCESS),
+        (b":authority", b"epp"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ]
+    client.send_headers(1, request)
+    client.send_data(1, frames)
+    writer.write(client.data_to_send())
+    headers: dict[bytes, bytes] = {}
+    try:
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, f"connection closed before the stream ended; headers {headers}"
+            for event in client.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    headers.update(dict(event.headers))
+                if isinstance(event, h2.events.StreamEnded):
+                    return headers
+            writer.write(client.data_to_send())
+    finally:
+        writer.close()
+
+
+async def test_h2_refuses_a_message_over_the_limit_and_a_compressed_one(epp_factory) -> None:
+    epp = await epp_factory(static_endpoints=[A], grpc_server="h2")
+    too_large = (0).to_bytes(1, "big") + (100 << 20).to_bytes(4, "big") + b"x" * 100
+    answer = await _raw_call(epp.grpc_port, too_large)
+    assert answer[b"grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]).encode()
+    assert b"over the limit" in answer[b"grpc-message"]
+    compressed = (1).to_bytes(1, "big") + (3).to_bytes(4, "big") + b"abc"
+    answer = await _raw_call(epp.grpc_port, compressed)
+    assert answer[b"grpc-status"] == str(grpc.StatusCode.UNIMPLEMENTED.value[0]).encode()
+    assert epp.ext_proc.active_streams == 0
+
+
+async def test_h2_garbage_closes_that_connection_only(epp_factory, channel_for) -> None:
+    epp = await epp_factory(static_endpoints=[A], grpc_server="h2")
+    reader, writer = await asyncio.open_connection("127.0.0.1", epp.grpc_port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: epp\r\n\r\n" + bytes(range(256)) * 4)
+    received = b""
+    while chunk := await asyncio.wait_for(reader.read(65536), 5):
+        received += chunk
+    writer.close()
+    assert received[3] == 0x04  # the server's SETTINGS, then it closed (EOF above)
+    check = health_pb2_grpc.HealthStub(channel_for(epp)).Check
+    reply = await check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_handler_has_its_task_before_it_first_suspends() -> None:
+    """What the precise prefix scorer's aiohttp timeouts need: ``step_in_place`` runs a
+    coroutine's first step now, with the task that finishes it already current."""
+    from infergate.epp.h2_server import step_in_place
+
+    seen: list[asyncio.Task[object] | None] = []
+
+    async def waits() -> str:
+        seen.append(asyncio.current_task())
+        async with asyncio.timeout(5):  # needs a current task
+            await asyncio.sleep(0.01)
+        seen.append(asyncio.current_task())
+        return "later"
+
+    async def returns() -> str:
+        seen.append(asyncio.current_task())
+        return "now"
+
+    async def from_a_callback(coro: Coroutine[Any, Any, str]) -> tuple[Any, ...]:
+        """As the h2 server calls it: from a protocol or loop callback, not a task."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[Any, ...]] = loop.create_future()
+        loop.call_soon(lambda: done.set_result((*step_in_place(coro), asyncio.current_task())))
+        return await done
+
+    task, step, result, after = await from_a_callback(returns())
+    assert step.done and result == "now" and seen == [task] and after is None
+    seen.clear()
+    task, step, result, after = await from_a_callback(waits())
+    assert not step.done and seen == [task] and after is None
+    assert await task == "later" and seen == [task, task]

@@ -1,0 +1,523 @@
+//! gRPC over HTTP/2 for the EPP's event loop, without I/O of its own (sans-IO).
+//!
+//! Why native: the EPP serves ext-proc on its asyncio loop (`epp/h2_server.py`), and with
+//! the pure-Python `h2` state machine a third of its CPU per request was HTTP/2 framing,
+//! HPACK and frame objects (docs/architecture.md, "The ext-proc transport"). Here the `h2`
+//! crate does that work: Python hands in the bytes its transport read, gets back the gRPC
+//! events they complete, and takes out the bytes to write. No thread, no runtime: every
+//! future is polled in place, from the caller's thread, under the GIL.
+//!
+//! How the polling works. The connection reads from an in-memory buffer that answers
+//! "pending" when empty, and writes into another. After new bytes arrive, or after an
+//! answer is queued, `drive` polls the connection until it is pending (which parses every
+//! complete frame and writes out every frame it can), then polls the streams that the
+//! connection woke: each stream has its own waker, which records the stream's id, so a
+//! drive touches only streams with something new rather than every open one.
+//!
+//! gRPC on top: length-prefixed messages (1 byte compressed flag, 4 bytes big-endian
+//! length), response headers `:status 200` / `content-type: application/grpc`, trailers
+//! `grpc-status` / `grpc-message`, and trailers-only answers for a stream that ends before
+//! any message. Flow control: every received byte is released at once (the EPP's own
+//! limits bound what a stream may hold); sends are buffered by `h2` until the peer's
+//! windows allow them.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use h2::server::{Builder, Connection, Handshake, SendResponse};
+use h2::{RecvStream, SendStream};
+use http::{HeaderMap, HeaderValue, Response};
+use pyo3::exceptions::{PyConnectionError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyBytes;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Event kinds handed to Python: a new stream (payload: its `:path`), a complete message,
+/// the peer's half-close, the stream gone (reset, or the peer's error), and a message the
+/// stream cannot take (payload: why): over the size limit, or compressed.
+const NEW: u8 = 0;
+const MESSAGE: u8 = 1;
+const END: u8 = 2;
+const CLOSED: u8 = 3;
+const TOO_LARGE: u8 = 4;
+const COMPRESSED: u8 = 5;
+
+#[derive(Default)]
+struct Buffers {
+    inbound: BytesMut,
+    outbound: Vec<u8>,
+}
+
+/// The connection's I/O: reads what Python handed in, writes what Python takes out.
+struct Io(Arc<Mutex<Buffers>>);
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let mut buffers = self.0.lock().expect("buffers");
+        if buffers.inbound.is_empty() {
+            return Poll::Pending; // the next `receive` polls again
+        }
+        let n = buf.remaining().min(buffers.inbound.len());
+        buf.put_slice(&buffers.inbound[..n]);
+        buffers.inbound.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.0
+            .lock()
+            .expect("buffers")
+            .outbound
+            .extend_from_slice(data);
+        Poll::Ready(Ok(data.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// A stream's waker: records the stream's id, so the next drive polls it.
+struct StreamWake {
+    id: u32,
+    ready: Arc<Mutex<Vec<u32>>>,
+}
+
+impl Wake for StreamWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Ok(mut ready) = self.ready.lock() {
+            ready.push(self.id);
+        }
+    }
+}
+
+struct Stream {
+    recv: Option<RecvStream>,
+    respond: SendResponse<Bytes>,
+    send: Option<SendStream<Bytes>>,
+    buffer: BytesMut,
+    waker: Waker,
+    /// Our side has ended (trailers queued); what the peer still sends is dropped.
+    finished: bool,
+    /// A message was refused: the rest of what the peer sends is dropped.
+    discarding: bool,
+}
+
+enum State {
+    Handshaking(Handshake<Io, Bytes>),
+    Open(Connection<Io, Bytes>),
+    Closed,
+}
+
+type Event = (u8, u32, Option<Bytes>);
+
+/// One HTTP/2 connection, server side, speaking gRPC (see the module docs). Used from
+/// the event loop's thread only; the lock is there because Python's cycle collector may
+/// free it from another thread (uncontended, it costs a few nanoseconds a call).
+#[pyclass(module = "infergate.epp._grpc_h2")]
+struct GrpcConnection(Mutex<Inner>);
+
+struct Inner {
+    buffers: Arc<Mutex<Buffers>>,
+    state: State,
+    streams: HashMap<u32, Stream>,
+    ready: Arc<Mutex<Vec<u32>>>,
+    events: Vec<Event>,
+    max_message: usize,
+}
+
+fn grpc_frame(payloads: &[PyBackedBytes]) -> Bytes {
+    let size: usize = payloads.iter().map(|p| p.len() + 5).sum();
+    let mut out = BytesMut::with_capacity(size);
+    for payload in payloads {
+        out.put_u8(0);
+        out.put_u32(payload.len() as u32);
+        out.put_slice(payload);
+    }
+    out.freeze()
+}
+
+fn grpc_response() -> Response<()> {
+    let mut response = Response::new(());
+    response
+        .headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    response
+}
+
+fn grpc_status(code: u32, message: &str) -> PyResult<HeaderMap> {
+    let mut headers = HeaderMap::new();
+    headers.insert("grpc-status", HeaderValue::from(code));
+    if !message.is_empty() {
+        let value = HeaderValue::from_str(message)
+            .map_err(|_| PyValueError::new_err("grpc-message must be percent-encoded ASCII"))?;
+        headers.insert("grpc-message", value);
+    }
+    Ok(headers)
+}
+
+impl Inner {
+    /// Poll the connection until it waits for bytes, and the streams it woke, until
+    /// neither has anything new. Errors are the connection's (a protocol error).
+    fn drive(&mut self) -> Result<(), h2::Error> {
+        let mut cx = Context::from_waker(Waker::noop());
+        loop {
+            if let State::Handshaking(handshake) = &mut self.state {
+                match Pin::new(handshake).poll(&mut cx) {
+                    Poll::Ready(Ok(connection)) => self.state = State::Open(connection),
+                    Poll::Ready(Err(error)) => {
+                        self.state = State::Closed;
+                        return Err(error);
+                    }
+                    Poll::Pending => return Ok(()),
+                }
+            }
+            let mut accepted = Vec::new();
+            if let State::Open(connection) = &mut self.state {
+                loop {
+                    match connection.poll_accept(&mut cx) {
+                        Poll::Ready(Some(Ok((request, respond)))) => {
+                            accepted.push((request, respond))
+                        }
+                        Poll::Ready(Some(Err(error))) => {
+                            self.state = State::Closed;
+                            return Err(error);
+                        }
+                        Poll::Ready(None) => {
+                            self.state = State::Closed;
+                            break;
+                        }
+                        Poll::Pending => break,
+                    }
+                }
+            }
+            for (request, respond) in accepted {
+                let path = Bytes::copy_from_slice(request.uri().path().as_bytes());
+                let id = respond.stream_id().as_u32();
+                self.accept(id, request.into_body(), respond, path);
+            }
+            let woken = std::mem::take(&mut *self.ready.lock().expect("ready list"));
+            if woken.is_empty() {
+                return Ok(());
+            }
+            for id in woken {
+                self.poll_stream(id);
+            }
+        }
+    }
+
+    fn accept(&mut self, id: u32, recv: RecvStream, respond: SendResponse<Bytes>, path: Bytes) {
+        let waker = Waker::from(Arc::new(StreamWake {
+            id,
+            ready: self.ready.clone(),
+        }));
+        self.streams.insert(
+            id,
+            Stream {
+                recv: Some(recv),
+                respond,
+                send: None,
+                buffer: BytesMut::new(),
+                waker,
+                finished: false,
+                discarding: false,
+            },
+        );
+        self.events.push((NEW, id, Some(path)));
+        self.ready.lock().expect("ready list").push(id);
+    }
+
+    /// Take what stream `id` received: messages, its end, or its reset.
+    fn poll_stream(&mut self, id: u32) {
+        let Some(stream) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let waker = stream.waker.clone();
+        let mut cx = Context::from_waker(&waker);
+        let mut gone = false;
+        while let Some(recv) = stream.recv.as_mut() {
+            match recv.poll_data(&mut cx) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    let _ = recv.flow_control().release_capacity(chunk.len());
+                    if !stream.finished && !stream.discarding {
+                        stream.buffer.extend_from_slice(&chunk);
+                        split_messages(stream, id, self.max_message, &mut self.events);
+                    }
+                }
+                Poll::Ready(Some(Err(_))) => {
+                    gone = true; // reset by the peer, or the connection failed
+                    break;
+                }
+                Poll::Ready(None) => {
+                    stream.recv = None;
+                    if !stream.finished {
+                        self.events.push((END, id, None));
+                    }
+                }
+                Poll::Pending => break,
+            }
+        }
+        if !gone && stream.recv.is_none() {
+            // The peer has half-closed: only a reset can still come, on the send side.
+            let reset = match stream.send.as_mut() {
+                Some(send) => send.poll_reset(&mut cx),
+                None => stream.respond.poll_reset(&mut cx),
+            };
+            gone = stream.finished || reset.is_ready();
+        }
+        if gone {
+            let finished = self.streams.remove(&id).is_some_and(|s| s.finished);
+            if !finished {
+                self.events.push((CLOSED, id, None));
+            }
+        }
+    }
+
+    fn open(&mut self, id: u32) -> Option<&mut Stream> {
+        self.streams.get_mut(&id).filter(|stream| !stream.finished)
+    }
+
+    /// The stream failed under us (the peer reset it meanwhile): Python hears of it.
+    fn lost(&mut self, id: u32) {
+        if self.streams.remove(&id).is_some() {
+            self.events.push((CLOSED, id, None));
+        }
+    }
+}
+
+/// Complete messages of the stream's buffer become events; a partial one stays.
+fn split_messages(stream: &mut Stream, id: u32, max_message: usize, events: &mut Vec<Event>) {
+    let buffer = &mut stream.buffer;
+    while buffer.len() >= 5 {
+        let size = u32::from_be_bytes([buffer[1], buffer[2], buffer[3], buffer[4]]) as usize;
+        if size > max_message {
+            let why = format!("message of {size} bytes over the limit");
+            events.push((TOO_LARGE, id, Some(Bytes::from(why))));
+            stream.discarding = true;
+            buffer.clear();
+            return;
+        }
+        if buffer[0] != 0 {
+            events.push((
+                COMPRESSED,
+                id,
+                Some(Bytes::from_static(b"compressed message")),
+            ));
+            stream.discarding = true;
+            buffer.clear();
+            return;
+        }
+        if buffer.len() < 5 + size {
+            return;
+        }
+        buffer.advance(5);
+        events.push((MESSAGE, id, Some(buffer.split_to(size).freeze())));
+    }
+}
+
+// The methods of `GrpcConnection` (documented there), on the locked state.
+impl Inner {
+    fn receive<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<PyEvent<'py>>> {
+        self.buffers
+            .lock()
+            .expect("buffers")
+            .inbound
+            .extend_from_slice(data);
+        let driven = self.drive();
+        let events = std::mem::take(&mut self.events);
+        driven.map_err(|error| PyConnectionError::new_err(format!("HTTP/2: {error}")))?;
+        Ok(events
+            .into_iter()
+            .map(|(kind, id, payload)| (kind, id, payload.map(|p| PyBytes::new(py, &p))))
+            .collect())
+    }
+
+    fn take_events<'py>(&mut self, py: Python<'py>) -> Vec<PyEvent<'py>> {
+        std::mem::take(&mut self.events)
+            .into_iter()
+            .map(|(kind, id, payload)| (kind, id, payload.map(|p| PyBytes::new(py, &p))))
+            .collect()
+    }
+
+    fn send(&mut self, id: u32, payloads: Vec<PyBackedBytes>) -> bool {
+        let Some(stream) = self.open(id) else {
+            return false;
+        };
+        if stream.send.is_none() {
+            let response = grpc_response();
+            match stream.respond.send_response(response, false) {
+                Ok(send) => stream.send = Some(send),
+                Err(_) => {
+                    self.lost(id);
+                    return false;
+                }
+            }
+        }
+        let sent = stream
+            .send
+            .as_mut()
+            .map(|s| s.send_data(grpc_frame(&payloads), false));
+        if !matches!(sent, Some(Ok(()))) {
+            self.lost(id);
+            return false;
+        }
+        true
+    }
+
+    fn finish(&mut self, id: u32, code: u32, message: &str) -> PyResult<bool> {
+        let trailers = grpc_status(code, message)?;
+        let Some(stream) = self.open(id) else {
+            return Ok(false);
+        };
+        let ended = match stream.send.as_mut() {
+            Some(send) => send.send_trailers(trailers).is_ok(),
+            None => {
+                let mut response = grpc_response();
+                response.headers_mut().extend(trailers);
+                stream.respond.send_response(response, true).is_ok()
+            }
+        };
+        stream.finished = true;
+        stream.send = None;
+        if stream.recv.is_none() {
+            self.streams.remove(&id);
+        }
+        if !ended {
+            self.events.push((CLOSED, id, None));
+        }
+        Ok(ended)
+    }
+
+    fn data_to_send<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let _ = self.drive(); // an error here surfaces from the next `receive`
+        let out = std::mem::take(&mut self.buffers.lock().expect("buffers").outbound);
+        PyBytes::new(py, &out)
+    }
+
+    fn goaway(&mut self) {
+        if let State::Open(connection) = &mut self.state {
+            connection.graceful_shutdown();
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.streams.len()
+    }
+}
+
+#[pymethods]
+impl GrpcConnection {
+    /// A server connection; nothing is sent until the client's preface is received.
+    #[new]
+    #[pyo3(signature = (*, max_concurrent_streams, max_message, window, max_frame_size, max_header_list_size))]
+    fn new(
+        max_concurrent_streams: u32,
+        max_message: usize,
+        window: u32,
+        max_frame_size: u32,
+        max_header_list_size: u32,
+    ) -> Self {
+        let buffers = Arc::new(Mutex::new(Buffers::default()));
+        let handshake = Builder::new()
+            .max_concurrent_streams(max_concurrent_streams)
+            .initial_window_size(window)
+            .initial_connection_window_size(window)
+            .max_frame_size(max_frame_size)
+            .max_header_list_size(max_header_list_size)
+            .handshake(Io(buffers.clone()));
+        Self(Mutex::new(Inner {
+            buffers,
+            state: State::Handshaking(handshake),
+            streams: HashMap::new(),
+            ready: Arc::new(Mutex::new(Vec::new())),
+            events: Vec::new(),
+            max_message,
+        }))
+    }
+
+    /// Feed bytes read from the socket; the events they complete, in order, as
+    /// `(kind, stream_id, payload)`. Raises ConnectionError on an HTTP/2 protocol error
+    /// (what `data_to_send` then holds tells the peer why).
+    fn receive<'py>(&self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<PyEvent<'py>>> {
+        self.inner().receive(py, data)
+    }
+
+    /// Events found while sending (a stream the peer reset meanwhile): as `receive`.
+    fn take_events<'py>(&self, py: Python<'py>) -> Vec<PyEvent<'py>> {
+        self.inner().take_events(py)
+    }
+
+    /// Queue messages on stream `id` (response headers first, once). False if the
+    /// stream is gone or finished.
+    fn send(&self, id: u32, payloads: Vec<PyBackedBytes>) -> bool {
+        self.inner().send(id, payloads)
+    }
+
+    /// End stream `id` with `grpc-status` `code` (trailers, or a trailers-only answer if
+    /// nothing was sent). `message` must be percent-encoded already.
+    fn finish(&self, id: u32, code: u32, message: &str) -> PyResult<bool> {
+        self.inner().finish(id, code, message)
+    }
+
+    /// Everything to write to the socket now (frames for queued answers, window
+    /// updates, settings and ping acknowledgements).
+    fn data_to_send<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        self.inner().data_to_send(py)
+    }
+
+    /// Tell the peer to open no more streams (GOAWAY); the open ones may finish.
+    fn goaway(&self) {
+        self.inner().goaway()
+    }
+
+    /// Streams not yet ended on both sides.
+    fn __len__(&self) -> usize {
+        self.inner().len()
+    }
+}
+
+impl GrpcConnection {
+    fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+type PyEvent<'py> = (u8, u32, Option<Bound<'py, PyBytes>>);
+
+#[pymodule]
+fn _grpc_h2(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add_class::<GrpcConnection>()?;
+    module.add("NEW", NEW)?;
+    module.add("MESSAGE", MESSAGE)?;
+    module.add("END", END)?;
+    module.add("CLOSED", CLOSED)?;
+    module.add("TOO_LARGE", TOO_LARGE)?;
+    module.add("COMPRESSED", COMPRESSED)?;
+    Ok(())
+}
