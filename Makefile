@@ -12,12 +12,14 @@ help: ## List the targets
 
 install: $(VENV)/.installed ## Create .venv with torch (CPU) and infergate[dev]
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py native/grpc_h2/Cargo.toml native/grpc_h2/src/lib.rs
 	python3 -m venv $(VENV)
 	# torch first, pinned. pip takes a local CPU wheel if the machine's find-links has one;
 	# otherwise PyPI's build of 2.13.0, which bundles CUDA (~4 GB installed) and runs on CPU.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# cargo (rustup's, when the login profile that puts it on PATH was not read) builds
+	# the EPP's native HTTP/2 module (native/grpc_h2).
+	PATH="$$PATH:$$HOME/.cargo/bin" $(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 # lm-eval in its own venv: lm-eval[api] pins python-dateutil<3, kubernetes needs >=3. It sees

@@ -32,6 +32,7 @@ NATIVE = RustExtension(
     path="native/grpc_h2/Cargo.toml",
     binding=Binding.PyO3,
     py_limited_api=True,
+    debug=False,  # release even for an editable install (setuptools-rust's default is debug)
     optional=True,
 )
 
