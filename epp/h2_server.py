@@ -9,14 +9,15 @@ whatever frames arrived for every stream, each complete gRPC message is handed t
 stream's :class:`~infergate.epp.server.StreamState` in place, and the answers of all
 streams go out in one socket write.
 
-What it implements of gRPC over HTTP/2 (``h2``'s connection state machine does the
-framing, HPACK and flow-control accounting): length-prefixed messages without
-compression, response headers / trailers (``grpc-status``, ``grpc-message``) and
-trailers-only errors, RST_STREAM as cancellation, send-window flow control, GOAWAY on
-stop, TLS with ALPN ``h2``. Methods are served from a table (:class:`Method`): the
-ext-proc stream on a fast path (:class:`ExtProcCall`, no task per stream unless a
-decision really waits, e.g. flow control queueing it), the rest (EDS, health) through
-their asyncio servicers unchanged (:class:`AioCall`).
+What it implements of gRPC over HTTP/2 (the native module ``_grpc_h2``, built from
+``native/grpc_h2`` around the ``h2`` crate, does the framing, HPACK, flow control and
+stream states, and cuts the length-prefixed messages): messages without compression,
+response headers / trailers (``grpc-status``, ``grpc-message``) and trailers-only errors,
+RST_STREAM as cancellation, send-window flow control, GOAWAY on stop, TLS with ALPN
+``h2``. Methods are served from a table (:class:`Method`): the ext-proc stream on a fast
+path (:class:`ExtProcCall`: a message is handled in place, a request-side one under its
+own task, see :func:`step_in_place`), the rest (EDS, health) through their asyncio
+servicers unchanged (:class:`AioCall`).
 """
 
 from __future__ import annotations
@@ -319,8 +320,9 @@ def _run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
 class ExtProcCall:
     """One ext-proc stream: ``ExtProcServer.Process``'s loop, driven by arriving messages.
 
-    A message's ``StreamState.handle`` runs in place; only when it suspends (the
-    decision waits on the loop) does a task finish it, later messages waiting their turn.
+    A message's ``StreamState.handle`` runs in place (a request-side one as the current
+    task of the task that finishes it if it suspends: the decision waits on the loop, e.g.
+    flow control queueing it); later messages wait their turn.
     """
 
     def __init__(self, server: ExtProcServer, stream: Stream) -> None:

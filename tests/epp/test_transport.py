@@ -13,6 +13,7 @@ import grpc
 import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infergate.epp.types import Endpoint
 
@@ -84,40 +85,94 @@ def test_the_native_transport_is_built_and_the_default() -> None:
 PROCESS = b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 
-async def _raw_call(port: int, frames: bytes) -> dict[bytes, bytes]:
-    """One gRPC call written by hand with the ``h2`` package as the client: ``frames`` as
-    the request's DATA, then the trailers (or trailers-only headers) the EPP answers."""
-    import h2.config
-    import h2.connection
-    import h2.events
+class RawClient:
+    """A gRPC client written by hand with the ``h2`` package: what the native transport
+    does at the HTTP/2 level (windows, resets, trailers) is seen frame by frame."""
 
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    request = [
-        (b":method", b"POST"),
-        (b":scheme", b"http"),
-        (b":path", PROCESS),
-        (b":authority", b"epp"),
-        (b"content-type", b"application/grpc"),
-        (b"te", b"trailers"),
-    ]
-    client.send_headers(1, request)
-    client.send_data(1, frames)
-    writer.write(client.data_to_send())
-    headers: dict[bytes, bytes] = {}
-    try:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import h2.config
+        import h2.connection
+
+        self.reader, self.writer = reader, writer
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.h2.initiate_connection()
+        self.data = bytearray()  # the stream's DATA: gRPC-framed ProcessingResponses
+        self.headers: dict[bytes, bytes] = {}
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        """Connected, with the EPP's settings and connection window (16 MiB) taken in."""
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        client.writer.write(client.h2.data_to_send())
+        while (
+            client.h2.outbound_flow_control_window < 1 << 20
+            or client.h2.remote_settings.initial_window_size < 1 << 20
+        ):
+            data = await asyncio.wait_for(client.reader.read(65536), 5)
+            assert data, "the EPP closed the connection during the handshake"
+            client.h2.receive_data(data)
+            client.writer.write(client.h2.data_to_send())
+        return client
+
+    def call(self, frames: bytes, end_stream: bool = True) -> None:
+        request = [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", PROCESS),
+            (b":authority", b"epp"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]
+        self.h2.send_headers(1, request)
+        self.h2.send_data(1, frames, end_stream=end_stream)
+        self.writer.write(self.h2.data_to_send())
+
+    async def until_ended(self, pause: float = 0.0) -> dict[bytes, bytes]:
+        """Read until stream 1 ends (its response headers and trailers merged); acknowledge
+        DATA as it is read, ``pause`` seconds after each read (a slow reader)."""
+        import h2.events
+
         while True:
-            data = await asyncio.wait_for(reader.read(65536), 5)
-            assert data, f"connection closed before the stream ended; headers {headers}"
-            for event in client.receive_data(data):
+            data = await asyncio.wait_for(self.reader.read(65536), 5)
+            assert data, f"connection closed before the stream ended; headers {self.headers}"
+            for event in self.h2.receive_data(data):
                 if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
-                    headers.update(dict(event.headers))
-                if isinstance(event, h2.events.StreamEnded):
-                    return headers
-            writer.write(client.data_to_send())
+                    self.headers.update(dict(event.headers))
+                elif isinstance(event, h2.events.DataReceived):
+                    self.data += event.data
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, h2.events.StreamEnded):
+                    self.writer.write(self.h2.data_to_send())
+                    return self.headers
+            self.writer.write(self.h2.data_to_send())
+            await asyncio.sleep(pause)
+
+    def responses(self) -> list[pb.ProcessingResponse]:
+        out, view = [], memoryview(self.data)
+        while view:
+            size = int.from_bytes(view[1:5], "big")
+            out.append(pb.ProcessingResponse.FromString(bytes(view[5 : 5 + size])))
+            view = view[5 + size :]
+        return out
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _grpc(*messages: pb.ProcessingRequest) -> bytes:
+    return b"".join(
+        b"\0" + len(raw).to_bytes(4, "big") + raw
+        for raw in (message.SerializeToString() for message in messages)
+    )
+
+
+async def _raw_call(port: int, frames: bytes) -> dict[bytes, bytes]:
+    client = await RawClient.connect(port)
+    try:
+        client.call(frames)
+        return await client.until_ended()
     finally:
-        writer.close()
+        client.close()
 
 
 async def test_h2_refuses_a_message_over_the_limit_and_a_compressed_one(epp_factory) -> None:
@@ -177,3 +232,47 @@ async def test_a_handler_has_its_task_before_it_first_suspends() -> None:
     task, step, result, after = await from_a_callback(waits())
     assert not step.done and seen == [task] and after is None
     assert await task == "later" and seen == [task, task]
+
+
+async def test_h2_a_slow_reader_with_a_small_window_gets_the_whole_echo(epp_factory) -> None:
+    """The echoed body waits in the native layer for the reader's window: 16 KiB per
+    stream, opened only as a slow reader acknowledges what it read."""
+    import h2.settings
+
+    epp = await epp_factory(static_endpoints=[A], grpc_server="h2")
+    client = await RawClient.connect(epp.grpc_port)
+    client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 16 << 10})
+    payload = json.dumps({"model": "m", "prompt": "y" * (300 << 10)}).encode()
+    chunks = [payload[i : i + (16 << 10)] for i in range(0, len(payload), 16 << 10)]
+    messages = [body(c, i == len(chunks) - 1) for i, c in enumerate(chunks)]
+    try:
+        client.call(_grpc(headers(POST), *messages))
+        trailers = await client.until_ended(pause=0.002)
+    finally:
+        client.close()
+    assert trailers[b"grpc-status"] == b"0"
+    header_response, *echoed = client.responses()
+    assert set_headers(header_response)["x-gateway-destination-endpoint"] == A.key
+    streamed = [e.request_body.response.body_mutation.streamed_response for e in echoed]
+    assert b"".join(s.body for s in streamed) == payload
+
+
+async def test_h2_a_stream_reset_mid_body_is_released(epp_factory) -> None:
+    epp = await epp_factory(static_endpoints=[A], grpc_server="h2")
+    client = await RawClient.connect(epp.grpc_port)
+    try:
+        client.call(_grpc(headers(POST), body(b'{"model": "m", "pro', False)), end_stream=False)
+        for _ in range(100):
+            if epp.ext_proc.active_streams == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert epp.ext_proc.active_streams == 1
+        client.h2.reset_stream(1)
+        client.writer.write(client.h2.data_to_send())
+        for _ in range(100):
+            if epp.ext_proc.active_streams == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert epp.ext_proc.active_streams == 0
+    finally:
+        client.close()

@@ -148,6 +148,8 @@ struct Inner {
     ready: Arc<Mutex<Vec<u32>>>,
     events: Vec<Event>,
     max_message: usize,
+    /// A connection error found while sending, for the next `receive` to raise.
+    failed: Option<String>,
 }
 
 fn grpc_frame(payloads: &[PyBackedBytes]) -> Bytes {
@@ -342,6 +344,12 @@ fn split_messages(stream: &mut Stream, id: u32, max_message: usize, events: &mut
 // The methods of `GrpcConnection` (documented there), on the locked state.
 impl Inner {
     fn receive<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<PyEvent<'py>>> {
+        if let Some(error) = self.failed.take() {
+            return Err(PyConnectionError::new_err(error));
+        }
+        if matches!(self.state, State::Closed) {
+            return Ok(Vec::new()); // gone away: what the peer still sends is dropped
+        }
         self.buffers
             .lock()
             .expect("buffers")
@@ -413,7 +421,9 @@ impl Inner {
     }
 
     fn data_to_send<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        let _ = self.drive(); // an error here surfaces from the next `receive`
+        if let Err(error) = self.drive() {
+            self.failed = Some(format!("HTTP/2: {error}")); // raised by the next `receive`
+        }
         let out = std::mem::take(&mut self.buffers.lock().expect("buffers").outbound);
         PyBytes::new(py, &out)
     }
@@ -456,6 +466,7 @@ impl GrpcConnection {
             ready: Arc::new(Mutex::new(Vec::new())),
             events: Vec::new(),
             max_message,
+            failed: None,
         }))
     }
 
