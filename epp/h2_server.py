@@ -66,8 +66,8 @@ class Stream:
         self.call: ExtProcCall | AioCall | None = None
 
     def send(self, *payloads: bytes) -> None:
-        """Messages in one go: framed together, so a request body echoed as 16 KiB chunks
-        takes one DATA frame per chunk where the peer's frame size allows."""
+        """Messages in one go: framed together and queued as one send, which the native
+        layer cuts into DATA frames as the peer's frame size and windows allow."""
         if not self.finished:
             self.conn.send(self, payloads)
 
