@@ -23,8 +23,8 @@ Why each piece is there:
   upstream itself.
 * ``upstream="original_dst"`` swaps that pool cluster for the one GIE's and llm-d-router's
   reference configs use: an ``ORIGINAL_DST`` cluster that dials whatever address the
-  ``x-gateway-destination-endpoint`` header names (first entry only; no fallback list,
-  no EDS). It exists so an external EPP that does not serve EDS (the routing lab's
+  ``x-gateway-destination-endpoint`` header names (one address: a fallback list in the
+  header fails the request, 503 UH, on Envoy 1.40; no EDS). It exists so an external EPP that does not serve EDS (the routing lab's
   ``external-epp`` peer) runs behind this same listener and filter chain.
 * Only requests that carry a pick in the ``envoy.lb`` metadata (which, unlike a header,
   only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
@@ -431,9 +431,11 @@ def override_host_policy() -> dict[str, Any]:
 def _original_dst_cluster(*, connect_timeout_s: float, max_requests: int) -> dict[str, Any]:
     """GIE's reference pool cluster: dial the address in ``x-gateway-destination-endpoint``.
 
-    Envoy reads only the first ``ip:port`` of the header, so the EPP's fallback list is
-    ignored, and it dials any address at all: safe here only because client copies of
-    the header are stripped before ext_proc runs.
+    The header must hold one ``ip:port``: Envoy (1.40) cannot parse GIE's fallback list
+    there and fails the request (503 UH), so an EPP behind this cluster must pick one
+    endpoint (infergate's default profile adds fallbacks; llm-d-router's and GIE's pick
+    one). It dials any address at all: safe here only because client copies of the
+    header are stripped before ext_proc runs.
     """
     return {
         "name": POOL_CLUSTER,
