@@ -213,8 +213,9 @@ class Connection(asyncio.Protocol):
             stream.call.on_close()
 
     def send(self, stream: Stream, payloads: tuple[bytes, ...]) -> None:
-        if self.native.send(stream.id, list(payloads)) and not self._reading:
-            self.flush()
+        self.native.send(stream.id, payloads)
+        if not self._reading:
+            self.flush()  # also delivers a reset the send found
 
     def finish(self, stream: Stream, code: int, message: str) -> None:
         """Our side has ended. A peer still sending may go on (what it sends is dropped):
@@ -366,16 +367,16 @@ class ExtProcCall:
         try:
             if (message.WhichOneof("request") or "").startswith("request_"):
                 task, step, result = step_in_place(coro)
+                if not step.done:  # the decision waits: the task finishes it
+                    self.busy = task
+                    task.add_done_callback(lambda task: self._resumed(task, message))
+                    return
             else:  # the response side never awaits: no task
-                task, step, result = None, None, _run_sync(coro)
+                result = _run_sync(coro)
         except Exception:
             self._failed(message)
             return
-        if task is None or step is None or step.done:
-            self._answered(result)
-        else:
-            self.busy = task
-            task.add_done_callback(lambda task: self._resumed(task, message))
+        self._answered(result)
 
     def _resumed(self, task: asyncio.Task[Any], message: pb.ProcessingRequest) -> None:
         self.busy = None

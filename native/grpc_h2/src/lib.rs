@@ -356,12 +356,9 @@ impl Inner {
             .inbound
             .extend_from_slice(data);
         let driven = self.drive();
-        let events = std::mem::take(&mut self.events);
+        let events = self.take_events(py);
         driven.map_err(|error| PyConnectionError::new_err(format!("HTTP/2: {error}")))?;
-        Ok(events
-            .into_iter()
-            .map(|(kind, id, payload)| (kind, id, payload.map(|p| PyBytes::new(py, &p))))
-            .collect())
+        Ok(events)
     }
 
     fn take_events<'py>(&mut self, py: Python<'py>) -> Vec<PyEvent<'py>> {
@@ -371,18 +368,15 @@ impl Inner {
             .collect()
     }
 
-    fn send(&mut self, id: u32, payloads: Vec<PyBackedBytes>) -> bool {
+    fn send(&mut self, id: u32, payloads: Vec<PyBackedBytes>) {
         let Some(stream) = self.open(id) else {
-            return false;
+            return;
         };
         if stream.send.is_none() {
             let response = grpc_response();
             match stream.respond.send_response(response, false) {
                 Ok(send) => stream.send = Some(send),
-                Err(_) => {
-                    self.lost(id);
-                    return false;
-                }
+                Err(_) => return self.lost(id),
             }
         }
         let sent = stream
@@ -391,22 +385,22 @@ impl Inner {
             .map(|s| s.send_data(grpc_frame(&payloads), false));
         if !matches!(sent, Some(Ok(()))) {
             self.lost(id);
-            return false;
         }
-        true
     }
 
-    fn finish(&mut self, id: u32, code: u32, message: &str) -> PyResult<bool> {
+    fn finish(&mut self, id: u32, code: u32, message: &str) -> PyResult<()> {
         let trailers = grpc_status(code, message)?;
         let Some(stream) = self.open(id) else {
-            return Ok(false);
+            return Ok(());
         };
-        let ended = match stream.send.as_mut() {
-            Some(send) => send.send_trailers(trailers).is_ok(),
+        // A failure here means the peer reset the stream meanwhile: nothing to tell Python,
+        // which has already let go of it.
+        let _ = match stream.send.as_mut() {
+            Some(send) => send.send_trailers(trailers),
             None => {
                 let mut response = grpc_response();
                 response.headers_mut().extend(trailers);
-                stream.respond.send_response(response, true).is_ok()
+                stream.respond.send_response(response, true).map(drop)
             }
         };
         stream.finished = true;
@@ -414,10 +408,7 @@ impl Inner {
         if stream.recv.is_none() {
             self.streams.remove(&id);
         }
-        if !ended {
-            self.events.push((CLOSED, id, None));
-        }
-        Ok(ended)
+        Ok(())
     }
 
     fn data_to_send<'py>(&mut self, py: Python<'py>) -> Bound<'py, PyBytes> {
@@ -482,15 +473,15 @@ impl GrpcConnection {
         self.inner().take_events(py)
     }
 
-    /// Queue messages on stream `id` (response headers first, once). False if the
-    /// stream is gone or finished.
-    fn send(&self, id: u32, payloads: Vec<PyBackedBytes>) -> bool {
+    /// Queue messages on stream `id` (response headers first, once); nothing if the
+    /// stream is gone or finished. A stream found reset is reported by `take_events`.
+    fn send(&self, id: u32, payloads: Vec<PyBackedBytes>) {
         self.inner().send(id, payloads)
     }
 
     /// End stream `id` with `grpc-status` `code` (trailers, or a trailers-only answer if
     /// nothing was sent). `message` must be percent-encoded already.
-    fn finish(&self, id: u32, code: u32, message: &str) -> PyResult<bool> {
+    fn finish(&self, id: u32, code: u32, message: &str) -> PyResult<()> {
         self.inner().finish(id, code, message)
     }
 
