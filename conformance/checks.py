@@ -66,19 +66,31 @@ def mismatch(request: Request, reply: Reply, expected: Expected) -> str | None:
 
 
 def eventually(
-    driver: Driver, address: str, request: Request, expected: Expected, timeout: float | None = None
+    driver: Driver,
+    address: str,
+    request: Request,
+    expected: Expected,
+    timeout: float | None = None,
+    *,
+    skip: Callable[[Reply], bool] | None = None,
 ) -> Reply:
     """GIE's MakeRequestAndExpectEventuallyConsistentResponse: until the response is as
-    expected :data:`REQUIRED_CONSECUTIVE_SUCCESSES` times in a row."""
+    expected :data:`REQUIRED_CONSECUTIVE_SUCCESSES` times in a row.
+
+    A reply for which ``skip`` is true neither counts nor breaks the streak: behind a
+    weighted split, a request the split sent to another pool says nothing of this one."""
     deadline = time.monotonic() + (timeout or driver.settle_timeout)
     streak, why = 0, ""
     while True:
+        skipped = False
         try:
             reply = driver.send(address, request)
-            why = mismatch(request, reply, expected) or ""
+            skipped = skip is not None and skip(reply)
+            why = "" if skipped else mismatch(request, reply, expected) or ""
         except httpx.TransportError as error:  # not listening yet, reset, timed out
             why = f"request failed: {error!r}"
-        streak = 0 if why else streak + 1
+        if not skipped:
+            streak = 0 if why else streak + 1
         if streak >= REQUIRED_CONSECUTIVE_SUCCESSES:
             return reply
         if time.monotonic() > deadline:
