@@ -12,7 +12,7 @@ help: ## List the targets
 
 install: $(VENV)/.installed ## Create .venv with torch (CPU) and infergate[dev]
 
-$(VENV)/.installed: pyproject.toml setup.py native/grpc_h2/Cargo.toml native/grpc_h2/src/lib.rs
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*/Cargo.toml native/*/src/*.rs)
 	python3 -m venv $(VENV)
 	# torch first, pinned. pip takes a local CPU wheel if the machine's find-links has one;
 	# otherwise PyPI's build of 2.13.0, which bundles CUDA (~4 GB installed) and runs on CPU.

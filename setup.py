@@ -36,4 +36,20 @@ NATIVE = RustExtension(
     optional=True,
 )
 
-setup(packages=packages, package_dir=ROOTS, rust_extensions=[NATIVE], zip_safe=False)
+# The prefix-cache scorer's index and block hashing (native/prefix_index): optional the
+# same way; without it the scorer uses its Python index (same results, more CPU).
+PREFIX_INDEX = RustExtension(
+    "infergate.epp.scheduling._prefix_index",
+    path="native/prefix_index/Cargo.toml",
+    binding=Binding.PyO3,
+    py_limited_api=True,
+    debug=False,
+    optional=True,
+)
+
+setup(
+    packages=packages,
+    package_dir=ROOTS,
+    rust_extensions=[NATIVE, PREFIX_INDEX],
+    zip_safe=False,
+)

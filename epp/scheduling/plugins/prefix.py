@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from infergate.wire.completions import encode_prefix, prefix_hashes
 from infergate.wire.names import PREFIX_HEADER
+
+try:  # native/prefix_index, built by `pip install` where cargo is (setup.py)
+    from infergate.epp.scheduling import _prefix_index as native
+except ImportError:  # pragma: no cover - an install without cargo
+    native = None  # type: ignore[assignment]
 
 log = logging.getLogger("infergate.epp.prefix")
 
@@ -118,11 +123,21 @@ def prompt_bytes(request: InferenceRequest) -> bytes:
 def block_hashes(
     model: str, cache_salt: str, data: bytes, block_chars: int, max_blocks: int
 ) -> list[int]:
-    """Chained xxh64 hashes of ``data`` cut into ``block_chars`` blocks (last one partial)."""
+    """Chained xxh64 hashes of ``data`` cut into ``block_chars`` blocks (last one partial):
+    ``h[i] = xxh64(block[i] ‖ le64(h[i-1]))`` from ``h[-1] = xxh64(model ‖ cache_salt)``,
+    over the first ``max_blocks`` blocks. Native where built (same values)."""
     if block_chars <= 0 or len(data) < block_chars:
         return []
+    seed = (model + cache_salt).encode("utf-8", "replace")
+    if native is not None:
+        return native.block_hashes(seed, data, block_chars, max(0, max_blocks))
+    return python_block_hashes(seed, data, block_chars, max_blocks)
+
+
+def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: int) -> list[int]:
+    """:func:`block_hashes` without the native module."""
     data = data[: block_chars * max_blocks]
-    previous = xxhash.xxh64_intdigest((model + cache_salt).encode("utf-8", "replace"))
+    previous = xxhash.xxh64_intdigest(seed)
     hashes: list[int] = []
     for start in range(0, len(data), block_chars):
         previous = xxhash.xxh64_intdigest(
@@ -132,11 +147,13 @@ def block_hashes(
     return hashes
 
 
-class PrefixIndex:
+class PythonPrefixIndex:
     """Block hash → endpoints holding it, with a bounded LRU per endpoint.
 
     Each entry stores the sequence number of its last use, so ``drop_older_than`` can
-    remove everything an LRU engine must have evicted before a given block.
+    remove everything an LRU engine must have evicted before a given block. Where the
+    native module is built, :data:`PrefixIndex` is its copy of this class (same methods,
+    same results; ``tests/epp/test_prefix_index.py`` runs both on the same operations).
     """
 
     def __init__(self, capacity_per_server: int) -> None:
@@ -186,6 +203,11 @@ class PrefixIndex:
         lru = self._servers.get(server)
         return lru.get(h) if lru is not None else None
 
+    def last_uses(self, server: str, hashes: Sequence[int]) -> list[int]:
+        """:meth:`last_use` of each hash, 0 where ``server`` does not hold it."""
+        lru: Mapping[int, int] = self._servers.get(server) or {}
+        return [lru.get(h, 0) for h in hashes]
+
     def drop_older_than(self, server: str, seq: int) -> int:
         """Drop ``server``'s entries last used at or before ``seq``; returns how many."""
         lru = self._servers.get(server)
@@ -233,6 +255,11 @@ class PrefixIndex:
 
     def servers(self) -> list[str]:
         return list(self._servers)
+
+
+PrefixIndex: type[PythonPrefixIndex] = (
+    PythonPrefixIndex if native is None else native.PrefixIndex  # type: ignore[assignment]
+)
 
 
 @dataclass(slots=True)
@@ -351,7 +378,7 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
             return
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
         matched = matches.get(primary.key, 0)
-        seqs = [self.index.last_use(primary.key, h) or 0 for h in hashes[:matched]]
+        seqs = self.index.last_uses(primary.key, hashes[:matched])
         prediction_chars = int(cycle.get("prefix.chars", 0))
         request.notes[NOTE] = Prediction(
             primary.key,

@@ -1,0 +1,254 @@
+//! The approximate prefix-cache scorer's index and block hashing, native.
+//!
+//! Why native: at long prompts the scorer walks up to `maxPrefixBlocksToMatch` (256) block
+//! hashes three times per request (match, the last-use snapshot, add), and in Python that
+//! was a fifth of the EPP's CPU per 220 KB request (docs/benchmarks.md, issue 25). The
+//! scorer itself, its parameters and its calibration stay Python
+//! (`epp/scheduling/plugins/prefix.py`); this module is its data structure only, with the
+//! same methods and results as the Python `PythonPrefixIndex` it replaces when built (a
+//! differential test runs both on the same random operations).
+//!
+//! The index: block hash -> the servers holding it, and per server an LRU of its hashes,
+//! each entry holding the sequence number of its last use (one counter for the index),
+//! so `drop_older_than` removes everything an LRU engine must have evicted before a block.
+//! Servers are numbered on first sight; a cleared server's number is never reused.
+
+use std::collections::HashMap;
+
+use hashlink::LinkedHashMap;
+use pyo3::prelude::*;
+use xxhash_rust::xxh64::Xxh64;
+
+type Lru = LinkedHashMap<u64, u64>;
+
+/// Chained xxh64 of `data` cut into `block_chars`-byte blocks (the last one partial),
+/// over at most `block_chars * max_blocks` bytes: `h[i] = xxh64(block[i] ||
+/// le64(h[i-1]))`, `h[-1] = xxh64(seed)` (the model and cache salt). Empty when `data` is
+/// shorter than one block. The same values as the Python `block_hashes`.
+#[pyfunction]
+fn block_hashes(seed: &[u8], data: &[u8], block_chars: usize, max_blocks: usize) -> Vec<u64> {
+    if block_chars == 0 || data.len() < block_chars {
+        return Vec::new();
+    }
+    let data = &data[..data.len().min(block_chars.saturating_mul(max_blocks))];
+    let mut previous = xxhash_rust::xxh64::xxh64(seed, 0);
+    data.chunks(block_chars)
+        .map(|block| {
+            let mut hasher = Xxh64::new(0);
+            hasher.update(block);
+            hasher.update(&previous.to_le_bytes());
+            previous = hasher.digest();
+            previous
+        })
+        .collect()
+}
+
+/// Block hash -> servers holding it, with a bounded LRU per server.
+#[pyclass(module = "infergate.epp.scheduling._prefix_index")]
+struct PrefixIndex {
+    /// Entries per server whose capacity was never set.
+    #[pyo3(get, set, name = "capacity")]
+    default_capacity: usize,
+    ids: HashMap<String, u32>,
+    names: HashMap<u32, String>,
+    capacities: HashMap<u32, usize>,
+    lrus: HashMap<u32, Lru>,
+    holders: HashMap<u64, Vec<u32>>,
+    seq: u64,
+    next_id: u32,
+}
+
+impl PrefixIndex {
+    fn id(&self, server: &str) -> Option<u32> {
+        self.ids.get(server).copied()
+    }
+
+    fn id_or_new(&mut self, server: &str) -> u32 {
+        if let Some(id) = self.id(server) {
+            return id;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.ids.insert(server.to_owned(), id);
+        self.names.insert(id, server.to_owned());
+        id
+    }
+
+    fn cap(&self, id: u32) -> usize {
+        self.capacities.get(&id).copied().unwrap_or(self.default_capacity)
+    }
+
+    fn discard(holders: &mut HashMap<u64, Vec<u32>>, h: u64, id: u32) {
+        if let Some(servers) = holders.get_mut(&h) {
+            servers.retain(|&s| s != id);
+            if servers.is_empty() {
+                holders.remove(&h);
+            }
+        }
+    }
+
+    /// Drops `id`'s server once it has neither entries nor a capacity of its own.
+    fn forget_if_empty(&mut self, id: u32) {
+        if !self.lrus.contains_key(&id) && !self.capacities.contains_key(&id) {
+            if let Some(name) = self.names.remove(&id) {
+                self.ids.remove(&name);
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PrefixIndex {
+    #[new]
+    #[pyo3(signature = (capacity_per_server))]
+    fn new(capacity_per_server: usize) -> Self {
+        PrefixIndex {
+            default_capacity: capacity_per_server,
+            ids: HashMap::new(),
+            names: HashMap::new(),
+            capacities: HashMap::new(),
+            lrus: HashMap::new(),
+            holders: HashMap::new(),
+            seq: 0,
+            next_id: 0,
+        }
+    }
+
+    /// Bound `server`'s LRU to `blocks` entries (at least 1), evicting now if it shrank.
+    fn set_capacity(&mut self, server: &str, blocks: i64) {
+        let blocks = blocks.max(1) as usize;
+        let id = self.id_or_new(server);
+        if self.capacities.get(&id) == Some(&blocks) {
+            return;
+        }
+        self.capacities.insert(id, blocks);
+        if let Some(lru) = self.lrus.get_mut(&id) {
+            while lru.len() > blocks {
+                if let Some((old, _)) = lru.pop_front() {
+                    Self::discard(&mut self.holders, old, id);
+                }
+            }
+        }
+    }
+
+    fn capacity_of(&self, server: &str) -> usize {
+        self.id(server).map_or(self.default_capacity, |id| self.cap(id))
+    }
+
+    /// Records `hashes` as `server`'s most recent entries, in order (each use takes the
+    /// next sequence number); past its capacity the least recently used go.
+    fn add(&mut self, server: &str, hashes: Vec<u64>) {
+        let id = self.id_or_new(server);
+        let capacity = self.cap(id);
+        let lru = self.lrus.entry(id).or_default();
+        for h in hashes {
+            self.seq += 1;
+            if let Some(used) = lru.get_mut(&h) {
+                *used = self.seq;
+                lru.to_back(&h);
+                continue;
+            }
+            lru.insert(h, self.seq);
+            self.holders.entry(h).or_default().push(id);
+            if lru.len() > capacity {
+                if let Some((old, _)) = lru.pop_front() {
+                    Self::discard(&mut self.holders, old, id);
+                }
+            }
+        }
+    }
+
+    fn last_use(&self, server: &str, h: u64) -> Option<u64> {
+        let id = self.id(server)?;
+        self.lrus.get(&id)?.get(&h).copied()
+    }
+
+    /// `last_use` of each hash, 0 where `server` does not hold it.
+    fn last_uses(&self, server: &str, hashes: Vec<u64>) -> Vec<u64> {
+        let lru = self.id(server).and_then(|id| self.lrus.get(&id));
+        hashes
+            .iter()
+            .map(|h| lru.and_then(|lru| lru.get(h).copied()).unwrap_or(0))
+            .collect()
+    }
+
+    /// Drops `server`'s entries last used at or before `seq`; returns how many.
+    fn drop_older_than(&mut self, server: &str, seq: u64) -> usize {
+        let Some(id) = self.id(server) else { return 0 };
+        let Some(lru) = self.lrus.get_mut(&id) else { return 0 };
+        let mut dropped = 0;
+        while let Some((&h, &used)) = lru.front() {
+            if used > seq {
+                break;
+            }
+            lru.pop_front();
+            Self::discard(&mut self.holders, h, id);
+            dropped += 1;
+        }
+        dropped
+    }
+
+    fn remove(&mut self, server: &str, hashes: Vec<u64>) {
+        let Some(id) = self.id(server) else { return };
+        let Some(lru) = self.lrus.get_mut(&id) else { return };
+        for h in hashes {
+            if lru.remove(&h).is_some() {
+                Self::discard(&mut self.holders, h, id);
+            }
+        }
+    }
+
+    /// Forgets `server`: its entries and its capacity.
+    fn clear_server(&mut self, server: &str) {
+        let Some(id) = self.id(server) else { return };
+        if let Some(lru) = self.lrus.remove(&id) {
+            for (h, _) in lru {
+                Self::discard(&mut self.holders, h, id);
+            }
+        }
+        self.capacities.remove(&id);
+        self.forget_if_empty(id);
+    }
+
+    /// Per server, how many leading blocks of `hashes` it holds (servers holding none
+    /// are left out).
+    #[pyo3(name = "match")]
+    fn match_(&self, hashes: Vec<u64>) -> HashMap<String, usize> {
+        let mut alive: Option<Vec<u32>> = None;
+        let mut matched: HashMap<u32, usize> = HashMap::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(holders) = self.holders.get(h) else { break };
+            let next: Vec<u32> = match alive {
+                None => holders.clone(),
+                Some(previous) => previous.into_iter().filter(|s| holders.contains(s)).collect(),
+            };
+            if next.is_empty() {
+                break;
+            }
+            for &s in &next {
+                matched.insert(s, i + 1);
+            }
+            alive = Some(next);
+        }
+        matched
+            .into_iter()
+            .filter_map(|(id, n)| self.names.get(&id).map(|name| (name.clone(), n)))
+            .collect()
+    }
+
+    fn size(&self, server: &str) -> usize {
+        self.id(server).and_then(|id| self.lrus.get(&id)).map_or(0, |lru| lru.len())
+    }
+
+    /// Servers that hold or held entries (not those with only a capacity set).
+    fn servers(&self) -> Vec<String> {
+        self.lrus.keys().filter_map(|id| self.names.get(id).cloned()).collect()
+    }
+}
+
+#[pymodule]
+fn _prefix_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
+    m.add_class::<PrefixIndex>()?;
+    Ok(())
+}

@@ -1,0 +1,98 @@
+"""The native prefix index (native/prefix_index) against the Python one it replaces: the
+same random operations give the same answers, and block hashes are the same values."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from infergate.epp.scheduling.plugins import prefix
+from infergate.epp.scheduling.plugins.prefix import PythonPrefixIndex, python_block_hashes
+
+native = pytest.importorskip("infergate.epp.scheduling._prefix_index")
+
+
+def test_the_native_index_is_built_and_used() -> None:
+    """``make install`` builds it; without it the scorer falls back to Python silently."""
+    assert prefix.PrefixIndex is native.PrefixIndex
+    assert prefix.native is native
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.binary(max_size=40),
+    data=st.binary(max_size=700),
+    block_chars=st.integers(1, 80),
+    max_blocks=st.integers(0, 12),
+)
+def test_block_hashes_are_the_python_values(
+    seed: bytes, data: bytes, block_chars: int, max_blocks: int
+) -> None:
+    expected = python_block_hashes(seed, data, block_chars, max_blocks)
+    if len(data) < block_chars:
+        expected = []
+    assert native.block_hashes(seed, data, block_chars, max_blocks) == expected
+
+
+def test_block_hashes_of_a_prompt_shorter_than_a_block_are_empty() -> None:
+    assert prefix.block_hashes("m", "", b"abc", 64, 256) == []
+    assert prefix.block_hashes("m", "", b"abc", 0, 256) == []
+
+
+def _operations(rng: random.Random, steps: int) -> list[tuple[str, tuple[object, ...]]]:
+    """Random calls over few servers and few hashes, so entries collide, get evicted,
+    refreshed, dropped and cleared."""
+    servers = ["a", "b", "c", "d"]
+    ops: list[tuple[str, tuple[object, ...]]] = []
+    for _ in range(steps):
+        server = rng.choice(servers)
+        hashes = [rng.randrange(40) for _ in range(rng.randrange(0, 12))]
+        kind = rng.choices(
+            ["add", "match", "set_capacity", "drop_older_than", "remove", "clear_server",
+             "last_uses", "last_use", "size", "capacity_of", "servers"],
+            weights=[30, 20, 6, 5, 5, 2, 8, 4, 4, 4, 2],
+        )[0]  # fmt: skip
+        if kind == "add":
+            ops.append((kind, (server, hashes)))
+        elif kind == "match":
+            ops.append((kind, (hashes,)))
+        elif kind == "set_capacity":
+            ops.append((kind, (server, rng.randrange(-2, 15))))
+        elif kind == "drop_older_than":
+            ops.append((kind, (server, rng.randrange(0, 400))))
+        elif kind in ("remove", "last_uses"):
+            ops.append((kind, (server, hashes)))
+        elif kind == "last_use":
+            ops.append((kind, (server, rng.randrange(40))))
+        elif kind == "servers":
+            ops.append((kind, ()))
+        else:
+            ops.append((kind, (server,)))
+    return ops
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_native_index_answers_as_the_python_one(seed: int) -> None:
+    rng = random.Random(seed)
+    python, rust = PythonPrefixIndex(8), native.PrefixIndex(8)
+    for step, (name, args) in enumerate(_operations(rng, 400)):
+        want = getattr(python, name)(*args)
+        got = getattr(rust, name)(*args)
+        if name == "servers":
+            want, got = sorted(want), sorted(got)
+        assert got == want, f"step {step}: {name}{args}"
+
+
+def test_the_native_index_refuses_hashes_that_are_not_64_bit() -> None:
+    """Hashes come from xxh64 (this index or other replicas' headers, decoded unsigned);
+    anything else is a caller's bug and raises rather than being folded."""
+    index = native.PrefixIndex(4)
+    with pytest.raises(OverflowError):
+        index.add("a", [-1])
+    with pytest.raises(OverflowError):
+        index.add("a", [1 << 64])
+    with pytest.raises(TypeError):
+        index.add("a", "abc")
+    assert index.size("a") == 0
