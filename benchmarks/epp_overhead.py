@@ -9,7 +9,9 @@ fed by the EPP, gRPC health checks) for infergate's. EPPs under test:
 
 * ``--variant NAME:ARGS`` (repeatable; default one ``infergate:``): ``infergate epp``
   with ``ARGS`` — leading ``KEY=VALUE`` words are its environment, the rest its flags
-  (``--variant 'poll:GRPC_POLL_STRATEGY=poll'``, ``--variant 'sync:--grpc-server sync'``).
+  (``--variant 'poll:GRPC_POLL_STRATEGY=poll'``, ``--variant 'aio:--grpc-server aio'``).
+  ``--request-body-mode buffered|streamed`` among them configures that variant's Envoy
+  (:attr:`EnvoyConfig.request_body_mode`); other EPPs' Envoys stream.
 * ``--external NAME=COMMAND`` (repeatable): any other ext-proc EPP, started by the run;
   ``{grpc_port}``, ``{health_port}``, ``{metrics_port}``, ``{endpoints}`` (``host:port``
   list, comma-separated), ``{endpoints_file}`` (infergate's YAML) and
@@ -90,6 +92,24 @@ def parse_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
     return name or "infergate", env, words
 
 
+#: Variant flags that configure the variant's gateway Envoy, not its EPP.
+ENVOY_FLAGS = {"--request-body-mode": "request_body_mode"}
+
+
+def envoy_overrides(flags: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Split :data:`ENVOY_FLAGS` (``--flag value`` or ``--flag=value``) off ``flags``."""
+    overrides: dict[str, Any] = {}
+    rest: list[str] = []
+    words = iter(flags)
+    for word in words:
+        flag, eq, value = word.partition("=")
+        if flag in ENVOY_FLAGS:
+            overrides[ENVOY_FLAGS[flag]] = value if eq else next(words, "")
+        else:
+            rest.append(word)
+    return overrides, rest
+
+
 def _tcp_ready(port: int) -> Callable[[], bool]:
     def check() -> bool:
         try:
@@ -127,9 +147,12 @@ class Run:
                 sort_keys=False,
             )
         )
+        self.envoy_overrides: dict[str, dict[str, Any]] = {}
         self.paths: list[Lane] = [Lane("direct", self._gateway("direct", 0, direct=True))]
 
-    def _envoy_config(self, listen: int, epp_port: int, ours: bool) -> dict[str, Any]:
+    def _envoy_config(
+        self, listen: int, epp_port: int, ours: bool, name: str = ""
+    ) -> dict[str, Any]:
         """infergate's EPP gets the product's template (EDS pool, gRPC health checks of
         the ext-proc port); another EPP the same with GIE's reference ORIGINAL_DST
         upstream and no health check (it serves neither EDS nor health on that port)."""
@@ -145,12 +168,13 @@ class Run:
                 access_log=False,
                 response_accounting=self.args.accounting,
                 epp_health_check_interval_s=1.0 if ours else None,
+                **self.envoy_overrides.get(name, {}),
             )
         )
 
     def _gateway(self, name: str, epp_port: int, direct: bool = False, ours: bool = False) -> str:
         listen = free_port()
-        config = self._envoy_config(listen, epp_port, ours or direct)
+        config = self._envoy_config(listen, epp_port, ours or direct, name)
         start_envoy(
             self.group,
             direct_twin(config) if direct else config,
@@ -161,6 +185,7 @@ class Run:
 
     def add_infergate(self, text: str) -> None:
         name, env, flags = parse_variant(text)
+        self.envoy_overrides[name], flags = envoy_overrides(flags)
         grpc, health, metrics = free_port(), free_port(), free_port()
         argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
         argv += ["--endpoints", str(self.endpoints_file), "--grpc-port", str(grpc)]
@@ -298,7 +323,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=["engine", "observer", "body", "none"],
         help="build_envoy_config's response_accounting, the same for every EPP",
     )
-    parser.add_argument("--variant", action="append", default=[], help="NAME:[ENV=V ...] FLAGS")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:[ENV=V ...] FLAGS (an infergate EPP; --request-body-mode goes to its Envoy)",
+    )
     parser.add_argument("--external", action="append", default=[], help="NAME=COMMAND|@HOST:PORT")
     parser.add_argument("--peer-binary", type=Path, help="llm-d-router's epp, built by hand")
     parser.add_argument("--sustain-clients", type=int, default=0, help="0: skip")

@@ -66,6 +66,7 @@ SCORES_HEADER = "x-infergate-epp-scores"
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 USAGE_BUFFER_LIMIT = 4 << 20
 BODY_NONE = processing_mode_pb2.ProcessingMode.NONE
+BODY_BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +257,10 @@ class StreamState:
         self.response = ResponseInfo()
         self.usage = UsageReader()
         self.body_mode_none = False
+        #: Envoy buffers the body and sends it in one message, after the headers were
+        #: answered; the pick then rides on the body's answer, which leaves the body as
+        #: it is unless routing rewrote it (nothing to echo).
+        self.body_buffered = False
         self.closed = False
         self.deadline = 0.0  # loop time by which the body must have arrived
         # Response observation (see ``ObserverState``): while an observer is attached, the
@@ -274,7 +279,9 @@ class StreamState:
     async def handle(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request") or ""
         if message.HasField("protocol_config"):
-            self.body_mode_none = message.protocol_config.request_body_mode == BODY_NONE
+            mode = message.protocol_config.request_body_mode
+            self.body_mode_none = mode == BODY_NONE
+            self.body_buffered = mode == BODY_BUFFERED
         if self.phase is Phase.DONE:
             return []
         if kind == "request_headers":
@@ -309,6 +316,8 @@ class StreamState:
             self.deadline = asyncio.get_running_loop().time() + self.server.limits.body_timeout_s
         if message.request_headers.end_of_stream or self.body_mode_none:
             return await self._route(end_of_stream=True, with_body=False)
+        if self.body_buffered:  # Envoy sends the body once the headers are answered
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
         return []
 
     async def _request_body(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -328,7 +337,9 @@ class StreamState:
         if chunk:
             self.chunks.append(chunk)
             self.size += len(chunk)
-        if message.request_body.end_of_stream:
+        if message.request_body.end_of_stream or self.body_buffered:
+            # Buffered, this is the whole body, and Envoy waits for its answer before
+            # it sends any trailers.
             return await self._route(end_of_stream=True)
         return []
 
@@ -399,18 +410,23 @@ class StreamState:
             headers[SCORES_HEADER] = json.dumps(decision.result.totals, separators=(",", ":"))
         dynamic = struct_pb2.Struct()
         dynamic.update({DESTINATION_NAMESPACE: {DESTINATION_HEADER: destination}})
-        header_response = pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(
-                        set_headers=_set_headers(headers),
-                        # A client must not pick the prefill engine for the decode engine.
-                        remove_headers=[h for h in OWNED_REQUEST_HEADERS if h not in headers],
-                    ),
-                    clear_route_cache=True,
-                )
+        common = pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(
+                set_headers=_set_headers(headers),
+                # A client must not pick the prefill engine for the decode engine.
+                remove_headers=[h for h in OWNED_REQUEST_HEADERS if h not in headers],
             ),
-            dynamic_metadata=dynamic,
+            clear_route_cache=True,
+        )
+        if self.body_buffered and with_body:
+            # The headers were answered already; a buffered body's answer may still set
+            # them, and replaces the body only where routing rewrote it.
+            if decision.body_rewritten:
+                common.body_mutation.body = decision.body or b""
+            body_response = pb.BodyResponse(response=common)
+            return [pb.ProcessingResponse(request_body=body_response, dynamic_metadata=dynamic)]
+        header_response = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=common), dynamic_metadata=dynamic
         )
         if not with_body or raw is None:
             return [header_response]

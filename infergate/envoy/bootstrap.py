@@ -97,6 +97,8 @@ __all__ = [
 RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
 """How the EPP learns a response's end and usage (see :func:`build_envoy_config`)."""
 UPSTREAMS = ("eds", "original_dst")
+#: EnvoyConfig.request_body_mode -> ext_proc's ProcessingMode.
+REQUEST_BODY_MODES = {"streamed": "FULL_DUPLEX_STREAMED", "buffered": "BUFFERED"}
 """How Envoy finds the picked endpoint (see :func:`build_envoy_config`)."""
 UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
 """Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
@@ -260,9 +262,11 @@ def ext_proc_filter(
     grpc_authority: str,
     response_bodies: bool,
     cluster_name: str = EPP_CLUSTER,
+    request_body_mode: str = "streamed",
 ) -> dict[str, Any]:
     """The routing filter; without ``response_bodies`` Envoy ends its stream after the
-    response headers (the EPP learns the rest from the engine or the observer)."""
+    response headers (the EPP learns the rest from the engine or the observer).
+    ``request_body_mode`` is :attr:`EnvoyConfig.request_body_mode`."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -274,7 +278,7 @@ def ext_proc_filter(
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_body_mode": REQUEST_BODY_MODES[request_body_mode],
                 "response_body_mode": "FULL_DUPLEX_STREAMED" if response_bodies else "NONE",
                 # FULL_DUPLEX_STREAMED requires the trailer modes to be SEND.
                 "request_trailer_mode": "SEND",
@@ -550,6 +554,12 @@ def _failure_mode_allow(text: str) -> bool:
     return text == "FailOpen"
 
 
+def _request_body_mode(value: str) -> str:
+    if value not in REQUEST_BODY_MODES:
+        raise ValueError(f"must be one of {', '.join(REQUEST_BODY_MODES)}, not {value!r}")
+    return value
+
+
 def _response_accounting(value: str) -> str:
     if value not in RESPONSE_ACCOUNTING:
         raise ValueError(f"must be one of {', '.join(RESPONSE_ACCOUNTING)}, not {value!r}")
@@ -611,6 +621,19 @@ class EnvoyConfig:
         "cannot report), body (GIE's single filter) or none.",
     )
     upstream: str = "eds"
+    request_body_mode: str = option(
+        "--request-body-mode",
+        default="streamed",
+        convert=_request_body_mode,
+        help="How Envoy hands request bodies to the EPP: streamed (GIE's "
+        "FULL_DUPLEX_STREAMED: chunks as they arrive, each sent back by the EPP) or "
+        "buffered (Envoy holds the whole body, up to --max-request-body-bytes, sends it "
+        "once and forwards it unchanged unless the EPP rewrote it: less CPU for long "
+        "prompts; past the limit Envoy itself answers 413).",
+    )
+    max_request_body_bytes: int = 8 << 20
+    """With ``request_body_mode="buffered"``, the most Envoy buffers per request (the
+    EPP's ``--max-request-body-bytes``, whose default this is)."""
     epp_tls: bool = False
     epp_replicas: Sequence[tuple[str, int]] = ()
     """Further EPP replicas (host, port) beside ``epp_address``: the ext_proc cluster then
@@ -650,6 +673,10 @@ class EnvoyConfig:
             _response_accounting(self.response_accounting)
         except ValueError as error:
             raise ValueError(f"response_accounting {error}") from None
+        try:
+            _request_body_mode(self.request_body_mode)
+        except ValueError as error:
+            raise ValueError(f"request_body_mode {error}") from None
 
     @property
     def epp_authority(self) -> str:
@@ -699,6 +726,14 @@ def build_envoy_config(config: EnvoyConfig) -> dict[str, Any]:
     return bootstrap
 
 
+def _body_buffer_limit(config: EnvoyConfig) -> dict[str, Any]:
+    """Buffered, Envoy holds each request's body until the EPP answers: its per-request
+    limit (1 MiB by default) must be the EPP's, or longer prompts would get Envoy's 413."""
+    if config.request_body_mode != "buffered":
+        return {}
+    return {"per_request_buffer_limit_bytes": config.max_request_body_bytes}
+
+
 def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
     """The listener's HTTP pipeline: strip client copies of the routing headers, ext_proc
     to the EPP (plus the observer when it accounts responses), routes to the pool."""
@@ -720,6 +755,7 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
                 {
                     "name": "inference_pool",
                     "domains": ["*"],
+                    **_body_buffer_limit(config),
                     "routes": _routes(
                         route_timeout_s=config.route_timeout_s,
                         has_fallback=bool(config.fallback_endpoints),
@@ -737,6 +773,7 @@ def _http_connection_manager(config: EnvoyConfig) -> dict[str, Any]:
                 message_timeout_s=config.message_timeout_s,
                 grpc_authority=config.epp_authority,
                 response_bodies=config.response_accounting == "body",
+                request_body_mode=config.request_body_mode,
             ),
             *(
                 [_observer_filter(grpc_authority=config.epp_authority)]

@@ -236,6 +236,7 @@ class StackSpec:
     """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
     kv_events_ports: Sequence[int] | None = None
     response_accounting: str = inherit(EnvoyConfig, "response_accounting")
+    request_body_mode: str = inherit(EnvoyConfig, "request_body_mode")
     """How the EPP learns a response's end and usage (``build_envoy_config``): ``engine``
     (engines publish completion records; Envoy sends the EPP no response body),
     ``observer``, ``body`` (GIE's single filter) or ``none``."""
@@ -623,6 +624,7 @@ class LocalStack:
             access_log=self.spec.access_log,
             epp_tls=self.spec.secure_serving,
             response_accounting=self.spec.response_accounting,
+            request_body_mode=self.spec.request_body_mode,
         )
         config = dataclasses.replace(config, **overrides)
         if config.failure_mode_allow and "fallback_endpoints" not in overrides:

@@ -8,6 +8,7 @@ conformance/.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -121,6 +122,27 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     )["processing_mode"]
     assert single["request_body_mode"] == single["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert single["request_trailer_mode"] == single["response_trailer_mode"] == "SEND"
+
+
+def test_buffered_request_bodies_raise_envoys_buffer_to_the_body_limit() -> None:
+    """Buffered, Envoy holds the body for the EPP: its 1 MiB default per-request buffer
+    would refuse prompts the EPP accepts (tests/e2e/test_buffered_body.py sees the 413)."""
+    base = EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2)
+    config = build_envoy_config(
+        dataclasses.replace(base, request_body_mode="buffered", max_request_body_bytes=3 << 20)
+    )
+    assert _ext_proc(config)["processing_mode"]["request_body_mode"] == "BUFFERED"
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (host,) = hcm["typed_config"]["route_config"]["virtual_hosts"]
+    assert host["per_request_buffer_limit_bytes"] == 3 << 20
+    streamed = build_envoy_config(base)
+    hcm = streamed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    assert (
+        "per_request_buffer_limit_bytes"
+        not in hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+    )
+    with pytest.raises(ValueError, match="request_body_mode must be one of streamed, buffered"):
+        dataclasses.replace(base, request_body_mode="BUFFERED")
 
 
 def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
