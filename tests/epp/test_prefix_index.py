@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from infergate.epp.scheduling.plugins import prefix
 from infergate.epp.scheduling.plugins.prefix import PythonPrefixIndex, python_block_hashes
+from infergate.epp.types import InferenceRequest
 
 native = pytest.importorskip("infergate.epp.scheduling._prefix_index")
 
@@ -96,3 +97,17 @@ def test_the_native_index_refuses_hashes_that_are_not_64_bit() -> None:
     with pytest.raises(TypeError):
         index.add("a", "abc")
     assert index.size("a") == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=300), limit=st.integers(-2, 400), chat=st.booleans())
+def test_prompt_head_is_the_head_of_prompt_bytes(text: str, limit: int, chat: bool) -> None:
+    """The scorer hashes ``prompt_head``; it must be the bytes ``prompt_bytes`` gives, lone
+    surrogates and all, whether or not the prompt is ASCII."""
+    request = InferenceRequest(request_id="r", headers={})
+    if chat:
+        request.body = {"messages": [{"role": "user", "content": text}]}
+    else:
+        request.prompt_text = text
+    whole = prefix.prompt_bytes(request)
+    assert prefix.prompt_head(request, limit) == (whole[: max(0, limit)], len(whole))

@@ -105,19 +105,35 @@ class PrefixParams(BaseModel):
     autoTune: bool = True  # accepted for GIE compatibility; the block size stays fixed here
 
 
-def prompt_bytes(request: InferenceRequest) -> bytes:
-    """The text whose prefix decides cache reuse: chat messages (as JSON), the rendered
-    conversation of a Responses or Anthropic Messages body, or the prompt.
-
-    Lone surrogates (valid JSON escapes, not valid UTF-8) are replaced, never raised on.
-    """
+def _prompt_text(request: InferenceRequest) -> str:
     body = request.body or {}
     messages = body.get("messages")
     if isinstance(messages, list) and request.api not in RENDERED_APIS:
-        text = json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
-    else:
-        text = request.prompt_text
-    return text.encode("utf-8", "replace")
+        return json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
+    return request.prompt_text
+
+
+def prompt_bytes(request: InferenceRequest) -> bytes:
+    """The text whose prefix decides cache reuse: chat messages (as JSON), the rendered
+    conversation of a Responses or Anthropic Messages body, or the prompt, in UTF-8.
+
+    Lone surrogates (valid JSON escapes, not valid UTF-8) are replaced, never raised on.
+    """
+    return _prompt_text(request).encode("utf-8", "replace")
+
+
+def prompt_head(request: InferenceRequest, limit: int) -> tuple[bytes, int]:
+    """The first ``limit`` bytes of :func:`prompt_bytes` and its whole length.
+
+    An ASCII prompt is not encoded past ``limit`` (its length in bytes is its length in
+    characters, and ``str.isascii`` reads a flag CPython keeps): a 220 KB prompt is
+    hashed over 16 KB, and encoding the rest was 6 % of the EPP's CPU per request.
+    """
+    text = _prompt_text(request)
+    if text.isascii():
+        return text[: max(0, limit)].encode("ascii"), len(text)
+    data = text.encode("utf-8", "replace")
+    return data[: max(0, limit)], len(data)
 
 
 def block_hashes(
@@ -343,12 +359,12 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
     async def prepare(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> None:
-        data = prompt_bytes(request)
+        data, length = prompt_head(request, self.block_chars * self.max_blocks)
         model = request.target_model or request.model
         hashes = block_hashes(model, request.cache_salt, data, self.block_chars, self.max_blocks)
         matches = self.index.match(hashes) if hashes else {}
-        cycle["prefix.chars"] = len(data)
-        cycle["prefix.tokens"] = self.calibration.tokens(model, len(data))
+        cycle["prefix.chars"] = length
+        cycle["prefix.tokens"] = self.calibration.tokens(model, length)
         cycle["prefix.hashes"] = hashes
         cycle["prefix.matches"] = matches
         cycle["prefix.max_match"] = max(matches.values(), default=0)

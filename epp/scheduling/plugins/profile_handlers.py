@@ -31,7 +31,7 @@ from infergate.epp.scheduling.plugins.base import (
     SchedulingResult,
     register,
 )
-from infergate.epp.scheduling.plugins.prefix import prompt_bytes
+from infergate.epp.scheduling.plugins.prefix import prompt_head
 from infergate.epp.types import CycleState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -109,7 +109,7 @@ class PdProfileHandler(ProfileHandler):
         prompt = cycle.get("precise.tokens") or cycle.get("prefix.tokens")
         if not prompt:
             model = request.target_model or request.model
-            prompt = self.context.calibration.tokens(model, len(prompt_bytes(request)))
+            prompt = self.context.calibration.tokens(model, prompt_head(request, 0)[1])
         cached = max(
             float((cycle.get("prefix.cached_tokens") or {}).get(key, 0.0)),
             float((cycle.get("precise.cached_tokens") or {}).get(key, 0.0)),
