@@ -32,7 +32,7 @@ RUN python3 -c 'import re, tomllib; deps = tomllib.load(open("/src/pyproject.tom
 FROM deps AS app
 ARG PIP_CERT
 ARG DEBIAN_FRONTEND=noninteractive
-# cargo for the native HTTP/2 module (native/grpc_h2); Debian's rustc-web is recent enough
+# cargo for the native modules (native/grpc_h2, native/prefix_index); Debian's rustc-web is recent enough
 # (bookworm's rustc is not). Only this stage has it; the image keeps the built module.
 RUN apt-get update && apt-get install -y --no-install-recommends cargo-web rustc-web gcc libc6-dev
 WORKDIR /src
