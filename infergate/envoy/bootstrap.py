@@ -97,9 +97,9 @@ __all__ = [
 RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
 """How the EPP learns a response's end and usage (see :func:`build_envoy_config`)."""
 UPSTREAMS = ("eds", "original_dst")
-#: EnvoyConfig.request_body_mode -> ext_proc's ProcessingMode.
-REQUEST_BODY_MODES = {"streamed": "FULL_DUPLEX_STREAMED", "buffered": "BUFFERED"}
 """How Envoy finds the picked endpoint (see :func:`build_envoy_config`)."""
+REQUEST_BODY_MODES = {"streamed": "FULL_DUPLEX_STREAMED", "buffered": "BUFFERED"}
+""":attr:`EnvoyConfig.request_body_mode` -> ext_proc's ``request_body_mode``."""
 UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
 """Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
 PICKED_HEADER = "x-infergate-picked-endpoint"

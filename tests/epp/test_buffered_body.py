@@ -109,3 +109,17 @@ async def test_a_body_less_request_routes_on_its_headers(epp_factory, channel_fo
     await stream.send(buffered_headers({":method": "GET", ":path": "/v1/models"}, True))
     (answer,) = await stream.recv(1)
     assert set_headers(answer)[DESTINATION].startswith(A.key)
+
+
+@pytest.mark.parametrize("grpc_server", ["h2", "aio"])
+async def test_a_body_envoy_is_still_buffering_times_out(
+    epp_factory, channel_for, grpc_server: str
+) -> None:
+    """``--body-timeout`` runs from the headers' answer to the body's arrival: a client
+    that never finishes its upload gets the EPP's 408 while Envoy is still buffering."""
+    epp = await epp_factory(static_endpoints=[A], body_timeout_s=0.3, grpc_server=grpc_server)
+    stream = Stream(channel_for(epp))
+    await stream.send(buffered_headers(POST))
+    await stream.recv(1)
+    (answer,) = await stream.recv(1, timeout=5)
+    assert answer.immediate_response.status.code == 408
