@@ -627,9 +627,10 @@ class EnvoyConfig:
         convert=_request_body_mode,
         help="How Envoy hands request bodies to the EPP: streamed (GIE's "
         "FULL_DUPLEX_STREAMED: chunks as they arrive, each sent back by the EPP) or "
-        "buffered (Envoy holds the whole body, up to --max-request-body-bytes, sends it "
-        "once and forwards it unchanged unless the EPP rewrote it: less CPU for long "
-        "prompts; past the limit Envoy itself answers 413).",
+        "buffered (Envoy holds the whole body, up to 8 MiB, the EPP's default "
+        "--max-request-body-bytes, sends it once and forwards it unchanged unless the EPP "
+        "rewrote it: less CPU for long prompts, one round trip more for short ones; past "
+        "8 MiB Envoy itself answers 413).",
     )
     max_request_body_bytes: int = 8 << 20
     """With ``request_body_mode="buffered"``, the most Envoy buffers per request (the
