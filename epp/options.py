@@ -15,6 +15,7 @@ from infergate.epp.datalayer.discovery.static import parse_endpoint
 from infergate.epp.types import Endpoint
 
 from infergate.options import option
+from infergate.wire.names import MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from infergate.epp.config import EndpointPickerConfig
@@ -124,7 +125,9 @@ class EppOptions:
         help="Scrape timeout.",
     )
     max_request_body_bytes: int = option(
-        "--max-request-body-bytes", default=8 << 20, help="Larger request bodies get 413."
+        "--max-request-body-bytes",
+        default=MAX_REQUEST_BODY_BYTES,
+        help="Larger request bodies get 413.",
     )
     max_buffered_bytes: int = option(
         "--max-buffered-bytes",

@@ -56,6 +56,7 @@ from infergate.options import option
 from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    MAX_REQUEST_BODY_BYTES,
     PREFIX_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
@@ -632,7 +633,7 @@ class EnvoyConfig:
         "rewrote it: less CPU for long prompts, one round trip more for short ones; past "
         "8 MiB Envoy itself answers 413).",
     )
-    max_request_body_bytes: int = 8 << 20
+    max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES
     """With ``request_body_mode="buffered"``, the most Envoy buffers per request (the
     EPP's ``--max-request-body-bytes``, whose default this is)."""
     epp_tls: bool = False

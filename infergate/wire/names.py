@@ -31,3 +31,7 @@ PREFIX_HEADER = "x-infergate-prefix"
 """The prompt's approximate-prefix block hashes, set by the EPP that routed a request; the
 engine echoes them in its admission record so every EPP replica learns where the prefix
 went (:mod:`infergate.wire.completions`). Client copies are stripped by the bootstrap."""
+
+MAX_REQUEST_BODY_BYTES = 8 << 20
+"""The largest request body the EPP takes by default (``--max-request-body-bytes``), and
+what Envoy buffers per request when bodies reach the EPP buffered."""
