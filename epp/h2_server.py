@@ -107,6 +107,10 @@ class Connection(asyncio.Protocol):
             max_header_list_size=_MAX_HEADER_LIST,
         )
         self.transport: asyncio.Transport | None = None
+        #: The loop serving this connection, looked up once: each lookup is a getpid
+        #: system call (CPython's fork check), 4 % of the EPP's CPU per request when
+        #: done per message in a sandbox where system calls are dear.
+        self.loop = asyncio.get_running_loop()
         self.streams: dict[int, Stream] = {}
         self._reading = False  # handling received events: one write at the end
         self._backlog: deque[tuple[int, int, bytes | None]] = deque()  # not yet handled
@@ -170,7 +174,7 @@ class Connection(asyncio.Protocol):
             if not self._paused:
                 transport.pause_reading()
                 self._paused = True
-            asyncio.get_running_loop().call_soon(self._drain)
+            self.loop.call_soon(self._drain)
         elif self._paused:
             transport.resume_reading()
             self._paused = False
@@ -280,7 +284,9 @@ async def _await(awaitable: _Stepped) -> Any:
     return await awaitable
 
 
-def step_in_place(coro: Coroutine[Any, Any, Any]) -> tuple[asyncio.Task[Any], _Stepped, Any]:
+def step_in_place(
+    coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop | None = None
+) -> tuple[asyncio.Task[Any], _Stepped, Any]:
     """Run ``coro`` up to its first suspension now, as the current task of a new task.
 
     Why: answering in the same loop round as the read (one write for every stream's
@@ -290,8 +296,10 @@ def step_in_place(coro: Coroutine[Any, Any, Any]) -> tuple[asyncio.Task[Any], _S
     task factory does this; on 3.11 the task is entered by hand, with asyncio's own
     ``_enter_task``/``_leave_task``. Returns the task, the step (``done`` if the coroutine
     finished in place) and its result. Raises what the coroutine raised in place.
+    ``loop``, when the caller knows it, saves looking it up (a ``getpid`` system call:
+    CPython's check for a fork).
     """
-    loop = asyncio.get_running_loop()
+    loop = loop or asyncio.get_running_loop()
     step = _Stepped(coro)
     task = loop.create_task(_await(step))
     asyncio.tasks._enter_task(loop, task)
@@ -328,7 +336,8 @@ class ExtProcCall:
 
     def __init__(self, server: ExtProcServer, stream: Stream) -> None:
         self.server, self.stream = server, stream
-        self.state = StreamState(server)
+        self.loop = stream.conn.loop
+        self.state = StreamState(server, self.loop)
         self.observer: ObserverState | None = None
         self.busy: asyncio.Task[Any] | None = None
         self.backlog: deque[bytes | object] = deque()
@@ -366,7 +375,7 @@ class ExtProcCall:
         coro = self.state.handle(message)
         try:
             if (message.WhichOneof("request") or "").startswith("request_"):
-                task, step, result = step_in_place(coro)
+                task, step, result = step_in_place(coro, self.loop)
                 if not step.done:  # the decision waits: the task finishes it
                     self.busy = task
                     task.add_done_callback(lambda task: self._resumed(task, message))
@@ -409,7 +418,7 @@ class ExtProcCall:
         state = self.state
         if state.phase is Phase.BODY and state.deadline:
             if self.timer is None:
-                self.timer = asyncio.get_running_loop().call_at(state.deadline, self._timed_out)
+                self.timer = self.loop.call_at(state.deadline, self._timed_out)
         elif self.timer is not None:
             self.timer.cancel()
             self.timer = None

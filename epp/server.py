@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -244,8 +246,12 @@ class UsageReader:
 class StreamState:
     """The lifecycle of one request through the EPP (see the module docstring)."""
 
-    def __init__(self, server: ExtProcServer) -> None:
+    def __init__(
+        self, server: ExtProcServer, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self.server = server
+        #: The serving loop when the server knows it (each lookup is a system call).
+        self.loop = loop
         self.phase = Phase.HEADERS
         self.request: InferenceRequest | None = None
         # The body as Envoy sent it: chunks kept as they came (joined once for parsing,
@@ -313,7 +319,8 @@ class StreamState:
         self.subset = _subset(_metadata(message))
         self.phase = Phase.BODY
         if self.server.limits.body_timeout_s is not None:
-            self.deadline = asyncio.get_running_loop().time() + self.server.limits.body_timeout_s
+            loop = self.loop or asyncio.get_running_loop()
+            self.deadline = loop.time() + self.server.limits.body_timeout_s
         if message.request_headers.end_of_stream or self.body_mode_none:
             return await self._route(end_of_stream=True, with_body=False)
         if self.body_buffered:  # Envoy sends the body once the headers are answered
@@ -394,7 +401,7 @@ class StreamState:
         self.phase = Phase.ROUTED
         self.server.count("routed")
         destination = decision.destination
-        self.key = uuid.uuid4().hex
+        self.key = self.server.new_key()
         self.server.routed[self.key] = self
         headers = {
             **decision.result.request_headers,
@@ -635,6 +642,12 @@ class ObserverState:
 
 
 class ExtProcServer(pb_grpc.ExternalProcessorServicer):
+    def new_key(self) -> str:
+        """A routed request's ``x-infergate-request-id``: unique among this EPP's requests
+        and, by its 64 random bits, among every replica's (engines' records carry it to
+        all of them)."""
+        return f"{self._key_prefix}-{next(self._keys):x}"
+
     def __init__(
         self,
         director: Director,
@@ -652,6 +665,10 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.buffered_bytes = 0
         self.metrics = director.metrics
         self.routed: dict[str, StreamState] = {}  # REQUEST_ID_HEADER -> its routing stream
+        # Routed requests' keys: random per server, then counted (a uuid4 per request
+        # read the kernel's randomness each time, a system call on the request path).
+        self._key_prefix = os.urandom(8).hex()
+        self._keys = itertools.count(1)
         #: Whether an endpoint reports completion records (None: none does). Its 2xx
         #: responses then finish when the record arrives, or after ``record_timeout_s``
         #: (a record lost: PUB/SUB drops while disconnected) as incomplete.
@@ -753,10 +770,10 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        state = StreamState(self)
+        loop = asyncio.get_running_loop()
+        state = StreamState(self, loop)
         self.active_streams += 1
         messages = request_iterator.__aiter__()
-        loop = asyncio.get_running_loop()
         observer: ObserverState | None = None
         try:
             if self.active_streams > self.limits.max_streams:
