@@ -642,12 +642,6 @@ class ObserverState:
 
 
 class ExtProcServer(pb_grpc.ExternalProcessorServicer):
-    def new_key(self) -> str:
-        """A routed request's ``x-infergate-request-id``: unique among this EPP's requests
-        and, by its 64 random bits, among every replica's (engines' records carry it to
-        all of them)."""
-        return f"{self._key_prefix}-{next(self._keys):x}"
-
     def __init__(
         self,
         director: Director,
@@ -680,6 +674,12 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.awaiting: dict[str, StreamState] = {}  # streams ended, record not yet in
         #: Called with (endpoint, packed hashes) of requests another replica routed.
         self.on_admitted: Callable[[str, bytes], Any] | None = None
+
+    def new_key(self) -> str:
+        """A routed request's ``x-infergate-request-id``: unique among this EPP's requests
+        and, by its 64 random bits, among every replica's (engines' records carry it to
+        all of them)."""
+        return f"{self._key_prefix}-{next(self._keys):x}"
 
     def await_record(self, state: StreamState) -> None:
         if state.key not in self.awaiting:

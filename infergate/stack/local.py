@@ -236,10 +236,11 @@ class StackSpec:
     """First engine's KV-events port (engine i: ``kv_events_port + i``) with precise_prefix."""
     kv_events_ports: Sequence[int] | None = None
     response_accounting: str = inherit(EnvoyConfig, "response_accounting")
-    request_body_mode: str = inherit(EnvoyConfig, "request_body_mode")
     """How the EPP learns a response's end and usage (``build_envoy_config``): ``engine``
     (engines publish completion records; Envoy sends the EPP no response body),
     ``observer``, ``body`` (GIE's single filter) or ``none``."""
+    request_body_mode: str = inherit(EnvoyConfig, "request_body_mode")
+    """``streamed`` (GIE's FULL_DUPLEX_STREAMED) or ``buffered`` (docs/epp.md)."""
     completion_events_port: int = option(
         "--completion-events-port",
         default=5600,
