@@ -46,7 +46,7 @@ Why each piece is there:
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -555,16 +555,25 @@ def _failure_mode_allow(text: str) -> bool:
     return text == "FailOpen"
 
 
-def _request_body_mode(value: str) -> str:
-    if value not in REQUEST_BODY_MODES:
-        raise ValueError(f"must be one of {', '.join(REQUEST_BODY_MODES)}, not {value!r}")
-    return value
+def _one_of(allowed: Collection[str]) -> Callable[[str], str]:
+    """A converter (the CLI's, and ``EnvoyConfig``'s own check) that takes only ``allowed``."""
+
+    def convert(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}, not {value!r}")
+        return value
+
+    return convert
 
 
-def _response_accounting(value: str) -> str:
-    if value not in RESPONSE_ACCOUNTING:
-        raise ValueError(f"must be one of {', '.join(RESPONSE_ACCOUNTING)}, not {value!r}")
-    return value
+_request_body_mode = _one_of(REQUEST_BODY_MODES)
+_response_accounting = _one_of(RESPONSE_ACCOUNTING)
+#: EnvoyConfig's fields that take one of a few names, checked when it is built.
+_CHOICES = {
+    "upstream": _one_of(UPSTREAMS),
+    "response_accounting": _response_accounting,
+    "request_body_mode": _request_body_mode,
+}
 
 
 @dataclass(frozen=True)
@@ -667,18 +676,11 @@ class EnvoyConfig:
     def __post_init__(self) -> None:
         if self.route_timeout_s <= 0:
             raise ValueError("route_timeout_s must be > 0")
-        if self.upstream not in UPSTREAMS:
-            raise ValueError(
-                f"upstream must be one of {', '.join(UPSTREAMS)}, not {self.upstream!r}"
-            )
-        try:
-            _response_accounting(self.response_accounting)
-        except ValueError as error:
-            raise ValueError(f"response_accounting {error}") from None
-        try:
-            _request_body_mode(self.request_body_mode)
-        except ValueError as error:
-            raise ValueError(f"request_body_mode {error}") from None
+        for name, check in _CHOICES.items():
+            try:
+                check(getattr(self, name))
+            except ValueError as error:
+                raise ValueError(f"{name} {error}") from None
 
     @property
     def epp_authority(self) -> str:
