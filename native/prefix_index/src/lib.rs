@@ -86,15 +86,6 @@ impl PrefixIndex {
             }
         }
     }
-
-    /// Drops `id`'s server once it has neither entries nor a capacity of its own.
-    fn forget_if_empty(&mut self, id: u32) {
-        if !self.lrus.contains_key(&id) && !self.capacities.contains_key(&id) {
-            if let Some(name) = self.names.remove(&id) {
-                self.ids.remove(&name);
-            }
-        }
-    }
 }
 
 #[pymethods]
@@ -207,7 +198,9 @@ impl PrefixIndex {
             }
         }
         self.capacities.remove(&id);
-        self.forget_if_empty(id);
+        if let Some(name) = self.names.remove(&id) {
+            self.ids.remove(&name);
+        }
     }
 
     /// Per server, how many leading blocks of `hashes` it holds (servers holding none
