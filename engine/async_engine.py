@@ -77,6 +77,8 @@ class AsyncEngine:
         self._commands.put(("add", request))
         # The HTTP request's completion record (when one is reported) sums this request.
         usage = CURRENT_USAGE.get()
+        if usage is not None:
+            usage.submitted(len(request.prompt_token_ids))
         return self._outputs(request.request_id, stream, usage, id(request.prompt_token_ids))
 
     async def _outputs(

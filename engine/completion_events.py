@@ -13,6 +13,7 @@ import contextvars
 import logging
 import queue
 import time
+from collections.abc import Callable
 from itertools import count
 from typing import Any
 
@@ -38,15 +39,24 @@ class Usage:
 
     ``n`` choices of one prompt share the prompt's token list: its prompt (and cached)
     tokens count once, as in the response's ``usage``; completion tokens count per choice.
+    ``on_submit``, when set, is called once, with the first prompt's token count, as the
+    first engine request is submitted: the admission record goes out then.
     """
 
-    __slots__ = ("_prompts", "cached_tokens", "completion_tokens", "prompt_tokens")
+    __slots__ = ("_prompts", "cached_tokens", "completion_tokens", "on_submit", "prompt_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, on_submit: Callable[[int], None] | None = None) -> None:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
         self._prompts: set[int] = set()
+        self.on_submit = on_submit
+
+    def submitted(self, prompt_tokens: int) -> None:
+        """An engine request of this HTTP request was submitted (its prompt tokenized)."""
+        callback, self.on_submit = self.on_submit, None
+        if callback is not None:
+            callback(prompt_tokens)
 
     def add(self, prompt_id: int, prompt_tokens: int, output_tokens: int, cached: int) -> None:
         self.completion_tokens += output_tokens
@@ -121,9 +131,12 @@ class CompletionReporter:
     engine request to it) and publishes when the last body byte has been handed to the
     server, or when the handler ends any other way (client gone, error).
 
-    A request that also carries the EPP's prefix-hashes header gets an admission record
-    first, as it arrives, echoing those hashes (a malformed or oversized value is dropped,
-    never an error): the other EPP replicas learn where the prefix went.
+    Its admission record goes first, when the engine takes its prompt (the first engine
+    request submitted): the prompt's token count, which lets the routing EPP learn the
+    model's characters per token from its first request rather than its first response,
+    and the EPP's prefix-hashes header echoed when the request carries one (a malformed
+    or oversized value is dropped, never an error), so the other EPP replicas learn where
+    the prefix went. A request refused before it reaches the engine has none.
     """
 
     def __init__(self, app: Any, publisher: CompletionPublisher) -> None:
@@ -144,9 +157,13 @@ class CompletionReporter:
         if not key:
             await self.app(scope, receive, send)
             return
-        if prefix:
-            self.publisher.publish(CompletionRecord(key, ADMITTED, 0, 0, 0, time.time(), prefix))
-        usage = Usage()
+
+        def admitted(prompt_tokens: int) -> None:
+            self.publisher.publish(
+                CompletionRecord(key, ADMITTED, prompt_tokens, 0, 0, time.time(), prefix)
+            )
+
+        usage = Usage(admitted)
         status = 0
         sent = False
 

@@ -690,11 +690,15 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
 
     def on_record(self, endpoint: str, record: CompletionRecord) -> None:
         """A record from ``endpoint``. Completion records of other replicas are ignored;
-        admission records of other replicas go to ``on_admitted`` (the prefix index)."""
+        admission records of other replicas go to ``on_admitted`` (the prefix index), this
+        replica's own to the director's request-admitted hooks (the prompt's token count)."""
         state = self.routed.get(record.key)
         if record.status == ADMITTED:
-            if state is None and record.prefix and self.on_admitted is not None:
-                self.on_admitted(endpoint, record.prefix)
+            if state is None:
+                if record.prefix and self.on_admitted is not None:
+                    self.on_admitted(endpoint, record.prefix)
+            elif state.decision is not None and record.prompt_tokens > 0:
+                self.director.admitted(state.decision, record.prompt_tokens)
             return
         if state is not None:
             state.take_record(record)

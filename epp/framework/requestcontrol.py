@@ -1,8 +1,10 @@
 """The request-control interfaces: the hooks the Director runs around scheduling.
 
 ``PrepareData`` runs before the scheduler (it fills the cycle state the profiles read),
-``PreRequest`` once per profile result after it, ``ResponseHeaders`` when the engine's
-response headers arrive and ``ResponseComplete`` exactly once per routed request.
+``PreRequest`` once per profile result after it, ``RequestAdmitted`` when the engine's
+admission record says it took the prompt (engines that report completion records; not a
+GIE extension point), ``ResponseHeaders`` when the engine's response headers arrive and
+``ResponseComplete`` exactly once per routed request.
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ class PreRequest(Plugin):
     def pre_request(
         self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
     ) -> None:
+        raise NotImplementedError
+
+
+class RequestAdmitted(Plugin):
+    def request_admitted(
+        self, request: InferenceRequest, result: SchedulingResult, prompt_tokens: int
+    ) -> None:
+        """The engine took the request: its prompt is ``prompt_tokens`` tokens. At most once
+        per routed request, before its completion, and only from engines that publish
+        admission records."""
         raise NotImplementedError
 
 

@@ -208,6 +208,10 @@ class Director:
             self.hooks.pre_request(request, result)
         return result
 
+    def admitted(self, decision: Decision, prompt_tokens: int) -> None:
+        """The engine's admission record: it took the request's ``prompt_tokens``-token prompt."""
+        self.hooks.request_admitted(decision.request, decision.result, prompt_tokens)
+
     def finish(self, decision: Decision, response: ResponseInfo) -> None:
         """Release per-request accounting and run response-complete hooks (exactly once)."""
         primary = decision.result.primary

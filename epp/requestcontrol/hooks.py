@@ -21,6 +21,7 @@ from infergate.epp.framework.plugin import Plugin, PluginTimer
 from infergate.epp.framework.requestcontrol import (
     PrepareData,
     PreRequest,
+    RequestAdmitted,
     ResponseComplete,
     ResponseHeaders,
     ResponseInfo,
@@ -36,6 +37,7 @@ class Hooks:
         ordered = list(plugins)
         self.preparers = [p for p in ordered if isinstance(p, PrepareData)]
         self.pre_request_hooks = [p for p in ordered if isinstance(p, PreRequest)]
+        self.admitted_hooks = [p for p in ordered if isinstance(p, RequestAdmitted)]
         self.response_header_hooks = [p for p in ordered if isinstance(p, ResponseHeaders)]
         self.response_complete_hooks = [p for p in ordered if isinstance(p, ResponseComplete)]
         self.timer = timer
@@ -87,6 +89,15 @@ class Hooks:
             except Exception:
                 log.exception("response-header hook %s failed", hook)
         return headers
+
+    def request_admitted(
+        self, request: InferenceRequest, result: SchedulingResult, prompt_tokens: int
+    ) -> None:
+        for hook in self.admitted_hooks:
+            try:
+                hook.request_admitted(request, result, prompt_tokens)
+            except Exception:
+                log.exception("request-admitted hook %s failed", hook)
 
     def response_complete(
         self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo

@@ -17,14 +17,19 @@ the array ``[key, status, prompt_tokens, completion_tokens, cached_tokens, finis
 request's ``x-infergate-request-id`` header (:data:`KEY_HEADER`), which the EPP set when
 it routed the request; a request without it (not routed by an EPP) produces no record.
 
-**Admission records** (status :data:`ADMITTED`, 0) tell the *other* EPP replicas where a
-prefix went. The EPP that routes a request puts its approximate-prefix block hashes in the
-:data:`~infergate.wire.names.PREFIX_HEADER` header (:func:`encode_prefix`: at most
-:data:`MAX_PREFIX_HASHES` little-endian u64s, base64url); the engine, as the request
-arrives, publishes a record with status 0, zero token counts and those bytes as a seventh
-element ``prefix`` (empty in completion records). Every replica but the routing one adds
-the hashes to its prefix index for that engine, so replicas that never saw a request
-still score its prefix as cached there. The engine does not interpret the hashes: the
+**Admission records** (status :data:`ADMITTED`, 0) are published as the engine takes a
+routed request's prompt (its first engine request is submitted), before any token is
+generated: ``prompt_tokens`` is the prompt's length in the engine's tokens (completion
+and cached tokens are 0), so the routing EPP learns the model's characters per token from
+its first request instead of its first response. They also tell the *other* EPP replicas
+where a prefix went: the EPP that routes a request puts its approximate-prefix block
+hashes in the :data:`~infergate.wire.names.PREFIX_HEADER` header (:func:`encode_prefix`:
+at most :data:`MAX_PREFIX_HASHES` little-endian u64s, base64url), and the engine echoes
+those bytes as the record's seventh element ``prefix`` (empty in completion records and
+when the request had no such header). Every replica but the routing one adds the hashes
+to its prefix index for that engine, so replicas that never saw a request still score
+its prefix as cached there. A request refused before it reaches the engine (a 400) has
+no admission record. The engine does not interpret the hashes: the
 text-chunk hashing stays the EPP's, configured in one place.
 
 Every subscribed EPP replica receives every record and keeps those it routed. PUB/SUB

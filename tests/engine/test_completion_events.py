@@ -43,10 +43,24 @@ def test_n_choices_of_one_prompt_count_the_prompt_once() -> None:
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (13, 11, 8)
 
 
+def test_the_first_submission_alone_calls_back_with_its_prompt_tokens() -> None:
+    calls: list[int] = []
+    usage = Usage(calls.append)
+    usage.submitted(12)  # n choices or a batch: the first engine request announces it
+    usage.submitted(30)
+    assert calls == [12]
+    Usage().submitted(5)  # no callback: nothing to do, no error
+
+
 async def _app(scope: Any, receive: Any, send: Any) -> None:
     usage = CURRENT.get()
     assert usage is not None or scope["path"] == "/unrouted"
+    if scope["path"] == "/refused":  # rejected before any engine request (a 400)
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}", "more_body": False})
+        return
     if usage is not None:
+        usage.submitted(7)  # as AsyncEngine.generate does with the tokenized prompt
         usage.add(1, 7, 3, 5)
     if scope["path"] == "/fail":
         raise RuntimeError("handler failed")
@@ -92,14 +106,22 @@ def test_one_record_per_routed_request_with_its_usage_and_status(channel: Any) -
             ok = await client.get("/ok", headers={"x-infergate-request-id": "k1"})
             assert ok.text == "ab"
             await client.get("/fail", headers={"x-infergate-request-id": "k2"})
+            await client.get("/refused", headers={"x-infergate-request-id": "k3"})
 
     asyncio.run(run())
-    records = {r.key: r for r in _records(sub, 2)}
-    assert set(records) == {"k1", "k2"}  # none for the request the EPP did not route
+    every = _records(sub, 5)
+    records = {r.key: r for r in every if r.status != ADMITTED}
+    assert set(records) == {"k1", "k2", "k3"}  # none for the request the EPP did not route
     k1 = records["k1"]
     assert (k1.status, k1.prompt_tokens, k1.completion_tokens, k1.cached_tokens) == (200, 7, 3, 5)
     assert k1.finished_at > 0
     assert records["k2"].status == 499  # the response never reached the client
+    assert records["k3"].status == 400
+    # The prompts the engine took were announced, with their tokens, before they ended;
+    # the refused request never reached the engine and has no admission record.
+    admitted = [(r.key, r.prompt_tokens, r.prefix) for r in every if r.status == ADMITTED]
+    assert admitted == [("k1", 7, b""), ("k2", 7, b"")]
+    assert every.index(next(r for r in every if r.key == "k1")) < every.index(k1)
 
 
 def test_an_admission_record_echoes_the_prefix_header_and_bad_ones_are_dropped(
@@ -122,9 +144,12 @@ def test_an_admission_record_echoes_the_prefix_header_and_bad_ones_are_dropped(
             await client.get("/unrouted", headers={PREFIX_HEADER: encode_prefix(hashes)})
 
     asyncio.run(run())
-    records = _records(sub, 5)
+    records = _records(sub, 8)
     admitted = [r for r in records if r.status == ADMITTED]
-    assert [(r.key, prefix_hashes(r.prefix)) for r in admitted] == [("k1", hashes)]
+    assert [(r.key, r.prompt_tokens, prefix_hashes(r.prefix)) for r in admitted] == [
+        ("k1", 7, hashes),
+        *((k, 7, []) for k in ("k2", "k3", "k4")),
+    ]
     done = sorted((r.key, r.status, r.prefix) for r in records if r.status != ADMITTED)
     assert done == [(k, 200, b"") for k in ("k1", "k2", "k3", "k4")]
 

@@ -204,3 +204,32 @@ async def test_the_epp_learns_other_replicas_admissions_not_its_own(
     await stream.close()
     assert PREFIX_HEADER in short.remove_headers
     assert PREFIX_HEADER not in {h.header.key for h in short.set_headers}
+
+
+async def test_the_routing_replica_calibrates_from_its_own_admission_record_once(
+    epp_factory: Any, channel_for: Any
+) -> None:
+    """Characters per token are learned as the engine takes the prompt (its admission
+    record), not a whole response later, and the completion does not count it again."""
+    engines = [Endpoint("127.0.0.1", 18001), Endpoint("127.0.0.1", 18002)]
+    epp = await epp_factory(static_endpoints=engines)
+    calibration = epp.plugin_context.calibration
+    channel = channel_for(epp)
+    prompt = "a long shared document " * 30  # 690 characters
+    mutation, stream = await _route_once(channel, prompt, {})
+    sent = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    key, picked = sent["x-infergate-request-id"], sent["x-gateway-destination-endpoint"]
+    assert calibration.samples("tiny") == 0
+    epp.ext_proc.on_record(picked, CompletionRecord(key, ADMITTED, 460, 0, 0, 1.0))
+    assert calibration.samples("tiny") == 1
+    assert calibration.chars_per_token("tiny") == pytest.approx(len(prompt) / 460)
+    # A repeated admission record (or one with no count) adds no second sample.
+    epp.ext_proc.on_record(picked, CompletionRecord(key, ADMITTED, 100, 0, 0, 1.0))
+    epp.ext_proc.on_record(picked, CompletionRecord(key, ADMITTED, 0, 0, 0, 1.0))
+    assert calibration.samples("tiny") == 1
+    await stream.close()
+    epp.ext_proc.on_record(picked, CompletionRecord(key, 200, 460, 4, 0, 2.0))
+    assert calibration.samples("tiny") == 1
+    # Another replica's admission record calibrates nothing here (its chars are unknown).
+    epp.ext_proc.on_record(picked, CompletionRecord("elsewhere", ADMITTED, 9, 0, 0, 1.0))
+    assert calibration.samples("tiny") == 1

@@ -143,6 +143,41 @@ async def test_prefix_index_sized_from_cache_config_and_learned_chars_per_token(
     assert prefix.index.capacity_of(states[0].key) == 40
 
 
+async def test_chars_per_token_are_learned_at_admission_once_per_request() -> None:
+    """The engine's admission record calibrates the request's characters per token; its
+    completion does not add the same request again; a prompt list or a stored
+    conversation (text the EPP did not hash) calibrates nothing."""
+    states = fleet(1, blocks=10_000)
+    ctx = context(states)
+    prefix = plugin("prefix-cache-scorer", ctx)
+    target = SchedulingResult("p", [states[0]])
+
+    async def routed(body: dict[str, object], text: str, previous: str = "") -> InferenceRequest:
+        r = InferenceRequest("r", {}, body=body, prompt_text=text, model="m")
+        r.previous_response_id = previous
+        cycle = CycleState()
+        await prefix.prepare(cycle, r, states)
+        prefix.pre_request(cycle, r, target)
+        return r
+
+    r = await routed({"prompt": "x" * 600}, "x" * 600)
+    prefix.request_admitted(r, target, 500)  # 1.2 characters per token
+    assert (ctx.calibration.samples("m"), ctx.calibration.chars_per_token("m")) == (1, 1.2)
+    prefix.request_admitted(r, target, 50)  # at most once per request
+    done = ResponseInfo(status=200, prompt_tokens=500, cached_tokens=0, complete=True)
+    prefix.response_complete(r, target, done)
+    assert ctx.calibration.samples("m") == 1
+    batch = await routed({"prompt": ["y" * 300, "y" * 300]}, "y" * 600)
+    prefix.request_admitted(batch, target, 10)  # the first prompt's count only
+    stored = await routed({"input": "z" * 60}, "z" * 60, previous="resp_1")
+    prefix.request_admitted(stored, target, 4000)  # the engine prepended the history
+    assert (ctx.calibration.samples("m"), ctx.calibration.chars_per_token("m")) == (1, 1.2)
+    # Without an admission record (an engine that publishes none) the response calibrates.
+    late = await routed({"prompt": "w" * 600}, "w" * 600)
+    prefix.response_complete(late, target, done)
+    assert ctx.calibration.samples("m") == 2
+
+
 async def test_a_cached_tokens_miss_drops_what_the_engine_evicted() -> None:
     """The index predicts a hit for group A; the engine reports 0 cached tokens (it
     evicted A): A's stale entry goes, and so does everything last used before it."""

@@ -49,6 +49,7 @@ import xxhash
 from infergate.epp.framework.requestcontrol import (
     PrepareData,
     PreRequest,
+    RequestAdmitted,
     ResponseComplete,
     ResponseInfo,
 )
@@ -290,10 +291,12 @@ class Prediction:
     #: Last-use sequence number of the first block predicted cached beyond each position
     #: (``seqs[i]``: block i's entry before this request refreshed it).
     seqs: list[int]
+    #: The calibration has this request's sample already (from its admission record).
+    calibrated: bool = False
 
 
 @register
-class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
+class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, ResponseComplete):
     type_name = "prefix-cache-scorer"
     Params = PrefixParams
 
@@ -425,6 +428,30 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
             self.learned_blocks += len(hashes)
         return len(hashes)
 
+    def request_admitted(
+        self, request: InferenceRequest, result: SchedulingResult, prompt_tokens: int
+    ) -> None:
+        """Calibrate characters per token from the engine's count as it takes the prompt:
+        a response comes a whole generation later, and until the first one the index and
+        the latency model would size every prompt with the 4-characters default (the tiny
+        model's 1.2 made a 2,500-token prompt look like 1,000 tokens, so a cold engine
+        looked 2.5x cheaper than it was and the first requests of a group were copied to
+        other engines instead of waiting a few ms for their holder)."""
+        prediction: Prediction | None = request.notes.get(NOTE)
+        if prediction is None or prediction.calibrated or not self._calibrates(request):
+            return
+        prediction.calibrated = True
+        self.calibration.observe(prediction.model, prediction.chars, prompt_tokens)
+
+    @staticmethod
+    def _calibrates(request: InferenceRequest) -> bool:
+        """Whether the engine's prompt tokens describe the text this EPP hashed: not when
+        the engine prepended a stored conversation (``previous_response_id``: text this
+        EPP never saw), nor for a list of prompts (the admission record counts the first)."""
+        if request.previous_response_id:
+            return False
+        return not isinstance((request.body or {}).get("prompt"), list)
+
     def response_complete(
         self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo
     ) -> None:
@@ -435,7 +462,8 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, ResponseComplete):
             # The engine prepended the stored conversation: its prompt and cached tokens
             # describe text this EPP never saw, so they calibrate nothing here.
             return
-        self.calibration.observe(prediction.model, prediction.chars, response.prompt_tokens)
+        if not prediction.calibrated:
+            self.calibration.observe(prediction.model, prediction.chars, response.prompt_tokens)
         if response.cached_tokens is None or not prediction.hashes:
             return
         server = response.served_endpoint or prediction.server
