@@ -121,7 +121,7 @@ schedulingProfiles:
 
 #: infergate's default, chosen on the routing lab's workload matrix (docs/benchmarks.md,
 #: ``infergate bench routing --matrix standard``): the bounded-load filter keeps every endpoint
-#: within 1.25x its fair share of the requests in flight (+1); the predicted-latency scorer
+#: within 1.25x its fair share of the requests in flight (+3); the predicted-latency scorer
 #: decides among the rest (the calibrated prefix index feeds it: it runs for its
 #: prepare/pre-request/response hooks without a weight of its own); LoRA affinity counts
 #: only for requests to adapters on engines that report adapter slots. Response affinity

@@ -423,6 +423,41 @@ async def test_a_cold_prompt_avoids_an_engine_still_prefilling_another() -> None
     assert await pick(cold, interferencePenalty=0.0) == "A"  # the own-TTFT-only policy
 
 
+async def _copy_or_wait(fill: bool, busy_s: float, **params: object) -> tuple[str, float]:
+    """Three engines of 3,200 tokens (200 index blocks): H holds group g and is still
+    prefilling for ``busy_s`` more; C is idle with an empty cache; F is idle and full.
+    With ``fill`` H's and F's caches are full (the fleet's index is 2/3 occupied), else
+    only g is held (1/5). Returns which engine g's next request goes to, and the
+    candidates' occupancy."""
+    states, ctx, scorer, now = latency_fleet(3, 200, decodeSecondsPerRequest=0.0, **params)
+    holder, cold, full = states
+    index = ctx.extras["prefix_index"]
+    group = "g" * 8000  # 2,000 tokens: 125 index blocks (and the question's partial one)
+    await schedule(ctx, [holder], group + " q0", scorer)
+    if fill:
+        index.index.add(holder.key, list(range(1, 75)))
+        index.index.add(full.key, list(range(100, 300)))
+    holder.prefill_busy_until = now[0] + busy_s
+    for state in states:
+        index.free_tokens(state, "m")  # refreshes each capacity, as the scorer does
+    occupancy = index.occupancy(states)
+    picked, _, _ = await schedule(ctx, states, group + " q1", scorer)
+    return "HCF"[picked], occupancy
+
+
+async def test_a_prefix_is_not_copied_into_free_cache_when_the_fleet_is_nearly_full() -> None:
+    """H finishes its prefill in 80 ms; on C, recomputing g's 2,000 tokens takes 66 ms,
+    so for this request alone C is sooner. But the copy takes 2,000 tokens of C's room
+    that the next new group needs: on a fleet whose caches are 2/3 full it is charged
+    2/3 of its recompute, and the request waits for its holder. On nearly empty caches
+    the copy is almost free (C); a holder busy for 300 ms loses either way (the group
+    spreads); without the charge the copy always wins."""
+    assert await _copy_or_wait(fill=True, busy_s=0.08) == ("H", pytest.approx(400 / 600))
+    assert (await _copy_or_wait(fill=False, busy_s=0.08))[0] == "C"
+    assert (await _copy_or_wait(fill=True, busy_s=0.3))[0] == "C"
+    assert (await _copy_or_wait(fill=True, busy_s=0.08, duplicationPenalty=0.0))[0] == "C"
+
+
 # -- robustness: queueing behind a full cache, bounded load, adapters only when in play --
 
 

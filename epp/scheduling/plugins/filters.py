@@ -105,10 +105,10 @@ class BoundedLoadParams(BaseModel):
         "times the fair share (rounded up), plus loadSlack.",
     )
     loadSlack: int = Field(
-        1,
+        3,
         ge=0,
-        description="Requests allowed above the scaled fair share: at low load a request "
-        "or two more on a cache holder builds no queue (continuous batching runs them "
+        description="Requests allowed above the scaled fair share: at low load a few "
+        "requests more on a cache holder build no queue (continuous batching runs them "
         "together), so the bound only bites once the fleet is busy.",
     )
 

@@ -4,7 +4,7 @@ For every candidate endpoint ``e`` the scorer predicts this request's time to fi
 token there (all times in seconds)::
 
     ttft(e) = max(wait(e), queue(e)) + base(e) + per_token(e) × uncached(e) + evict(e)
-              + interfere(e) + busy(e)
+              + copy(e) + interfere(e) + busy(e)
 
 * ``uncached(e) = prompt_tokens − cached(e)``: ``prompt_tokens`` is the prompt's length
   in characters over the learned characters-per-token; ``cached(e)`` is what the prefix
@@ -40,6 +40,19 @@ token there (all times in seconds)::
   too sticky. This keeps prefix groups from being scattered over every cache (which
   is what makes a tight-capacity fleet thrash) while still letting a group move when its
   holder's queue costs more than recomputing it elsewhere.
+* ``copy(e)``: what copying a prefix that another endpoint holds costs the fleet. The
+  eviction term charges only what overflows ``e``'s free cache, so while caches have
+  room a second copy of a group looks free; but the copy takes room the next new group
+  will need, and on a fleet whose hot prefixes just fit (the routing lab's
+  tight-prefix: 12 groups, room for 3 per engine) one copy made while its holder was
+  busy for a few ms put a fourth group on an engine that holds three, which then
+  thrashed for the rest of the run. So ``copy(e) = copied × per_token ×
+  duplicationPenalty × reuse × fullness``: ``copied`` the tokens of the prompt another
+  endpoint holds beyond what ``e`` holds, less the overflow already charged above;
+  ``fullness`` the candidates' index occupancy (Σ held ÷ Σ capacity, in index blocks),
+  so a copy is nearly free on empty caches and costs its recompute on full ones. A hot
+  group still spreads: once its holder's queue costs more than one recompute, a copy is
+  the faster choice.
 * ``queue(e)``: the wait for room on the engine itself. An engine admits a request only
   when its KV cache has room for it (and it runs at most ``max_num_seqs``), so behind a
   full cache a request waits for running requests to *finish*, which takes decode time the
@@ -80,6 +93,7 @@ linear one whose parameters are learned per endpoint.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Sequence
@@ -118,6 +132,13 @@ class PredictedLatencyParams(BaseModel):
         description="Share of this request's prefill charged when the endpoint is still "
         "prefilling another request (0: ignore the delay it adds to that request's first "
         "token; 1: charge it in full).",
+    )
+    duplicationPenalty: float = Field(
+        1.0,
+        ge=0,
+        description="Share of the recompute charged for copying a prefix another endpoint "
+        "holds into this one's free cache, scaled by how full the candidates' caches are "
+        "(0: copies are free while the cache has room).",
     )
     decodeSecondsPerRequest: float = Field(
         0.0002, ge=0, description="Tie-break: added TTFT per running request."
@@ -187,13 +208,22 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         out: list[tuple[float, float]] = []
         output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
         reuse = self.reuse
-        for e in endpoints:
-            ttft, uncached = self._predict_one(e, now, prompt, cached.get(e.key, 0.0), output)
-            if prefix is not None and self.p.evictionPenalty > 0:
-                free = prefix.free_tokens(e, model)
-                if free is not None and uncached > free:
-                    overflow = (uncached - free) * self._cost(e).per_token
-                    ttft += overflow * self.p.evictionPenalty * reuse
+        frees = [prefix.free_tokens(e, model) if prefix is not None else None for e in endpoints]
+        copying = self.p.duplicationPenalty > 0 and prefix is not None and bool(cached)
+        fullness = prefix.occupancy(endpoints) if copying else 0.0
+        # The two largest holders: what endpoint e would copy is the best one but itself.
+        top = [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)]
+        for e, free in zip(endpoints, frees, strict=True):
+            here = cached.get(e.key, 0.0)
+            ttft, uncached = self._predict_one(e, now, prompt, here, output)
+            overflow = max(0.0, uncached - free) if free is not None else 0.0
+            per_token = self._cost(e).per_token
+            if self.p.evictionPenalty > 0:
+                ttft += overflow * per_token * self.p.evictionPenalty * reuse
+            if copying:
+                elsewhere = top[0][1] if top[0][0] != e.key else top[1][1]
+                copied = max(0.0, min(uncached, elsewhere - here) - overflow)
+                ttft += copied * per_token * self.p.duplicationPenalty * reuse * fullness
             if stale(e, now):
                 ttft += STALE_PENALTY_S
             out.append((ttft, uncached))

@@ -355,6 +355,15 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
         free_blocks = self.index.capacity_of(state.key) - self.index.size(state.key)
         return self.tokens_for_blocks(model, max(0, free_blocks))
 
+    def occupancy(self, states: Sequence[EndpointState]) -> float:
+        """The share of these endpoints' index capacity in use, Σ held ÷ Σ capacity (in
+        index blocks; capacities as last refreshed, e.g. by :meth:`free_tokens`)."""
+        held = capacity = 0
+        for state in states:
+            held += self.index.size(state.key)
+            capacity += self.index.capacity_of(state.key)
+        return min(1.0, held / capacity) if capacity > 0 else 0.0
+
     def tokens_for_blocks(self, model: str, blocks: int) -> float:
         """Predicted cached tokens for ``blocks`` matched index blocks."""
         return self.calibration.tokens(model, blocks * self.block_chars)
