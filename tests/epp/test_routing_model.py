@@ -430,7 +430,7 @@ async def _copy_or_wait(fill: bool, busy_s: float, **params: object) -> tuple[st
     only g is held (1/5). Returns which engine g's next request goes to, and the
     candidates' occupancy."""
     states, ctx, scorer, now = latency_fleet(3, 200, decodeSecondsPerRequest=0.0, **params)
-    holder, cold, full = states
+    holder, _cold, full = states
     index = ctx.extras["prefix_index"]
     group = "g" * 8000  # 2,000 tokens: 125 index blocks (and the question's partial one)
     await schedule(ctx, [holder], group + " q0", scorer)
