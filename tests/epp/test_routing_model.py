@@ -584,6 +584,11 @@ async def test_the_eviction_charge_scales_with_how_often_evicted_tokens_are_reus
     # blocks are read again a quarter as often, so the charge falls to a quarter.
     request = InferenceRequest("x", {}, model="m", target_model="m")
     request.notes["latency.routed_at"] = scorer.clock()
+    # A fleet's first responses are its compulsory misses: they do not make evictions
+    # look free at once (a prior of 8 full hits the size of the first response).
+    cold = ResponseInfo(status=200, prompt_tokens=1000, cached_tokens=0)
+    scorer.response_complete(request, SchedulingResult("p", [empty]), cold)
+    assert scorer.reuse == pytest.approx(8 * 0.995 / (8 * 0.995 + 1), rel=1e-6)
     for _ in range(2000):
         response = ResponseInfo(status=200, prompt_tokens=1000, cached_tokens=250)
         scorer.response_complete(request, SchedulingResult("p", [empty]), response)

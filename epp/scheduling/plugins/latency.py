@@ -33,7 +33,10 @@ token there (all times in seconds)::
   other prefixes that will have to be recomputed: ``overflow_tokens × per_token ×
   evictionPenalty × reuse``. ``reuse`` is the fleet's recent prefix-hit fraction
   (cached ÷ prompt tokens over the responses this EPP saw complete, token-weighted and
-  decayed): the chance that an evicted token would have been read again. When the hot
+  decayed, starting from ``REUSE_PRIOR_RESPONSES`` full hits the size of the first
+  response: a fleet's first responses are its compulsory misses, and without the prior
+  they made every copy and eviction look free while the groups were being placed): the
+  chance that an evicted token would have been read again. When the hot
   prefixes fit, it is high and evicting a group costs nearly its recompute; when they
   cannot all fit (a working set larger than the fleet's caches), most evicted blocks would
   have been evicted unread anyway, and charging them in full would make every holder far
@@ -116,6 +119,8 @@ DEFAULT_OUTPUT_TOKENS = 128
 LIFETIME_EWMA = 0.1
 #: Decay per response of the prefix-hit fraction behind the eviction charge (~200 responses).
 REUSE_DECAY = 0.005
+#: Responses' worth of full hits the prefix-hit fraction starts from (module docstring).
+REUSE_PRIOR_RESPONSES = 8.0
 
 
 class PredictedLatencyParams(BaseModel):
@@ -297,6 +302,9 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             return
         if response.prompt_tokens:
             keep = 1.0 - REUSE_DECAY
+            if self._reuse_prompt <= 0:  # the prior, in this fleet's prompt sizes
+                prior = REUSE_PRIOR_RESPONSES * response.prompt_tokens
+                self._reuse_prompt = self._reuse_cached = prior
             self._reuse_prompt = self._reuse_prompt * keep + response.prompt_tokens
             self._reuse_cached = self._reuse_cached * keep + (response.cached_tokens or 0)
         key = response.served_endpoint or primary.key  # Envoy may have used a fallback
