@@ -301,6 +301,9 @@ def test_predicted_latency_params_are_validated() -> None:
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"evictionPenalty": -1})
     with pytest.raises(ValueError, match="interferencePenalty"):
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"interferencePenalty": -1})
+    for bad in (-1, "lots"):
+        with pytest.raises(ValueError, match="duplicationPenalty"):
+            REGISTRY["predicted-latency-scorer"].Params.model_validate({"duplicationPenalty": bad})
     with pytest.raises(ValueError, match=r"Extra inputs are not permitted"):
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"weightz": 1})
 
