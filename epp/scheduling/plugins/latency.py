@@ -213,11 +213,13 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         out: list[tuple[float, float]] = []
         output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
         reuse = self.reuse
-        frees = [prefix.free_tokens(e, model) if prefix is not None else None for e in endpoints]
-        copying = self.p.duplicationPenalty > 0 and prefix is not None and bool(cached)
+        room = prefix is not None and (self.p.evictionPenalty > 0 or self.p.duplicationPenalty > 0)
+        # Free room per endpoint; reading it also refreshes the capacities occupancy() sums.
+        frees = [prefix.free_tokens(e, model) if room else None for e in endpoints]
+        copying = room and self.p.duplicationPenalty > 0 and bool(cached)
         fullness = prefix.occupancy(endpoints) if copying else 0.0
         # The two largest holders: what endpoint e would copy is the best one but itself.
-        top = [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)]
+        top = [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
         for e, free in zip(endpoints, frees, strict=True):
             here = cached.get(e.key, 0.0)
             ttft, uncached = self._predict_one(e, now, prompt, here, output)
