@@ -210,7 +210,9 @@ async def test_the_routing_replica_calibrates_from_its_own_admission_record_once
     epp_factory: Any, channel_for: Any
 ) -> None:
     """Characters per token are learned as the engine takes the prompt (its admission
-    record), not a whole response later, and the completion does not count it again."""
+    record), not a whole response later. (That the completion does not count the same
+    request again is pinned on the scorer itself, in test_routing_model.py: this EPP
+    reports no completions, so its stream is gone once closed.)"""
     engines = [Endpoint("127.0.0.1", 18001), Endpoint("127.0.0.1", 18002)]
     epp = await epp_factory(static_endpoints=engines)
     calibration = epp.plugin_context.calibration
