@@ -15,7 +15,7 @@ stream states, and cuts the length-prefixed messages): messages without compress
 response headers / trailers (``grpc-status``, ``grpc-message``) and trailers-only errors,
 RST_STREAM as cancellation, send-window flow control, GOAWAY on stop, TLS with ALPN
 ``h2``. Methods are served from a table (:class:`Method`): the ext-proc stream on a fast
-path (:class:`ExtProcCall`: a message is handled in place, a request-side one under its
+path (:class:`ExtProcCall`: a message is handled in place, the one that routes under its
 own task, see :func:`step_in_place`), the rest (EDS, health) through their asyncio
 servicers unchanged (:class:`AioCall`).
 """
@@ -316,22 +316,13 @@ def step_in_place(
     return task, step, None
 
 
-def _run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
-    """The result of a coroutine that must not suspend."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise RuntimeError("a handler that never awaits suspended")
-
-
 class ExtProcCall:
     """One ext-proc stream: ``ExtProcServer.Process``'s loop, driven by arriving messages.
 
-    A message's ``StreamState.handle`` runs in place (a request-side one as the current
-    task of the task that finishes it if it suspends: the decision waits on the loop, e.g.
-    flow control queueing it); later messages wait their turn.
+    A message is answered in place: ``StreamState.handle_now`` for every one that does
+    not route, and the one that routes as the current task of the task that finishes it
+    if it suspends (the decision waits on the loop, e.g. flow control queueing it);
+    later messages wait their turn.
     """
 
     def __init__(self, server: ExtProcServer, stream: Stream) -> None:
@@ -372,16 +363,14 @@ class ExtProcCall:
             self.observer = ObserverState(self.server)  # never answered (Envoy does not wait)
             self.observer.handle(message)
             return
-        coro = self.state.handle(message)
         try:
-            if (message.WhichOneof("request") or "").startswith("request_"):
-                task, step, result = step_in_place(coro, self.loop)
+            result = self.state.handle_now(message)
+            if result is None:  # it routes: under a task of its own, in case it waits
+                task, step, result = step_in_place(self.state.handle_later(message), self.loop)
                 if not step.done:  # the decision waits: the task finishes it
                     self.busy = task
                     task.add_done_callback(lambda task: self._resumed(task, message))
                     return
-            else:  # the response side never awaits: no task
-                result = _run_sync(coro)
         except Exception:
             self._failed(message)
             return

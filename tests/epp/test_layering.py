@@ -25,7 +25,7 @@ EPP_DIR = Path(__file__).resolve().parents[2] / "epp"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("wire", ("infergate.wire", "infergate.options")),
     ("types", ("infergate.epp.types", "infergate.epp.prefill_cost")),
-    ("observability", ("infergate.epp.observability",)),
+    ("observability", ("infergate.epp.observability", "infergate.epp.loop_histogram")),
     ("datalayer", ("infergate.epp.datalayer",)),
     ("flowcontrol", ("infergate.epp.flowcontrol",)),
     ("config", ("infergate.epp.config", "infergate.epp.options")),
