@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from infergate.epp.loop_histogram import HistogramChild, LoopHistogram
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -142,6 +142,16 @@ class _EndpointGauges(Collector):
             per_pod.add_metric([self.pool_name, state.key], state.metrics.waiting)
         ready.add_metric(pool, n)
         yield from (avg_kv, avg_queue, per_pod, ready)
+
+
+class _GieChildren(NamedTuple):
+    """GIE's per-(model, target) series (``inference_objective_*``)."""
+
+    requests: Counter
+    running: Gauge
+    duration: HistogramChild
+    input_tokens: HistogramChild
+    output_tokens: HistogramChild
 
 
 class EppMetrics:
@@ -391,6 +401,7 @@ class EppMetrics:
             buckets=RATIO_BUCKETS,
             registry=r,
         )
+        self._gie_cache: dict[tuple[str, str], _GieChildren] = {}
         self.gie_prefix_hit_bytes = LoopHistogram(
             "inference_extension_prefix_indexer_hit_bytes",
             "Length of the prefix match in number of bytes in the cache lookup.",
@@ -398,9 +409,25 @@ class EppMetrics:
             registry=r,
         )
 
+    def _gie_children(self, model: str, target: str) -> _GieChildren:
+        """The labelled children for (model, target), looked up once: prometheus-client's
+        ``labels`` takes a lock and builds a tuple each call, four times per request."""
+        children = self._gie_cache.get((model, target))
+        if children is None:
+            children = _GieChildren(
+                self.gie_requests.labels(model, target),
+                self.gie_running.labels(model),
+                self.gie_duration.labels(model, target),
+                self.gie_input_tokens.labels(model, target),
+                self.gie_output_tokens.labels(model, target),
+            )
+            self._gie_cache[(model, target)] = children
+        return children
+
     def request_started(self, model: str, target: str) -> None:
-        self.gie_requests.labels(model, target).inc()
-        self.gie_running.labels(model).inc()
+        children = self._gie_children(model, target)
+        children.requests.inc()
+        children.running.inc()
 
     def request_finished(
         self,
@@ -411,11 +438,12 @@ class EppMetrics:
         prompt_tokens: int | None,
         completion_tokens: int | None,
     ) -> None:
-        self.gie_running.labels(model).dec()
-        self.gie_duration.labels(model, target).observe(seconds)
+        children = self._gie_children(model, target)
+        children.running.dec()
+        children.duration.observe(seconds)
         if status >= 400 or status == 0:
             self.gie_errors.labels(model, target, str(status or "stream_error")).inc()
         if prompt_tokens:
-            self.gie_input_tokens.labels(model, target).observe(prompt_tokens)
+            children.input_tokens.observe(prompt_tokens)
         if completion_tokens:
-            self.gie_output_tokens.labels(model, target).observe(completion_tokens)
+            children.output_tokens.observe(completion_tokens)

@@ -48,9 +48,11 @@ const CLOSED: u8 = 3;
 const TOO_LARGE: u8 = 4;
 const COMPRESSED: u8 = 5;
 
+/// What was read and not yet parsed (the Python bytes objects themselves, not copies:
+/// a 220 KB request body would otherwise be copied once more), and what to write.
 #[derive(Default)]
 struct Buffers {
-    inbound: BytesMut,
+    inbound: VecDeque<Bytes>,
     outbound: Vec<u8>,
 }
 
@@ -64,12 +66,15 @@ impl AsyncRead for Io {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let mut buffers = self.0.lock().expect("buffers");
-        if buffers.inbound.is_empty() {
+        let Some(front) = buffers.inbound.front_mut() else {
             return Poll::Pending; // the next `receive` polls again
+        };
+        let n = buf.remaining().min(front.len());
+        buf.put_slice(&front[..n]);
+        front.advance(n);
+        if front.is_empty() {
+            buffers.inbound.pop_front();
         }
-        let n = buf.remaining().min(buffers.inbound.len());
-        buf.put_slice(&buffers.inbound[..n]);
-        buffers.inbound.advance(n);
         Poll::Ready(Ok(()))
     }
 }
@@ -416,18 +421,21 @@ fn split_messages(stream: &mut Stream, id: u32, max_message: usize, events: &mut
 
 // The methods of `GrpcConnection` (documented there), on the locked state.
 impl Inner {
-    fn receive<'py>(&mut self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<PyEvent<'py>>> {
+    fn receive<'py>(
+        &mut self,
+        py: Python<'py>,
+        data: PyBackedBytes,
+    ) -> PyResult<Vec<PyEvent<'py>>> {
         if let Some(error) = self.failed.take() {
             return Err(PyConnectionError::new_err(error));
         }
         if matches!(self.state, State::Closed) {
             return Ok(Vec::new()); // gone away: what the peer still sends is dropped
         }
-        self.buffers
-            .lock()
-            .expect("buffers")
-            .inbound
-            .extend_from_slice(data);
+        if !data.is_empty() {
+            let chunk = Bytes::from_owner(data); // the Python object, kept alive, not copied
+            self.buffers.lock().expect("buffers").inbound.push_back(chunk);
+        }
         let driven = self.drive();
         let events = self.take_events(py)?;
         driven.map_err(|error| PyConnectionError::new_err(format!("HTTP/2: {error}")))?;
@@ -539,7 +547,7 @@ impl GrpcConnection {
     /// Feed bytes read from the socket; the events they complete, in order, as
     /// `(kind, stream_id, payload)`. Raises ConnectionError on an HTTP/2 protocol error
     /// (what `data_to_send` then holds tells the peer why).
-    fn receive<'py>(&self, py: Python<'py>, data: &[u8]) -> PyResult<Vec<PyEvent<'py>>> {
+    fn receive<'py>(&self, py: Python<'py>, data: PyBackedBytes) -> PyResult<Vec<PyEvent<'py>>> {
         self.inner().receive(py, data)
     }
 
