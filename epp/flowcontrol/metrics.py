@@ -4,7 +4,8 @@ for the rest.
 Queue gauges are read from the live queues at scrape time (a collector), so a flow that
 emptied has no series left behind and an enqueue costs no metric update. Counters and the
 queue-duration histogram are labelled by priority (and outcome / reason), never by
-fairness ID: tenants are unbounded, label sets must not be.
+fairness ID: tenants are unbounded, label sets must not be. The histogram is a
+:class:`~infergate.epp.loop_histogram.LoopHistogram`: dispatches happen on the loop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from infergate.epp.loop_histogram import LoopHistogram
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -72,7 +74,7 @@ class FlowControlMetrics:
     def __init__(self, registry: CollectorRegistry, pool_name: str = "local") -> None:
         self.pool_name = pool_name
         self.controller: FlowController | None = None
-        self.queue_duration = Histogram(
+        self.queue_duration = LoopHistogram(
             "inference_extension_flow_control_request_queue_duration_seconds",
             "Time requests spent in the flow-control queue, by priority and outcome.",
             ["priority", "outcome", "inference_pool"],

@@ -187,7 +187,9 @@ impl Pieces {
         self.len -= n;
         let mut out = Vec::new();
         while n > 0 {
-            let Some(front) = self.chunks.front_mut() else { break };
+            let Some(front) = self.chunks.front_mut() else {
+                break;
+            };
             if front.len() <= n {
                 n -= front.len();
                 out.extend(self.chunks.pop_front());
@@ -434,7 +436,11 @@ impl Inner {
         }
         if !data.is_empty() {
             let chunk = Bytes::from_owner(data); // the Python object, kept alive, not copied
-            self.buffers.lock().expect("buffers").inbound.push_back(chunk);
+            self.buffers
+                .lock()
+                .expect("buffers")
+                .inbound
+                .push_back(chunk);
         }
         let driven = self.drive();
         let events = self.take_events(py)?;
