@@ -8,8 +8,9 @@ went there. Here an observation is a bisection and two list updates.
 
 Why no lock is needed: every observation comes from the loop's thread, so no update is
 lost, and the exposition thread reads a copy of a child's list, made by one C call under
-the GIL (a consistent snapshot: counts and sum from the same instant). Not for metrics
-that other threads update.
+the GIL: counts and sum from one instant. That instant may fall between an observation's
+two updates (its count in, its amount not yet in the sum): at most one observation, off
+by its amount until the next scrape. Not for metrics that other threads update.
 
 The math: ``bounds`` are the buckets' upper bounds, ascending; an observation ``x`` counts
 in the first bucket with ``x <= bound`` (``bisect_left``), or in ``+Inf``. Exposed buckets
