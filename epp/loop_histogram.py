@@ -55,7 +55,8 @@ class HistogramChild:
 
 class LoopHistogram(Collector):
     """A histogram with prometheus-client's ``labels(...).observe(x)`` and ``observe(x)``,
-    exposed under ``name`` with ``_bucket``, ``_count`` and ``_sum`` samples."""
+    exposed under ``name`` with ``_bucket``, ``_count`` and ``_sum`` samples (no
+    ``_created``)."""
 
     def __init__(
         self,
