@@ -75,7 +75,19 @@ impl PrefixIndex {
     }
 
     fn cap(&self, id: u32) -> usize {
-        self.capacities.get(&id).copied().unwrap_or(self.default_capacity)
+        self.capacities
+            .get(&id)
+            .copied()
+            .unwrap_or(self.default_capacity)
+    }
+
+    /// Records `n` matched blocks for each of `ids`, by name.
+    fn name_counts(&self, ids: &[u32], n: usize, out: &mut HashMap<String, usize>) {
+        for id in ids {
+            if let Some(name) = self.names.get(id) {
+                out.insert(name.clone(), n);
+            }
+        }
     }
 
     fn discard(holders: &mut HashMap<u64, Vec<u32>>, h: u64, id: u32) {
@@ -123,7 +135,8 @@ impl PrefixIndex {
     }
 
     fn capacity_of(&self, server: &str) -> usize {
-        self.id(server).map_or(self.default_capacity, |id| self.cap(id))
+        self.id(server)
+            .map_or(self.default_capacity, |id| self.cap(id))
     }
 
     /// Records `hashes` as `server`'s most recent entries, in order (each use takes the
@@ -166,7 +179,9 @@ impl PrefixIndex {
     /// Drops `server`'s entries last used at or before `seq`; returns how many.
     fn drop_older_than(&mut self, server: &str, seq: u64) -> usize {
         let Some(id) = self.id(server) else { return 0 };
-        let Some(lru) = self.lrus.get_mut(&id) else { return 0 };
+        let Some(lru) = self.lrus.get_mut(&id) else {
+            return 0;
+        };
         let mut dropped = 0;
         while let Some((&h, &used)) = lru.front() {
             if used > seq {
@@ -181,7 +196,9 @@ impl PrefixIndex {
 
     fn remove(&mut self, server: &str, hashes: Vec<u64>) {
         let Some(id) = self.id(server) else { return };
-        let Some(lru) = self.lrus.get_mut(&id) else { return };
+        let Some(lru) = self.lrus.get_mut(&id) else {
+            return;
+        };
         for h in hashes {
             if lru.remove(&h).is_some() {
                 Self::discard(&mut self.holders, h, id);
@@ -204,38 +221,48 @@ impl PrefixIndex {
     }
 
     /// Per server, how many leading blocks of `hashes` it holds (servers holding none
-    /// are left out).
+    /// are left out). The servers still matching after block `i` are the intersection
+    /// of the holders of blocks `0..=i`; one that drops out at block `i` held `i`
+    /// blocks, and those left at the end held every block walked. Each server's count is
+    /// written once, when it drops out or at the end (not once per block).
     #[pyo3(name = "match")]
     fn match_(&self, hashes: Vec<u64>) -> HashMap<String, usize> {
-        let mut alive: Option<Vec<u32>> = None;
-        let mut matched: HashMap<u32, usize> = HashMap::new();
+        let mut out = HashMap::new();
+        let mut alive: Vec<u32> = Vec::new();
+        let mut walked = 0;
         for (i, h) in hashes.iter().enumerate() {
-            let Some(holders) = self.holders.get(h) else { break };
-            let next: Vec<u32> = match alive {
-                None => holders.clone(),
-                Some(previous) => previous.into_iter().filter(|s| holders.contains(s)).collect(),
+            let Some(holders) = self.holders.get(h) else {
+                break;
             };
-            if next.is_empty() {
+            if i == 0 {
+                alive.extend_from_slice(holders);
+            } else {
+                let (kept, dropped): (Vec<u32>, Vec<u32>) =
+                    alive.iter().partition(|s| holders.contains(s));
+                self.name_counts(&dropped, i, &mut out);
+                alive = kept;
+            }
+            if alive.is_empty() {
                 break;
             }
-            for &s in &next {
-                matched.insert(s, i + 1);
-            }
-            alive = Some(next);
+            walked = i + 1;
         }
-        matched
-            .into_iter()
-            .filter_map(|(id, n)| self.names.get(&id).map(|name| (name.clone(), n)))
-            .collect()
+        self.name_counts(&alive, walked, &mut out);
+        out
     }
 
     fn size(&self, server: &str) -> usize {
-        self.id(server).and_then(|id| self.lrus.get(&id)).map_or(0, |lru| lru.len())
+        self.id(server)
+            .and_then(|id| self.lrus.get(&id))
+            .map_or(0, |lru| lru.len())
     }
 
     /// Servers that hold or held entries (not those with only a capacity set).
     fn servers(&self) -> Vec<String> {
-        self.lrus.keys().filter_map(|id| self.names.get(id).cloned()).collect()
+        self.lrus
+            .keys()
+            .filter_map(|id| self.names.get(id).cloned())
+            .collect()
     }
 }
 
