@@ -90,7 +90,10 @@ class LoopHistogram(Collector):
 
     def observe(self, amount: float) -> None:
         """An observation of the unlabelled histogram."""
-        self._children[()].observe(amount)
+        child = self._children.get(())
+        if child is None:
+            raise ValueError(f"{self.name}: labelled by {self.labelnames}; use labels(...)")
+        child.observe(amount)
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)

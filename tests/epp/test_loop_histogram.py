@@ -46,5 +46,7 @@ def test_bad_buckets_and_labels_are_refused() -> None:
     histogram = LoopHistogram("c", "doc", ["a", "b"], buckets=BUCKETS, registry=registry)
     with pytest.raises(ValueError, match="expected labels"):
         histogram.labels("only-one")
+    with pytest.raises(ValueError, match="use labels"):
+        histogram.observe(1.0)
     with pytest.raises(ValueError, match="Duplicated"):
         LoopHistogram("c", "doc", ["a", "b"], buckets=BUCKETS, registry=registry)
