@@ -401,13 +401,13 @@ class EppMetrics:
             buckets=RATIO_BUCKETS,
             registry=r,
         )
-        self._gie_cache: dict[tuple[str, str], _GieChildren] = {}
         self.gie_prefix_hit_bytes = LoopHistogram(
             "inference_extension_prefix_indexer_hit_bytes",
             "Length of the prefix match in number of bytes in the cache lookup.",
             buckets=GIE_BYTES_BUCKETS,
             registry=r,
         )
+        self._gie_cache: dict[tuple[str, str], _GieChildren] = {}
 
     def _gie_children(self, model: str, target: str) -> _GieChildren:
         """The labelled children for (model, target), looked up once: prometheus-client's

@@ -463,13 +463,12 @@ class StreamState:
             if decision.body_rewritten:
                 common.body_mutation.body = decision.body or b""
             return [answer]
-        header_response = answer
         if not with_body or raw is None:
-            return [header_response]
+            return [answer]
         if decision.body_rewritten:
-            return [header_response, *_body_chunks(decision.body or b"", end_of_stream, True)]
+            return [answer, *_body_chunks(decision.body or b"", end_of_stream, True)]
         # Unchanged: what Envoy sent goes back as it came, without joining or copying.
-        return [header_response, *_echo_chunks(chunks, end_of_stream)]
+        return [answer, *_echo_chunks(chunks, end_of_stream)]
 
     def _stray_response(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("response_body"):

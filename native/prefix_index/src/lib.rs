@@ -237,10 +237,13 @@ impl PrefixIndex {
             if i == 0 {
                 alive.extend_from_slice(holders);
             } else {
-                let (kept, dropped): (Vec<u32>, Vec<u32>) =
-                    alive.iter().partition(|s| holders.contains(s));
-                self.name_counts(&dropped, i, &mut out);
-                alive = kept;
+                alive.retain(|&s| {
+                    let held = holders.contains(&s);
+                    if !held {
+                        self.name_counts(&[s], i, &mut out); // it held blocks 0..i
+                    }
+                    held
+                });
             }
             if alive.is_empty() {
                 break;
