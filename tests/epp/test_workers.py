@@ -9,7 +9,9 @@ requests it routed. SIGTERM to the parent stops both.
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +27,26 @@ from infergate.procs import tcp_ready
 from infergate.stack.local import _distinct_free_ports
 
 CONNECTIONS = 16
+
+
+def _free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` both free, below the kernel's ephemeral range
+    (32768 and up here): worker 1 serves metrics on ``--metrics-port + 1``, and a port
+    in the ephemeral range can be taken meanwhile by any outgoing connection (CI's run
+    failed once so: "Address already in use")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in random.sample(range(max(1024, low - 12000), low - 2), 200):
+        pair = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+        try:
+            for offset, sock in enumerate(pair):
+                sock.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in pair:
+                sock.close()
+    raise RuntimeError("no two consecutive free ports below the ephemeral range")
 
 
 def _routed(metrics_port: int) -> float:
@@ -59,8 +81,8 @@ async def _route_once(port: int) -> bool:
 
 
 def test_two_workers_share_one_port_and_both_route(tmp_path: Path) -> None:
-    grpc_port, health, metrics, metrics_2 = _distinct_free_ports(4)
-    del metrics_2  # reserved: worker 1 serves metrics on metrics + 1, hopefully free too
+    grpc_port, health = _distinct_free_ports(2)
+    metrics = _free_port_pair()  # worker 1 serves metrics on metrics + 1
     argv = [str(Path(sys.executable).with_name("infergate")), "epp", "--endpoint", "127.0.0.1:1"]
     argv += ["--host", "127.0.0.1", "--grpc-port", str(grpc_port)]
     argv += ["--grpc-health-port", str(health), "--metrics-port", str(metrics), "--workers", "2"]
