@@ -113,6 +113,7 @@ class Epp:
             ),
             options.scores_header,
             reports_completions=self.completions.reports,
+            reports_all=self.completions.reports_all,
         )
         # What other replicas routed reaches this one's prefix index (admission records).
         prefix_index = context.extras.get("prefix_index")

@@ -56,6 +56,9 @@ class CompletionSubscriptions(ZmqSubscriptions):
         self.on_load = on_load
         self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
         super().__init__(datastore, "completions")
+        #: Whether every endpoint now known reports (see :meth:`reports_all`).
+        self._all_report = False
+        datastore.subscribe(self._endpoints_changed)
         if on_removed is not None:
             self._tasks.removed_listeners.append(lambda e: on_removed(e.key))
 
@@ -69,6 +72,16 @@ class CompletionSubscriptions(ZmqSubscriptions):
                             label)  # fmt: skip
                 return None
         return self.default_port
+
+    def reports_all(self) -> bool:
+        """Whether every endpoint of the pool reports completions: then a request's end and
+        status come from its record whichever endpoint it goes to, and the EPP may ask
+        Envoy not to send it the response headers (``StreamState`` in ``server.py``)."""
+        return self._all_report
+
+    def _endpoints_changed(self, _added: list[Endpoint], _removed: list[Endpoint]) -> None:
+        states = self.datastore.all()
+        self._all_report = bool(states) and all(self.port(s.endpoint) is not None for s in states)
 
     def reports(self, endpoint_key: str) -> bool:
         """Whether ``endpoint_key`` reports completions (its requests wait for a record)."""

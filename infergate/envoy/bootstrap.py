@@ -528,7 +528,9 @@ def _routes(
 
 def served_to_metadata_filter() -> dict[str, Any]:
     """Copy the served endpoint into ``envoy.lb`` on the response path (before ext_proc
-    sees the response headers), per GIE's protocol; the EPP then reports it itself."""
+    sees the response headers), per GIE's protocol. The header stays: the EPP's answer
+    sets it again to the same value, and a request whose response headers the EPP
+    skipped (buffered bodies, every endpoint reporting records) keeps Envoy's."""
     return {
         "name": "envoy.filters.http.header_to_metadata",
         "typed_config": {
@@ -541,7 +543,7 @@ def served_to_metadata_filter() -> dict[str, Any]:
                         "key": SERVED_HEADER,
                         "type": "STRING",
                     },
-                    "remove": True,
+                    "remove": False,
                 }
             ],
         },

@@ -7,13 +7,14 @@ one over Envoy's buffer Envoy's 413; a malformed one gets the EPP's 400."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from infergate.envoy.bootstrap import PICKED_HEADER, UPSTREAM_HOST_HEADER
+from infergate.envoy.bootstrap import PICKED_HEADER, SERVED_HEADER, UPSTREAM_HOST_HEADER
 from infergate.stack.local import LocalStack, StackSpec
 
 REWRITE_YAML = """\
@@ -69,6 +70,7 @@ def test_requests_reach_the_picked_engine(stack: LocalStack) -> None:
         assert reply.json()["usage"]["completion_tokens"] == 4
         picked = reply.headers[PICKED_HEADER].split(",")[0]
         assert reply.headers[UPSTREAM_HOST_HEADER] == picked
+        assert reply.headers[SERVED_HEADER] == picked  # Envoy's: the EPP skipped the headers
         served.add(picked)
     assert len(served) == 1  # one shared prefix: the prefix scorer keeps it on one engine
 
@@ -108,3 +110,37 @@ def test_bad_bodies_get_clear_errors(stack: LocalStack) -> None:
     malformed = _post(stack, b'{"model": "tiny", "prompt": ')
     assert malformed.status_code == 400
     assert "not valid JSON" in malformed.json()["error"]["message"]
+
+
+def _epp_sum(stack: LocalStack, prefix: str) -> float:
+    """The sum of the EPP's samples whose line starts with ``prefix``."""
+    text = httpx.get(stack.epp_metrics_url, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+IN_FLIGHT = "infergate_epp_endpoint_in_flight_requests{"
+COMPLETION_TOKENS = 'infergate_epp_tokens_total{kind="completion"}'
+ERRORS = "inference_objective_request_error_total{"
+
+
+def test_without_response_headers_the_record_ends_the_request(stack: LocalStack) -> None:
+    """Every engine reports records, so the EPP skips the response headers. Envoy keeps
+    the routing stream until the response ends (so the request counts as in flight while
+    it streams), and the engine's record gives the EPP the status and the tokens: no
+    error counted for an unknown status."""
+    tokens, errors = _epp_sum(stack, COMPLETION_TOKENS), _epp_sum(stack, ERRORS)
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 200, "stream": True}
+    body["ignore_eos"] = True
+    seen_in_flight = 0.0
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and seen_in_flight == 0.0:
+                seen_in_flight = _epp_sum(stack, IN_FLIGHT)
+    assert seen_in_flight == 1.0
+    deadline = time.monotonic() + 10
+    while _epp_sum(stack, IN_FLIGHT) != 0.0:
+        assert time.monotonic() < deadline, "the request never ended"
+        time.sleep(0.1)
+    assert _epp_sum(stack, COMPLETION_TOKENS) == tokens + 200
+    assert _epp_sum(stack, ERRORS) == errors
