@@ -51,6 +51,7 @@ from typing import Any
 import yaml
 
 from infergate.bench.gateway_rig import (
+    RecordPublisher,
     body_of_size,
     closed_loop,
     direct_twin,
@@ -133,9 +134,18 @@ class Run:
             tmp / "upstream.yaml",
             name="upstream",
         )
+        self.records = RecordPublisher(self.ports) if args.records else None
+        labels = self.records.labels if self.records is not None else {}
         self.endpoints_file = tmp / "endpoints.yaml"
         self.endpoints_file.write_text(
-            yaml.safe_dump({"endpoints": [{"address": LOOPBACK, "port": p} for p in self.ports]})
+            yaml.safe_dump(
+                {
+                    "endpoints": [
+                        {"address": LOOPBACK, "port": p, "labels": labels.get(p, {})}
+                        for p in self.ports
+                    ]
+                }
+            )
         )
         self.peer_config = tmp / "peer-config.yaml"
         peer_endpoints = tmp / "peer-endpoints.yaml"
@@ -254,7 +264,14 @@ def run_rate(run: Run, rate: float, body: dict[str, Any], args: argparse.Namespa
             before = {p.name: _cpu(p.pid) for p in paths}
             started = time.monotonic()
             result = asyncio.run(
-                open_loop(path.url, rate, args.seconds, seed=round_index, body=body)
+                open_loop(
+                    path.url,
+                    rate,
+                    args.seconds,
+                    seed=round_index,
+                    body=body,
+                    on_response=run.records,
+                )
             )
             wall = time.monotonic() - started
             for other in paths:
@@ -300,7 +317,9 @@ def sustained(run: Run, body: dict[str, Any], args: argparse.Namespace) -> list[
     lines = []
     for path in run.paths:
         before = _cpu(path.pid)
-        result = asyncio.run(closed_loop(path.url, args.sustain_clients, args.seconds, body=body))
+        result = asyncio.run(
+            closed_loop(path.url, args.sustain_clients, args.seconds, body, run.records)
+        )
         cpu = (_cpu(path.pid) - before) * 1000 / max(1.0, result["rps"] * args.seconds + 50)
         lines.append(
             f"{path.name:>14} {result['rps']:>8.0f} req/s  failures {int(result['failures'])}  "
@@ -332,6 +351,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--external", action="append", default=[], help="NAME=COMMAND|@HOST:PORT")
     parser.add_argument("--peer-binary", type=Path, help="llm-d-router's epp, built by hand")
     parser.add_argument("--sustain-clients", type=int, default=0, help="0: skip")
+    parser.add_argument(
+        "--records",
+        action="store_true",
+        help="publish a completion record per response to infergate's EPPs, as engines do "
+        "(RecordPublisher): what lets a buffered EPP skip the response headers",
+    )
     return parser
 
 
@@ -342,7 +367,7 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; {args.endpoints} endpoints, accounting "
         f"{args.accounting}, prompt {args.prompt_bytes} B, {args.rounds} rounds x "
-        f"{args.seconds:g} s per path"
+        f"{args.seconds:g} s per path" + (", completion records published" if args.records else "")
     )
     body = body_of_size(args.prompt_bytes)
     out = []
@@ -362,6 +387,9 @@ def main() -> None:
             run_rate(run, rate, body, args)
             out += report(run, rate, (load_before, os.getloadavg()[0]))
         sustain = sustained(run, body, args) if args.sustain_clients else []
+        if run.records is not None:
+            print(f"completion records published: {run.records.sent}")
+            run.records.close()
     print("\nadded latency = path minus direct twin (median of rounds); CPU minus idle")
     print(
         f"{'rate':>6} {'EPP':>14} {'ok/sent':>13} {'p50 +ms':>8} {'p99 +ms':>8} "

@@ -16,12 +16,13 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import yaml
 
@@ -36,6 +37,8 @@ from infergate.stack.local import (
     grpc_serving,
     infergate_argv,
 )
+from infergate.wire.completions import TOPIC, CompletionBatch, CompletionRecord
+from infergate.wire.names import REQUEST_ID_HEADER, SERVED_HEADER
 
 MODEL = "bench"
 COMPLETION = json.dumps(
@@ -61,7 +64,12 @@ METRICS = (
 def _direct(status: int, body: str, content_type: str) -> dict[str, Any]:
     return {
         "direct_response": {"status": status, "body": {"inline_string": body}},
-        "response_headers_to_add": [{"header": {"key": "content-type", "value": content_type}}],
+        "response_headers_to_add": [
+            {"header": {"key": "content-type", "value": content_type}},
+            # The EPP's request key back to the client, which may publish the request's
+            # completion record as an engine would (benchmarks/epp_overhead.py --records).
+            {"header": {"key": REQUEST_ID_HEADER, "value": f"%REQ({REQUEST_ID_HEADER})%"}},
+        ],
     }
 
 
@@ -276,8 +284,15 @@ def body_of_size(prompt_bytes: int) -> dict[str, Any]:
     return {**BODY, "prompt": words[:prompt_bytes]}
 
 
+#: Called with each successful response's headers (after its latency was taken).
+OnResponse = Callable[[Mapping[str, str]], None]
+
+
 async def _one(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any] | bytes
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any] | bytes,
+    on_response: OnResponse | None = None,
 ) -> float | None:
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
     start = time.perf_counter()
@@ -288,11 +303,20 @@ async def _one(
                 return None
     except (aiohttp.ClientError, TimeoutError):
         return None
-    return time.perf_counter() - start
+    latency = time.perf_counter() - start
+    if on_response is not None:
+        on_response(response.headers)
+    return latency
 
 
 async def open_loop(
-    url: str, rate: float, seconds: float, *, seed: int = 0, body: dict[str, Any] | None = None
+    url: str,
+    rate: float,
+    seconds: float,
+    *,
+    seed: int = 0,
+    body: dict[str, Any] | None = None,
+    on_response: OnResponse | None = None,
 ) -> dict[str, float]:
     """Poisson arrivals at ``rate`` for ``seconds``; latency percentiles (ms) of successes."""
     payload = json.dumps(body or BODY).encode()  # encoded once: the client's CPU is shared
@@ -303,7 +327,7 @@ async def open_loop(
         connector=connector, timeout=aiohttp.ClientTimeout(total=30)
     ) as session:
         for _ in range(50):  # warm connections and the EPP's code paths
-            await _one(session, url, payload)
+            await _one(session, url, payload, on_response)
         started = time.perf_counter()
         tasks = []
         lag = []
@@ -313,7 +337,7 @@ async def open_loop(
                 await asyncio.sleep(delay)
             else:
                 lag.append(-delay)
-            tasks.append(asyncio.create_task(_one(session, url, payload)))
+            tasks.append(asyncio.create_task(_one(session, url, payload, on_response)))
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
     ok = [r for r in results if r is not None]
@@ -331,7 +355,11 @@ async def open_loop(
 
 
 async def closed_loop(
-    url: str, concurrency: int, seconds: float, body: dict[str, Any] | None = None
+    url: str,
+    concurrency: int,
+    seconds: float,
+    body: dict[str, Any] | None = None,
+    on_response: OnResponse | None = None,
 ) -> dict[str, float]:
     """``concurrency`` clients back to back for ``seconds``: the sustained request rate."""
     payload = json.dumps(body or BODY).encode()
@@ -342,13 +370,13 @@ async def closed_loop(
         connector=connector, timeout=aiohttp.ClientTimeout(total=30)
     ) as session:
         for _ in range(50):
-            await _one(session, url, payload)
+            await _one(session, url, payload, on_response)
         deadline = time.perf_counter() + seconds
 
         async def client() -> None:
             nonlocal failures
             while time.perf_counter() < deadline:
-                latency = await _one(session, url, payload)
+                latency = await _one(session, url, payload, on_response)
                 if latency is None:
                     failures += 1
                 else:
@@ -377,3 +405,46 @@ def process_cpu_seconds(pid: int) -> float:
     except OSError:
         children = []
     return own + sum(process_cpu_seconds(int(child)) for child in children)
+
+
+class RecordPublisher:
+    """Completion records for the static upstream, published as an engine publishes them.
+
+    Why: a ``direct_response`` Envoy cannot publish records, and without them the EPP
+    cannot skip the response headers (``StreamState._skips_response_headers``). The
+    upstream echoes the EPP's request key; the client, once a response is read, sends
+    that request's record (status 200, the canned usage) on a PUB socket per upstream
+    port, the one Envoy served it from. :attr:`labels` are the endpoints-file labels
+    that point the EPP at them. A record leaves after the response, as the engine's does.
+    """
+
+    def __init__(self, ports: Sequence[int]) -> None:
+        import zmq
+
+        self._context = zmq.Context()
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        #: Upstream port -> the endpoints-file labels of that endpoint.
+        self.labels: dict[int, dict[str, str]] = {}
+        for port in ports:
+            socket = self._context.socket(zmq.PUB)
+            published = socket.bind_to_random_port(f"tcp://{LOOPBACK}")
+            self._sockets[f"{LOOPBACK}:{port}"] = socket
+            self.labels[port] = {COMPLETION_EVENTS_PORT_LABEL: str(published)}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._seq = 0
+        self.sent = 0
+
+    def __call__(self, headers: Mapping[str, str]) -> None:
+        key = headers.get(REQUEST_ID_HEADER)
+        socket = self._sockets.get(headers.get(SERVED_HEADER, ""))
+        if not key or socket is None:
+            return  # not routed by an EPP that keys its requests (the direct twin, a peer)
+        now = time.time()
+        record = CompletionRecord(key, 200, 8, 1, 0, now)
+        self._seq += 1
+        payload = self._encoder.encode(CompletionBatch(now, [record]))
+        socket.send_multipart((TOPIC, self._seq.to_bytes(8, "big"), payload))
+        self.sent += 1
+
+    def close(self) -> None:
+        self._context.destroy(linger=0)

@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.epp.types import Endpoint
 
@@ -35,6 +36,27 @@ async def _awaited_response(epp, channel) -> str:
     await stream.recv(1)
     await stream.close()
     await eventually(lambda: key in epp.ext_proc.awaiting, timeout=10)
+    return key
+
+
+async def _skipped_response(epp, channel) -> str:
+    """Route one buffered request whose response headers the EPP skips, then end the
+    stream without a response (Envoy's 503 after a failed upstream): its key."""
+    stream = Stream(channel)
+    opening = headers(POST)
+    opening.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED
+    opening.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
+    await stream.send(opening)
+    (headers_answer,) = await stream.recv(1)
+    skip = processing_mode_pb2.ProcessingMode.SKIP
+    assert headers_answer.mode_override.response_header_mode == skip
+    await stream.send(body(b'{"model":"tiny","prompt":"hi"}'))
+    (answer,) = await stream.recv(1)
+    key = {
+        h.header.key: h.header.raw_value.decode()
+        for h in answer.request_body.response.header_mutation.set_headers
+    }["x-infergate-request-id"]
+    await stream.close()
     return key
 
 
@@ -90,6 +112,15 @@ async def test_a_lost_record_is_bounded_by_the_engines_counts(
     await eventually(lambda: key not in epp.ext_proc.awaiting, timeout=20)
     assert state.in_flight_requests == 0
     assert not epp.ext_proc.routed
+
+    # 4. Response headers skipped (buffered body) and the upstream failed: no status, no
+    #    record; the counts give it up as well.
+    key = await _skipped_response(epp, channel_for(epp))
+    await eventually(lambda: key in epp.ext_proc.awaiting, timeout=10)
+    assert state.in_flight_requests == 1
+    await eventually(lambda: key not in epp.ext_proc.awaiting, timeout=20)
+    assert state.in_flight_requests == 0
+    assert lost._value.get() == lost_before + 3
 
 
 async def test_an_endpoint_without_counts_is_not_judged(epp_factory, channel_for) -> None:
