@@ -74,7 +74,8 @@ _MODE = processing_mode_pb2.ProcessingMode
 def _skip_response_headers(mode: processing_mode_pb2.ProcessingMode) -> None:
     """The routing filter's mode for a buffered body, without the response headers.
     Envoy takes an override whole (an unset body mode reads as NONE: the body would
-    not come), so every field is the bootstrap's (``_routing_filter``)."""
+    not come), so every field is the bootstrap's (``ext_proc_filter`` in
+    ``infergate/envoy/bootstrap.py``)."""
     mode.request_header_mode = _MODE.SEND
     mode.response_header_mode = _MODE.SKIP
     mode.request_body_mode = _MODE.BUFFERED

@@ -18,8 +18,10 @@ socket carries the engine's load reports (``on_load``; see
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from infergate.epp.datalayer.datastore import Datastore
@@ -89,31 +91,95 @@ class CompletionSubscriptions(ZmqSubscriptions):
         return state is not None and self.port(state.endpoint) is not None
 
     async def _subscribe(self, endpoint: Endpoint) -> None:
+        """Receive ``endpoint``'s records for as long as it is in the pool.
+
+        Why not ``await socket.recv_multipart()``: pyzmq's asyncio socket makes a future
+        and a task step per message, and every routed request brings a record (two with
+        admission records). A plain socket read from the loop's reader callback, drained
+        with ``NOBLOCK`` (the ZMQ descriptor is edge-triggered: it signals once for all
+        that is queued), costs ~75 us less per message (measured, 3,000 messages 1 ms
+        apart: 166-169 against 234-252 us per message, the publisher's share included).
+
+        A frame over ``MAX_FRAME`` makes ZMQ drop the connection, and libzmq 4.3 never
+        dials that peer again (measured): one bad batch would silence the endpoint for
+        good. A monitor socket reports each disconnection, and the feed redials.
+        """
         import zmq
 
         port = self.port(endpoint)
         if port is None:
             return  # not a reporting endpoint
         host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
-        socket = self._zmq.socket(zmq.SUB)
+        url = f"tcp://{host}:{port}"
+        socket = self._socket()
+        # A plain PAIR (get_monitor_socket would make an asyncio one on this context).
+        watch = f"inproc://completions-monitor-{id(socket)}"
+        socket.monitor(watch, zmq.EVENT_DISCONNECTED)
+        monitor = zmq.Socket(self._zmq, zmq.PAIR)
+        monitor.connect(watch)
+        socket.connect(url)
+        loop = asyncio.get_running_loop()
+
+        def drain() -> None:
+            while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    frames = socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                try:
+                    self._take(endpoint.key, frames)
+                except Exception:  # a sink's bug must not stop this endpoint's feed
+                    log.exception("completion record from %s failed", endpoint.key)
+
+        def redial() -> None:
+            dropped = False
+            while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    monitor.recv_multipart(zmq.NOBLOCK)  # (event, value), endpoint
+                except zmq.Again:
+                    break
+                dropped = True
+            if dropped:
+                log.warning("completion feed of %s dropped; redialling %s", endpoint.key, url)
+                socket.disconnect(url)
+                socket.connect(url)
+                drain()
+
+        descriptors = [socket.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
+        loop.add_reader(descriptors[0], drain)
+        loop.add_reader(descriptors[1], redial)
+        try:
+            drain()  # what arrived before the readers were added
+            redial()
+            await loop.create_future()  # until the endpoint leaves (cancelled)
+        finally:
+            for descriptor in descriptors:
+                loop.remove_reader(descriptor)
+            socket.disable_monitor()
+            monitor.close(0)
+            socket.close(0)
+
+    def _socket(self) -> Any:
+        """A plain SUB socket on the shared context, subscribed to records (and load)."""
+        import zmq
+
+        socket = zmq.Socket(self._zmq, zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"completions")
         if self.on_load is not None:
             socket.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)  # a peer sending more is cut off
-        socket.connect(f"tcp://{host}:{port}")
+        return socket
+
+    def _take(self, key: str, frames: list[bytes]) -> None:
+        """One message of endpoint ``key``: a load report or a batch of records."""
+        if frames[0] == LOAD_TOPIC and self.on_load is not None:
+            self.on_load(key, frames[-1])
+            return
         try:
-            while True:
-                frames = await socket.recv_multipart()
-                if frames[0] == LOAD_TOPIC and self.on_load is not None:
-                    self.on_load(endpoint.key, frames[-1])
-                    continue
-                try:
-                    batch = self._decoder.decode(frames[-1])
-                except (msgspec.DecodeError, ValueError) as error:
-                    log.warning("bad completion batch from %s: %s", endpoint.key, error)
-                    continue
-                for record in batch.records:
-                    self.on_record(endpoint.key, record)
-        finally:
-            socket.close(0)
+            batch = self._decoder.decode(frames[-1])
+        except (msgspec.DecodeError, ValueError) as error:
+            log.warning("bad completion batch from %s: %s", key, error)
+            return
+        for record in batch.records:
+            self.on_record(key, record)
