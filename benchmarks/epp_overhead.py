@@ -28,6 +28,13 @@ CPU (measured in the same run while the other paths are loaded) and the load
 average during the rate. ``--sustain-clients N`` then runs N closed-loop clients per EPP
 for ``--seconds``: its sustained rate.
 
+``--records``: the upstream echoes each request's ``x-infergate-request-id`` and the
+client publishes that request's completion record once the response is read, on a
+ZMQ PUB socket per upstream port, as the engines do (``RecordPublisher``). infergate's
+EPPs then run as with real engines: requests end at their record, and a buffered EPP
+skips the response headers (docs/epp.md, "Skipped response headers"). Other EPPs get no
+records (their requests carry no key).
+
     .venv/bin/python benchmarks/epp_overhead.py --prompt-bytes 2048 --rates 100,300 --seconds 10 --rounds 3 \\
         --variant 'aio:' --variant 'sync:--grpc-server sync' [--peer-binary /tmp/llm-d-epp]
 """

@@ -97,8 +97,9 @@ class CompletionSubscriptions(ZmqSubscriptions):
         and a task step per message, and every routed request brings a record (two with
         admission records). A plain socket read from the loop's reader callback, drained
         with ``NOBLOCK`` (the ZMQ descriptor is edge-triggered: it signals once for all
-        that is queued), costs ~75 us less per message (measured, 3,000 messages 1 ms
-        apart: 166-169 against 234-252 us per message, the publisher's share included).
+        that is queued), costs 60-90 us less per message (``benchmarks/epp_record_feed.py``,
+        3,000 messages 1 ms apart: 211-219 against 278-300 us of process CPU per message,
+        the publisher thread's share included).
 
         A frame over ``MAX_FRAME`` makes ZMQ drop the connection, and libzmq 4.3 never
         dials that peer again (measured): one bad batch would silence the endpoint for
@@ -133,7 +134,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
 
         def redial() -> None:
             dropped = False
-            while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 try:
                     monitor.recv_multipart(zmq.NOBLOCK)  # (event, value), endpoint
                 except zmq.Again:
@@ -145,7 +146,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
                 socket.connect(url)
                 drain()
 
-        descriptors = [socket.getsockopt(zmq.FD), monitor.getsockopt(zmq.FD)]
+        descriptors = [int(socket.getsockopt(zmq.FD)), int(monitor.getsockopt(zmq.FD))]
         loop.add_reader(descriptors[0], drain)
         loop.add_reader(descriptors[1], redial)
         try:

@@ -641,8 +641,9 @@ class EnvoyConfig:
         "FULL_DUPLEX_STREAMED: chunks as they arrive, each sent back by the EPP) or "
         "buffered (Envoy holds the whole body, up to 8 MiB, the EPP's default "
         "--max-request-body-bytes, sends it once and forwards it unchanged unless the EPP "
-        "rewrote it: less CPU for long prompts, one round trip more for short ones; past "
-        "8 MiB Envoy itself answers 413).",
+        "rewrote it: less CPU for long prompts, one round trip more for short ones, unless "
+        "every engine reports completion records: then the EPP skips the response headers "
+        "instead; past 8 MiB Envoy itself answers 413).",
     )
     max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES
     """With ``request_body_mode="buffered"``, the most Envoy buffers per request (the
