@@ -19,6 +19,7 @@ socket carries the engine's load reports (``on_load``; see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -142,7 +143,8 @@ class CompletionSubscriptions(ZmqSubscriptions):
                 dropped = True
             if dropped:
                 log.warning("completion feed of %s dropped; redialling %s", endpoint.key, url)
-                socket.disconnect(url)
+                with contextlib.suppress(zmq.ZMQError):  # not connected: connecting is enough
+                    socket.disconnect(url)
                 socket.connect(url)
                 drain()
 

@@ -61,7 +61,10 @@ def _epp_metric(stack: LocalStack, name: str, label: str) -> float:
     return 0.0
 
 
-def _stream(stack: LocalStack, out: list[tuple[int, int, bool]]) -> None:
+def _stream(
+    stack: LocalStack, out: list[tuple[int, int, bool]], streaming: threading.Semaphore
+) -> None:
+    """One long streamed generation; ``streaming`` is released at its first chunk."""
     chunks, done, status = 0, False, 0
     try:
         with httpx.stream(
@@ -82,6 +85,8 @@ def _stream(stack: LocalStack, out: list[tuple[int, int, bool]]) -> None:
                     done = True
                 elif line.startswith("data:"):
                     chunks += 1
+                    if chunks == 1:
+                        streaming.release()
     except httpx.HTTPError:
         pass
     out.append((status, chunks, done))
@@ -151,10 +156,17 @@ def _in_flight(stack: LocalStack) -> float:
 
 def test_sigkill_of_the_epp_truncates_no_stream_in_flight(stack: LocalStack) -> None:
     results: list[tuple[int, int, bool]] = []
-    threads = [threading.Thread(target=_stream, args=(stack, results)) for _ in range(STREAMS)]
+    streaming = threading.Semaphore(0)
+    threads = [
+        threading.Thread(target=_stream, args=(stack, results, streaming))
+        for _ in range(STREAMS)
+    ]
     for thread in threads:
         thread.start()
-    time.sleep(1.5)  # all routed and streaming (48 steps of >= 40 ms each take > 2 s)
+    # Every stream routed and streaming (a fixed sleep was too short on a loaded machine:
+    # requests not yet routed got FailClose's 500, which is not what this test is about).
+    for _ in range(STREAMS):
+        assert streaming.acquire(timeout=60), "a stream never started"
     assert stack.epp is not None
     os.kill(stack.epp.pid, signal.SIGKILL)
     for thread in threads:
