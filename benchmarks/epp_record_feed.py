@@ -24,6 +24,8 @@ import time
 import zmq
 import zmq.asyncio
 
+from infergate.wire.kv_events import encode_seq
+
 TOPIC = b"completions"
 END = b"END"
 
@@ -33,7 +35,7 @@ def _publish(url: str, messages: int, gap_s: float) -> None:
     socket.bind(url)
     time.sleep(0.5)  # the subscriber joins (PUB drops until then)
     for seq in range(messages):
-        socket.send_multipart((TOPIC, seq.to_bytes(8, "big"), b"x" * 60))
+        socket.send_multipart((TOPIC, encode_seq(seq), b"x" * 60))
         time.sleep(gap_s)
     socket.send_multipart((TOPIC, b"", END))
     time.sleep(0.2)

@@ -38,6 +38,7 @@ from infergate.stack.local import (
     infergate_argv,
 )
 from infergate.wire.completions import TOPIC, CompletionBatch, CompletionRecord
+from infergate.wire.kv_events import encode_seq
 from infergate.wire.names import REQUEST_ID_HEADER, SERVED_HEADER
 
 MODEL = "bench"
@@ -431,8 +432,7 @@ class RecordPublisher:
             self._sockets[f"{LOOPBACK}:{port}"] = socket
             self.labels[port] = {COMPLETION_EVENTS_PORT_LABEL: str(published)}
         self._encoder = msgspec.msgpack.Encoder()
-        self._seq = 0
-        self.sent = 0
+        self.sent = 0  #: records sent so far (also each batch's sequence number)
 
     def __call__(self, headers: Mapping[str, str]) -> None:
         key = headers.get(REQUEST_ID_HEADER)
@@ -441,10 +441,9 @@ class RecordPublisher:
             return  # not routed by an EPP that keys its requests (the direct twin, a peer)
         now = time.time()
         record = CompletionRecord(key, 200, 8, 1, 0, now)
-        self._seq += 1
-        payload = self._encoder.encode(CompletionBatch(now, [record]))
-        socket.send_multipart((TOPIC, self._seq.to_bytes(8, "big"), payload))
         self.sent += 1
+        payload = self._encoder.encode(CompletionBatch(now, [record]))
+        socket.send_multipart((TOPIC, encode_seq(self.sent), payload))
 
     def close(self) -> None:
         self._context.destroy(linger=0)

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
@@ -160,6 +161,21 @@ async def channel_for() -> AsyncIterator[Callable[[Epp], grpc.aio.Channel]]:
 def set_headers(response: pb.ProcessingResponse, side: str = "request_headers") -> dict[str, str]:
     mutation = getattr(response, side).response.header_mutation
     return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+async def route_buffered(
+    stream: Stream, items: dict[str, str], payload: bytes
+) -> tuple[pb.ProcessingResponse, str]:
+    """One request as Envoy sends it with a buffered body and no response body to the
+    EPP (``engine`` accounting): the headers' answer and the routed request's key."""
+    opening = headers(items)
+    opening.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED
+    opening.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
+    await stream.send(opening)
+    (headers_answer,) = await stream.recv(1)
+    await stream.send(body(payload))
+    (answer,) = await stream.recv(1)
+    return headers_answer, set_headers(answer, "request_body")["x-infergate-request-id"]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from infergate.epp.types import Endpoint
 
 from infergate.wire.completions import CompletionRecord
 
-from .conftest import Stream, body, eventually, headers, set_headers
+from .conftest import Stream, body, eventually, headers, route_buffered, set_headers
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 A = Endpoint("127.0.0.1", 18001)
@@ -133,17 +133,6 @@ def _reporting(endpoint: Endpoint, port: int = 1) -> Endpoint:
     return Endpoint(endpoint.address, endpoint.port, ((COMPLETION_EVENTS_PORT_LABEL, str(port)),))
 
 
-async def _key_of_pick(stream: Stream, **header_fields: str) -> tuple[pb.ProcessingResponse, str]:
-    """Open a buffered request, send its body: the headers answer and the request's key."""
-    message = buffered_headers({**POST, **header_fields})
-    message.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
-    await stream.send(message)
-    (headers_answer,) = await stream.recv(1)
-    await stream.send(body(_completion()))
-    (answer,) = await stream.recv(1)
-    return headers_answer, set_headers(answer, "request_body")["x-infergate-request-id"]
-
-
 async def test_response_headers_are_skipped_when_every_endpoint_reports(
     epp_factory, channel_for
 ) -> None:
@@ -152,7 +141,7 @@ async def test_response_headers_are_skipped_when_every_endpoint_reports(
     record arrives, with the record's status and tokens."""
     epp = await epp_factory(static_endpoints=[_reporting(A), _reporting(B)])
     stream = Stream(channel_for(epp))
-    headers_answer, key = await _key_of_pick(stream)
+    headers_answer, key = await route_buffered(stream, POST, _completion())
     mode = headers_answer.mode_override
     assert mode.response_header_mode == processing_mode_pb2.ProcessingMode.SKIP
     assert mode.request_body_mode == processing_mode_pb2.ProcessingMode.BUFFERED

@@ -11,29 +11,15 @@ import time
 
 import msgspec
 import zmq
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL, MAX_FRAME
 from infergate.epp.types import Endpoint
 
 from infergate.wire.completions import TOPIC, CompletionBatch, CompletionRecord
+from infergate.wire.kv_events import encode_seq
 
-from .conftest import Stream, body, eventually, headers, set_headers
+from .conftest import Stream, eventually, route_buffered
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
-
-
-async def _routed_key(channel) -> str:
-    """A buffered request routed and its stream ended (its response headers skipped)."""
-    stream = Stream(channel)
-    opening = headers(POST)
-    opening.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED
-    opening.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
-    await stream.send(opening)
-    await stream.recv(1)
-    await stream.send(body(b'{"model":"m","prompt":"hi"}'))
-    (answer,) = await stream.recv(1)
-    await stream.close()
-    return set_headers(answer, "request_body")["x-infergate-request-id"]
 
 
 def _batch(*records: CompletionRecord) -> bytes:
@@ -50,12 +36,14 @@ async def test_garbage_on_the_feed_is_dropped_and_records_still_end_requests(
     try:
         endpoint = Endpoint("127.0.0.1", 18401, ((COMPLETION_EVENTS_PORT_LABEL, str(port)),))
         epp = await epp_factory(static_endpoints=[endpoint])
-        key = await _routed_key(channel_for(epp))
+        stream = Stream(channel_for(epp))
+        _, key = await route_buffered(stream, POST, b'{"model":"m","prompt":"hi"}')
+        await stream.close()  # its response headers skipped: it waits for its record
         await eventually(lambda: key in epp.ext_proc.awaiting, timeout=10)
         seq = iter(range(1, 1 << 30))
 
         def send(payload: bytes) -> None:
-            publisher.send_multipart((TOPIC, next(seq).to_bytes(8, "big"), payload))
+            publisher.send_multipart((TOPIC, encode_seq(next(seq)), payload))
 
         garbage = [b"", b"\xff" * 10, msgspec.msgpack.encode({"records": 1}), b"[1, 2"]
         stranger = _batch(CompletionRecord("not-routed-here", 200, 1, 1, 0, 1.0))

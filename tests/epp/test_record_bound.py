@@ -18,7 +18,7 @@ from infergate.epp.types import Endpoint
 
 from infergate.procs import free_port, http_ready
 
-from .conftest import Stream, body, eventually, headers, response_headers
+from .conftest import Stream, body, eventually, headers, response_headers, route_buffered
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 
@@ -39,23 +39,13 @@ async def _awaited_response(epp, channel) -> str:
     return key
 
 
-async def _skipped_response(epp, channel) -> str:
+async def _skipped_response(channel) -> str:
     """Route one buffered request whose response headers the EPP skips, then end the
     stream without a response (Envoy's 503 after a failed upstream): its key."""
     stream = Stream(channel)
-    opening = headers(POST)
-    opening.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED
-    opening.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
-    await stream.send(opening)
-    (headers_answer,) = await stream.recv(1)
+    headers_answer, key = await route_buffered(stream, POST, b'{"model":"tiny","prompt":"hi"}')
     skip = processing_mode_pb2.ProcessingMode.SKIP
     assert headers_answer.mode_override.response_header_mode == skip
-    await stream.send(body(b'{"model":"tiny","prompt":"hi"}'))
-    (answer,) = await stream.recv(1)
-    key = {
-        h.header.key: h.header.raw_value.decode()
-        for h in answer.request_body.response.header_mutation.set_headers
-    }["x-infergate-request-id"]
     await stream.close()
     return key
 
@@ -115,7 +105,7 @@ async def test_a_lost_record_is_bounded_by_the_engines_counts(
 
     # 4. Response headers skipped (buffered body) and the upstream failed: no status, no
     #    record; the counts give it up as well.
-    key = await _skipped_response(epp, channel_for(epp))
+    key = await _skipped_response(channel_for(epp))
     await eventually(lambda: key in epp.ext_proc.awaiting, timeout=10)
     assert state.in_flight_requests == 1
     await eventually(lambda: key not in epp.ext_proc.awaiting, timeout=20)
