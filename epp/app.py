@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -351,9 +352,24 @@ def _native_installed() -> bool:
     return True
 
 
+def freeze_heap() -> None:
+    """Move everything alive after start-up out of the garbage collector's reach.
+
+    Why: a full collection traverses every tracked object, and start-up leaves ~70,000
+    (modules, classes, protobuf descriptors, the config): measured 30-55 ms per full
+    collection under load, a pause every request in flight waits out. Frozen objects are
+    never traversed again (``gc.freeze``, as vLLM does after loading a model); they are
+    still freed by reference counting. A request makes no cyclic garbage
+    (``ExtProcCall.on_close``), so collections stay rare and cover what came later.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 async def run(options: EppOptions) -> None:
     epp = Epp(options)
     await epp.start()
+    freeze_heap()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -434,10 +434,16 @@ class ExtProcCall:
         self.on_close()
 
     def on_close(self) -> None:
-        """The stream is over (finished, reset by Envoy or its connection gone)."""
+        """The stream is over (finished, reset by Envoy or its connection gone).
+
+        Unlinks it from its stream (a cycle otherwise): freed by reference counting, not
+        by the garbage collector, whose collections would then run every few requests
+        and, as their survivors grow, take tens of milliseconds (docs/epp.md, "Memory").
+        """
         if self.closed:
             return
         self.closed = True
+        self.stream.call = None
         if self.timer is not None:
             self.timer.cancel()
         if self.busy is not None:
@@ -517,6 +523,8 @@ class AioCall:
         except Exception:
             log.exception("gRPC call on %s failed", stream.conn.peer)
             stream.finish(_status(grpc.StatusCode.UNKNOWN), "internal error")
+        finally:
+            stream.call = None  # a cycle otherwise (see ExtProcCall.on_close)
 
     def on_message(self, raw: bytes) -> None:
         try:
