@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 from pathlib import Path
@@ -33,6 +32,7 @@ from infergate.epp.datalayer.objectives import (
 from infergate.epp.eds import EndpointDiscovery
 from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.heap import freeze_heap, keep_freed_memory
 from infergate.epp.observability import EppMetrics
 from infergate.epp.options import EppOptions
 from infergate.epp.requestcontrol.director import Director
@@ -352,21 +352,8 @@ def _native_installed() -> bool:
     return True
 
 
-def freeze_heap() -> None:
-    """Move everything alive after start-up out of the garbage collector's reach.
-
-    Why: a full collection traverses every tracked object, and start-up leaves ~70,000
-    (modules, classes, protobuf descriptors, the config): measured 30-55 ms per full
-    collection under load, a pause every request in flight waits out. Frozen objects are
-    never traversed again (``gc.freeze``, as vLLM does after loading a model); they are
-    still freed by reference counting. A request makes no cyclic garbage
-    (``ExtProcCall.on_close``), so collections stay rare and cover what came later.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 async def run(options: EppOptions) -> None:
+    keep_freed_memory()
     epp = Epp(options)
     await epp.start()
     freeze_heap()

@@ -16,7 +16,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from infergate.epp import h2_server
-from infergate.epp.app import freeze_heap
+from infergate.epp.heap import freeze_heap
 from infergate.epp.server import StreamState
 from infergate.epp.types import Endpoint
 

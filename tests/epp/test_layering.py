@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "infergate.epp.tls",
         ),
     ),
-    ("app", ("infergate.epp.app", "infergate.epp.workers")),
+    ("app", ("infergate.epp.app", "infergate.epp.workers", "infergate.epp.heap")),
     ("cli", ("infergate.epp.cli",)),
 ]
 
