@@ -438,7 +438,8 @@ class ExtProcCall:
 
         Unlinks it from its stream (a cycle otherwise): freed by reference counting, not
         by the garbage collector, whose collections would then run every few requests
-        and, as their survivors grow, take tens of milliseconds (docs/epp.md, "Memory and overload").
+        and, as their survivors grow, take tens of milliseconds (docs/epp.md, "Memory
+        and overload").
         """
         if self.closed:
             return
