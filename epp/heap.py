@@ -33,17 +33,22 @@ def keep_freed_memory() -> bool:
     the next request touches fresh pages: measured 140 page faults per 220 KB request at
     100 req/s, 2 with these thresholds. The cost is memory held: at most
     ``TRIM_THRESHOLD`` + ``TOP_PAD`` (48 MiB) of freed heap stays mapped after a burst.
-    False where the C library has no ``mallopt`` or refuses (not glibc): nothing changes.
+    False where the C library has no ``mallopt`` or refuses a parameter (not glibc):
+    what it refused keeps its default.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError):
         return False
-    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    done = all(mallopt(param, value) == 1 for param, value in (*settings, (M_TOP_PAD, TOP_PAD)))
-    if not done:
-        log.debug("mallopt refused the thresholds: malloc keeps its defaults")
-    return done
+    settings = (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (M_TOP_PAD, TOP_PAD),
+    )
+    refused = [param for param, value in settings if mallopt(param, value) != 1]
+    if refused:
+        log.debug("mallopt refused parameters %s: malloc keeps its defaults there", refused)
+    return not refused
 
 
 def freeze_heap() -> None:

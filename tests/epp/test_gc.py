@@ -13,14 +13,12 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from infergate.epp import h2_server
 from infergate.epp.heap import freeze_heap
 from infergate.epp.server import StreamState
 from infergate.epp.types import Endpoint
 
-from .conftest import Stream, body, headers, set_headers
+from .conftest import Stream, body, headers, response_headers, set_headers
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 A = Endpoint("127.0.0.1", 18001)
@@ -43,14 +41,7 @@ async def _one_request(stream: Stream, payload: bytes) -> None:
     await stream.send(headers(POST), body(payload))
     header_response, _ = await stream.recv(2)
     assert set_headers(header_response)["x-gateway-destination-endpoint"] == A.key
-    status = [base_pb2.HeaderValue(key=":status", raw_value=b"200")]
-    await stream.send(
-        pb.ProcessingRequest(
-            response_headers=pb.HttpHeaders(
-                headers=base_pb2.HeaderMap(headers=status), end_of_stream=True
-            )
-        )
-    )
+    await stream.send(response_headers({":status": "200"}, end_of_stream=True))
     await stream.recv(1)
     await stream.close()
 
