@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from infergate.operator.constants import ENVOY_ADMIN_PORT
 from infergate.procs import ProcessGroup, http_ready, tcp_ready
 from infergate.testing.controlplane import Cluster
 from infergate.testing.pods import materialize_config_maps, pod_argv, pod_env
@@ -99,6 +100,18 @@ def _ready_pods(metrics_url: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
+def _envoy_pool_hosts(admin: str) -> int | None:
+    """How many hosts the sidecar Envoy's pool cluster has: what the EPP sent over EDS."""
+    from infergate.envoy.bootstrap import POOL_CLUSTER
+
+    try:
+        with urllib.request.urlopen(f"{admin}/clusters", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    return len(set(re.findall(rf"^{POOL_CLUSTER}::([\d.]+:\d+)::", text, re.M)))
+
+
 def test_epp_discovers_pods_and_routes_through_envoy(
     cluster: Cluster,
     installed: tuple[str, Path],
@@ -168,6 +181,12 @@ def test_epp_discovers_pods_and_routes_through_envoy(
 
     metrics = f"http://{ip}:9090/metrics"
     wait_for(lambda: _ready_pods(metrics) == 2, "the EPP to see both engine pods")
+    # Envoy learns them from the EPP over EDS, on its own schedule: its stream's first try
+    # can fail while the EPP cluster's first health check is pending, and Envoy's
+    # reconnect backoff then runs to seconds, past its 5 s initial fetch timeout (its
+    # listener opens without the pool). Requests before that get "no healthy upstream".
+    admin = f"http://{ip}:{ENVOY_ADMIN_PORT}"  # the pod's loopback is its own IP here
+    wait_for(lambda: _envoy_pool_hosts(admin) == 2, "Envoy to learn both pods over EDS")
     # The gRPC health services its probes name answer what the probes expect.
     liveness = epp["livenessProbe"]["grpc"]
     readiness = epp["readinessProbe"]["grpc"]
