@@ -181,10 +181,10 @@ def test_epp_discovers_pods_and_routes_through_envoy(
 
     metrics = f"http://{ip}:9090/metrics"
     wait_for(lambda: _ready_pods(metrics) == 2, "the EPP to see both engine pods")
-    # Envoy learns them from the EPP over EDS, on its own schedule: its stream's first try
-    # can fail while the EPP cluster's first health check is pending, and Envoy's
-    # reconnect backoff then runs to seconds, past its 5 s initial fetch timeout (its
-    # listener opens without the pool). Requests before that get "no healthy upstream".
+    # Envoy learns them from the EPP over EDS, on its own schedule, and opens its listener
+    # without the pool once its 5 s initial fetch timeout passes; requests before the
+    # endpoints arrive get "no healthy upstream" (CI saw it). Why EDS can take that long
+    # is open: issue 25's note.
     admin = f"http://{ip}:{ENVOY_ADMIN_PORT}"  # the pod's loopback is its own IP here
     wait_for(lambda: _envoy_pool_hosts(admin) == 2, "Envoy to learn both pods over EDS")
     # The gRPC health services its probes name answer what the probes expect.
