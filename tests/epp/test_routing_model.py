@@ -605,3 +605,47 @@ async def test_pinned_costs_replace_the_learned_ones() -> None:
     _, _, cycle = await schedule(ctx, states, "p" * 4000, scorer)  # 1,000 tokens
     (predicted,) = cycle["latency.predicted"].values()
     assert predicted == pytest.approx(0.5 + 1000 * 1e-3, rel=0.02)
+
+
+def _fitted(state: EndpointState, per_token: float, windows: int = 5) -> None:
+    state.cost.base, state.cost.per_token, state.cost.observations = BASE, per_token, windows
+
+
+async def test_fits_within_the_tolerance_of_the_median_predict_alike() -> None:
+    # Identical engines whose fits differ by 2-3 %: with the tolerance, an idle fleet is a
+    # tie (the picker spreads it); without it, the cheapest-looking engine wins every time.
+    for tolerance, alike in ((0.15, True), (0.0, False)):
+        states, ctx, scorer, _ = latency_fleet(3, 10_000, costTolerance=tolerance)
+        for state, per_token in zip(states, (30.0e-6, 30.6e-6, 30.9e-6), strict=True):
+            _fitted(state, per_token)
+        _, _, cycle = await schedule(ctx, states, "q" * 4000, scorer)  # 1,000 cold tokens
+        predicted = [cycle["latency.predicted"][s.key] for s in states]
+        assert (len(set(predicted)) == 1) is alike, (tolerance, predicted)
+        if not alike:
+            assert predicted[0] < predicted[1] < predicted[2]
+
+
+async def test_an_engine_slower_than_the_tolerance_keeps_its_own_cost() -> None:
+    states, ctx, scorer, _ = latency_fleet(3, 10_000)
+    for state, per_token in zip(states, (30e-6, 31e-6, 60e-6), strict=True):
+        _fitted(state, per_token)
+    picked, _, cycle = await schedule(ctx, states, "q" * 4000, scorer)
+    predicted = cycle["latency.predicted"]
+    assert predicted[states[2].key] == pytest.approx(BASE + 60e-6 * 1000, rel=0.02)
+    # The two alike ones are read as their median, 31 µs; the slow one as itself.
+    assert predicted[states[0].key] == pytest.approx(BASE + 31e-6 * 1000, rel=0.02)
+    assert picked != 2
+
+
+async def test_an_endpoint_without_a_fit_is_predicted_with_its_peers_median() -> None:
+    # A new engine still on the prior (50 µs a token) among peers fitted at 30 µs: it is
+    # most likely another of them, not 1.7x slower, so it is not starved while it learns.
+    states, ctx, scorer, _ = latency_fleet(3, 10_000)
+    new = states[2]
+    new.cost = PrefillCost()  # the prior, no window yet
+    assert new.cost.per_token == PRIOR_PER_TOKEN_S
+    for state in states[:2]:
+        _fitted(state, PER_TOKEN)
+    _, _, cycle = await schedule(ctx, states, "q" * 4000, scorer)
+    predicted = cycle["latency.predicted"]
+    assert predicted[new.key] == pytest.approx(predicted[states[0].key])

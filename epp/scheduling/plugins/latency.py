@@ -15,7 +15,15 @@ token there (all times in seconds)::
 * ``base(e)``, ``per_token(e)``: the endpoint's own prefill cost, fitted online from its
   ``vllm:request_prefill_time_seconds`` and prompt/hit token counters
   (:mod:`infergate.epp.prefill_cost`) — a slow engine learns a large
-  ``per_token``.
+  ``per_token``. Compared across the candidates, a fit is read as the candidates'
+  median cost ``m`` when it is within the fit's noise of it (``costTolerance``, τ):
+  ``cost(e) = m`` if ``|c(e)(P) − m(P)| ≤ τ · m(P)``, with ``c(e)(P)`` the fit's seconds
+  for this prompt's ``P`` tokens, and always for an endpoint with no fitted window yet
+  (its prior is a guess; its peers' fits are evidence). Why: on identical engines the
+  fits still differ by a few per cent, and on an idle fleet the cheapest-looking engine
+  won every tie, so it took 2× the requests of another (imbalance 1.24-1.33 on the
+  routing lab's no-sharing workload); an engine really slower than τ keeps its own cost.
+  The prefill clock below advances by the endpoint's own fit: it tracks that engine.
 * ``wait(e)``: prefill work already queued there. The EPP keeps a virtual clock per
   endpoint: routing a request adds ``per_token × uncached`` seconds of work, and the work
   drains at one second per second (an engine works through its prefills at its own pace),
@@ -148,6 +156,13 @@ class PredictedLatencyParams(BaseModel):
     decodeSecondsPerRequest: float = Field(
         0.0002, ge=0, description="Tie-break: added TTFT per running request."
     )
+    costTolerance: float = Field(
+        0.15,
+        ge=0,
+        description="Read an endpoint's learned prefill cost as the candidates' median cost "
+        "when it is within this fraction of it (fit noise on identical engines); 0 keeps "
+        "every endpoint's own fit.",
+    )
     secondsPerToken: float | None = Field(
         None, gt=0, description="Pin the prefill cost per uncached token instead of learning it."
     )
@@ -220,11 +235,12 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         fullness = prefix.occupancy(endpoints) if copying else 0.0
         # The two largest holders: what endpoint e would copy is the best one but itself.
         top = [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
-        for e, free in zip(endpoints, frees, strict=True):
+        costs = self._pooled_costs(endpoints, prompt)
+        for e, free, cost in zip(endpoints, frees, costs, strict=True):
             here = cached.get(e.key, 0.0)
-            ttft, uncached = self._predict_one(e, now, prompt, here, output)
+            ttft, uncached = self._predict_one(e, cost, now, prompt, here, output)
             overflow = max(0.0, uncached - free) if free is not None else 0.0
-            per_token = self._cost(e).per_token
+            per_token = cost.per_token
             if self.p.evictionPenalty > 0:
                 ttft += overflow * per_token * self.p.evictionPenalty * reuse
             if copying:
@@ -239,11 +255,17 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         return out
 
     def _predict_one(
-        self, e: EndpointState, now: float, prompt: float, cached: float, output: float
+        self,
+        e: EndpointState,
+        cost: PrefillCost,
+        now: float,
+        prompt: float,
+        cached: float,
+        output: float,
     ) -> tuple[float, float]:
         """(TTFT seconds without the eviction and staleness terms, uncached tokens) of a
-        ``prompt``-token request of which ``e`` holds ``cached`` (module docstring)."""
-        cost = self._cost(e)
+        ``prompt``-token request of which ``e`` holds ``cached``, at prefill ``cost``
+        (module docstring)."""
         uncached = max(1.0, prompt - cached)
         prefilling = max(
             e.prefill_busy_until - now, e.pending_prefill_seconds(cost.per_token, now), 0.0
@@ -265,6 +287,24 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         if self._pinned is None:
             return e.cost
         return self._pinned
+
+    def _pooled_costs(self, endpoints: Sequence[EndpointState], prompt: float) -> list[PrefillCost]:
+        """Each candidate's cost for this prediction: its own fit, or the candidates'
+        median cost where the fit is within ``costTolerance`` of it or has no window yet
+        (module docstring). The median is taken of the fitted candidates' seconds for a
+        ``prompt``-token prefill (the lower median: one of the fits, never an average)."""
+        costs = [self._cost(e) for e in endpoints]
+        fitted = [c for c in costs if c.observations > 0]
+        if self._pinned is not None or len(costs) < 2 or not fitted:
+            return costs
+        fitted.sort(key=lambda c: c.seconds(prompt))
+        median = fitted[(len(fitted) - 1) // 2]
+        reference = median.seconds(prompt)
+        band = self.p.costTolerance * reference
+        return [
+            median if c.observations == 0 or abs(c.seconds(prompt) - reference) <= band else c
+            for c in costs
+        ]
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
