@@ -150,7 +150,12 @@ def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
     pool = config["static_resources"]["clusters"][1]
     assert pool["type"] == "EDS"
     source = pool["eds_cluster_config"]["eds_config"]["api_config_source"]
-    assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": EPP_CLUSTER}}]
+    (service,) = source["grpc_services"]
+    assert service["envoy_grpc"]["cluster_name"] == EPP_CLUSTER
+    # Redialled within a second, not Envoy's default backoff of up to 30 s
+    # (tests/e2e/test_epp_starts_late.py shows the difference with a real Envoy).
+    backoff = service["envoy_grpc"]["retry_policy"]["retry_back_off"]
+    assert backoff == {"base_interval": "0.25s", "max_interval": "1s"}
     policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     assert policy["typed_config"]["override_host_sources"] == [{"header": DESTINATION_HEADER}]
