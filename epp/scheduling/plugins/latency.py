@@ -294,16 +294,17 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         (module docstring). The median is taken of the fitted candidates' seconds for a
         ``prompt``-token prefill (the lower median: one of the fits, never an average)."""
         costs = [self._cost(e) for e in endpoints]
-        fitted = [c for c in costs if c.observations > 0]
-        if self._pinned is not None or len(costs) < 2 or not fitted:
+        if self._pinned is not None or len(costs) < 2:
             return costs
-        fitted.sort(key=lambda c: c.seconds(prompt))
-        median = fitted[(len(fitted) - 1) // 2]
-        reference = median.seconds(prompt)
-        band = self.p.costTolerance * reference
+        seconds = [c.seconds(prompt) if c.observations > 0 else -1.0 for c in costs]
+        fitted = sorted((t, i) for i, t in enumerate(seconds) if t >= 0.0)
+        if not fitted:
+            return costs
+        reference, at = fitted[(len(fitted) - 1) // 2]
+        median, band = costs[at], self.p.costTolerance * reference
         return [
-            median if c.observations == 0 or abs(c.seconds(prompt) - reference) <= band else c
-            for c in costs
+            median if t < 0.0 or abs(t - reference) <= band else c
+            for c, t in zip(costs, seconds, strict=True)
         ]
 
     def score(
