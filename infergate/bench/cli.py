@@ -248,7 +248,10 @@ def routing(
         "in parts; the list is in docs/benchmarks.md).",
     ),
     output_dir: Path = typer.Option(
-        Path("routing-lab"), "--output-dir", help="Where results.json and the plots go."
+        Path("routing-lab"),
+        "--output-dir",
+        help="Where results.json, the plots, each EPP's metrics and each row's per-request "
+        "TTFTs (requests-WORKLOAD-RATE-ROUTER.json) go.",
     ),
     model: Path | None = typer.Option(
         None,
@@ -288,8 +291,9 @@ def routing(
     front (Envoy round robin / least request, sglang-router cache_aware, the EPP with GIE's
     or infergate's default profile, or your EndpointPickerConfig), sends the workload, and
     prints TTFT/E2E percentiles, output throughput, the engines' real prefix-cache hit
-    rate, load imbalance and how late the simulated steps ran. Writes results.json and one
-    PNG per workload (TTFT p90 and throughput vs rate) to --output-dir. Use it as a what-if
+    rate, load imbalance and how late the simulated steps ran. Writes results.json, one
+    PNG per workload (TTFT p90 and throughput vs rate) and, per row, each request's prompt
+    tokens and TTFT in the workload's order to --output-dir. Use it as a what-if
     simulator before changing scorer weights in production.
     """
     from rich.console import Console

@@ -54,6 +54,13 @@ def test_lab_compares_routers_on_fresh_fleets(infergate_cli: list[str], tmp_path
     (epp_metrics,) = out.glob("epp-metrics-tight-prefix-8-epp-infergate.txt")
     assert "infergate_epp_endpoint_prefill_seconds_per_token" in epp_metrics.read_text()
     assert (out / "routing-tight-prefix.png").stat().st_size > 0
+    # Per request, in the workload's order, so two routers' files pair up request by request.
+    files = [out / f"requests-tight-prefix-8-{name}.json" for name in rows]
+    per_request = [json.loads(path.read_text()) for path in files]
+    for requests in per_request:
+        assert len(requests["ttft_s"]) == len(requests["prompt_tokens"]) == 24
+        assert all(t > 0 for t in requests["ttft_s"]) and not any(requests["error"])
+    assert per_request[0]["prompt_tokens"] == per_request[1]["prompt_tokens"]
     assert "TTFT p90" in result.stdout
 
 

@@ -14,6 +14,7 @@ means this machine could not keep the simulation faithful and the row is flagged
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -214,9 +215,10 @@ def run_one(
             killer.cancel()
             assert stack.workdir is not None
             result.failed_before_engine = _failed_before_engine(stack.workdir / "envoy.log")
+        spec.output_dir.mkdir(parents=True, exist_ok=True)
+        safe = re.sub(r"[^A-Za-z0-9_.@-]+", "_", result.router)
+        _write_requests(spec.output_dir / f"requests-{workload.name}-{rate:g}-{safe}.json", report)
         if stack.epp is not None:  # keep what the EPP learned, for a person to read
-            spec.output_dir.mkdir(parents=True, exist_ok=True)
-            safe = re.sub(r"[^A-Za-z0-9_.@-]+", "_", result.router)
             name = f"epp-metrics-{workload.name}-{rate:g}-{safe}.txt"
             with urllib.request.urlopen(stack.epp_metrics_url, timeout=5.0) as response:
                 (spec.output_dir / name).write_bytes(response.read())
@@ -224,6 +226,22 @@ def run_one(
         stack.stop()
     _fill(result, report, before, after)
     return result
+
+
+def _write_requests(path: Path, report: dict[str, Any]) -> None:
+    """Each request's prompt tokens, TTFT and error, in the workload's order (the same
+    seed sends the same requests to every router, so rows pair up across files). TTFT
+    less the prefill a request's length needs is the part routing decides: how one
+    router's tail differs from another's is read from these, not from percentiles.
+    Open-loop workloads only: a session workload's turns depend on earlier answers."""
+    if "ttfts" not in report:
+        return
+    rows = {
+        "prompt_tokens": report["input_lens"],
+        "ttft_s": report["ttfts"],
+        "error": report["errors"],
+    }
+    path.write_text(json.dumps(rows))
 
 
 async def _drive(
