@@ -354,9 +354,9 @@ UPSTREAM_IDLE_S = 4.0
 #: How Envoy redials the EPP's EDS stream (``EnvoyGrpc.retry_policy``, which xDS streams
 #: honour): every 0.25-1 s. Envoy's own default backs off exponentially from 0.5 s to 30 s,
 #: so an Envoy that came up before its EPP (a pod whose sidecar starts first, an EPP
-#: rollout) learnt the pool 14.6 s after the EPP was ready, serving 503 "no healthy
-#: upstream" meanwhile; with this, 0.9 s (an Envoy started ~19 s before its EPP, both
-#: measured). A redial is one TCP connect to the EPP's port: cheap, even for many Envoys.
+#: rollout) learnt the pool 10-21 s after the EPP was ready, serving 503 "no healthy
+#: upstream" meanwhile; with this, 0.5-1.0 s (Envoy started 18-31 s before its EPP; both
+#: measured, docs/benchmarks.md). A redial is one TCP connect to the EPP's port: cheap, even for many Envoys.
 #: (``GrpcService.retry_policy`` is not this: it retries the stream's opening call.)
 EDS_RECONNECT: dict[str, Any] = {
     "retry_back_off": {"base_interval": "0.25s", "max_interval": "1s"}

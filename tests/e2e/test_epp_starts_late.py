@@ -1,9 +1,9 @@
 """An Envoy that starts before its EPP learns the pool soon after the EPP is ready.
 
 The sidecar Envoy's EDS stream to the EPP fails while the EPP is down and is redialled
-with a backoff. With Envoy's default (0.5 s doubling to 30 s) an Envoy up ~20 s before its
-EPP learnt the pool 14.6 s after the EPP was ready, answering 503 "no healthy upstream"
-until then; the bootstrap's ``EDS_RECONNECT`` bounds the redial to 1 s.
+with a backoff. With Envoy's default (0.5 s doubling to 30 s) an Envoy up 18-31 s before
+its EPP learnt the pool 10-21 s after the EPP was ready, answering 503 "no healthy
+upstream" until then; the bootstrap's ``EDS_RECONNECT`` bounds the redial to 1 s.
 """
 
 from __future__ import annotations
