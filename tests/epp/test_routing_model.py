@@ -304,9 +304,9 @@ def test_predicted_latency_params_are_validated() -> None:
     for bad in (-1, "lots"):
         with pytest.raises(ValueError, match="duplicationPenalty"):
             REGISTRY["predicted-latency-scorer"].Params.model_validate({"duplicationPenalty": bad})
-    for bad in (-0.1, "high"):
+    for wrong in (-0.1, "high"):
         with pytest.raises(ValueError, match="costTolerance"):
-            REGISTRY["predicted-latency-scorer"].Params.model_validate({"costTolerance": bad})
+            REGISTRY["predicted-latency-scorer"].Params.model_validate({"costTolerance": wrong})
     with pytest.raises(ValueError, match=r"Extra inputs are not permitted"):
         REGISTRY["predicted-latency-scorer"].Params.model_validate({"weightz": 1})
 
