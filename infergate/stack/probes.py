@@ -54,12 +54,18 @@ def engines_idle(engine_urls: list[str]) -> bool:
     return True
 
 
+def envoy_cluster_hosts(admin_url: str, cluster: str) -> dict[str, str]:
+    """The hosts Envoy (admin at ``admin_url``) has in ``cluster``: {host:port: health flags}."""
+    text = httpx.get(f"{admin_url}/clusters", timeout=5).text
+    hosts: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith(f"{cluster}::") and "::health_flags::" in line:
+            host, flags = line.split("::")[1], line.rsplit("::", 1)[1]
+            hosts[host] = flags
+    return hosts
+
+
 def envoy_cluster_healthy(admin_url: str, cluster: str) -> bool:
     """Whether Envoy (admin at ``admin_url``) counts every host of ``cluster`` healthy."""
-    text = httpx.get(f"{admin_url}/clusters", timeout=5).text
-    flags = [
-        line.rsplit("::", 1)[1]
-        for line in text.splitlines()
-        if line.startswith(f"{cluster}::") and "::health_flags::" in line
-    ]
+    flags = envoy_cluster_hosts(admin_url, cluster).values()
     return bool(flags) and all(flag == "healthy" for flag in flags)

@@ -16,6 +16,7 @@ import httpx
 from infergate.envoy.bootstrap import POOL_CLUSTER
 from infergate.envoy.process import start_envoy
 from infergate.stack.local import LocalStack, StackSpec
+from infergate.stack.probes import envoy_cluster_hosts, wait_for
 
 #: How long Envoy runs alone: long enough for the default backoff to reach ~8-16 s.
 ALONE_S = 12.0
@@ -26,12 +27,7 @@ DEADLINE_S = 6.0
 
 
 def _pool_hosts(admin: str) -> set[str]:
-    text = httpx.get(f"{admin}/clusters", timeout=5).text
-    return {
-        line.split("::")[1]
-        for line in text.splitlines()
-        if line.startswith(f"{POOL_CLUSTER}::") and "::health_flags::" in line
-    }
+    return set(envoy_cluster_hosts(admin, POOL_CLUSTER))
 
 
 def test_envoy_started_first_learns_the_pool_once_the_epp_is_up(
@@ -59,10 +55,11 @@ def test_envoy_started_first_learns_the_pool_once_the_epp_is_up(
         assert refused.status_code >= 500  # FailClose: no EPP, no pick
 
         stack.start_epp(0)
-        ready = time.monotonic()
-        while _pool_hosts(admin) != set(stack.engine_addresses):
-            assert time.monotonic() - ready < DEADLINE_S, "Envoy did not redial the EPP's EDS"
-            time.sleep(0.05)
+        wait_for(
+            lambda: _pool_hosts(admin) == set(stack.engine_addresses),
+            DEADLINE_S,
+            "Envoy to redial the EPP's EDS and learn both engines",
+        )
         served = httpx.post(f"{stack.base_url}/v1/completions", json=request, timeout=30)
         assert served.status_code == 200, served.text
         assert served.json()["choices"][0]["text"]

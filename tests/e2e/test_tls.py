@@ -18,6 +18,7 @@ from infergate.envoy.bootstrap import EPP_CLUSTER
 from infergate.envoy.process import start_envoy
 from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec
+from infergate.stack.probes import envoy_cluster_healthy
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +54,7 @@ def _completion(base_url: str) -> httpx.Response:
 
 
 def _epp_healthy(admin_port: int) -> bool:
-    text = httpx.get(f"http://127.0.0.1:{admin_port}/clusters", timeout=5).text
-    flags = [
-        line
-        for line in text.splitlines()
-        if line.startswith(f"{EPP_CLUSTER}::") and "::health_flags::" in line
-    ]
-    return bool(flags) and all(line.endswith("::healthy") for line in flags)
+    return envoy_cluster_healthy(f"http://127.0.0.1:{admin_port}", EPP_CLUSTER)
 
 
 def test_tls_epp_behind_tls_envoy_routes(tls_stack: LocalStack) -> None:
