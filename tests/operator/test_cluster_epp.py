@@ -103,13 +103,12 @@ def _ready_pods(metrics_url: str) -> float | None:
 def _envoy_pool_hosts(admin: str) -> int | None:
     """How many hosts the sidecar Envoy's pool cluster has: what the EPP sent over EDS."""
     from infergate.envoy.bootstrap import POOL_CLUSTER
+    from infergate.stack.probes import envoy_cluster_hosts
 
     try:
-        with urllib.request.urlopen(f"{admin}/clusters", timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
+        return len(envoy_cluster_hosts(admin, POOL_CLUSTER))
+    except httpx.HTTPError:
         return None
-    return len(set(re.findall(rf"^{POOL_CLUSTER}::([\d.]+:\d+)::", text, re.M)))
 
 
 def test_epp_discovers_pods_and_routes_through_envoy(
