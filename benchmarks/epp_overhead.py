@@ -22,7 +22,9 @@ fed by the EPP, gRPC health checks) for infergate's. EPPs under test:
 
 Per rate, ``--rounds`` rounds; each round loads every path once for ``--seconds`` with
 the same seeded Poisson arrivals, in an order rotated per round, so machine load hits
-all paths alike. Figures, median over rounds: added p50/p99 (path minus direct twin);
+all paths alike. Figures, median over rounds: added p50/p99 (path minus direct twin),
+with the lowest and highest single round's next to each (ranges of two EPPs that overlap
+mean their difference is within the noise between rounds);
 CPU per request from /proc for the EPP process (and its children), minus its idle
 CPU (measured in the same run while the other paths are loaded) and the load
 average during the rate. ``--sustain-clients N`` then runs N closed-loop clients per EPP
@@ -304,6 +306,14 @@ def run_rate(run: Run, rate: float, body: dict[str, Any], args: argparse.Namespa
             )
 
 
+def _spread(path: list[float], direct: list[float]) -> str:
+    """The lowest and highest added latency of single rounds (a round's path minus that
+    round's direct twin): two EPPs whose ranges overlap differ by less than the noise
+    between rounds on this machine."""
+    added = [p - d for p, d in zip(path, direct, strict=False)]
+    return f"{min(added):.2f}..{max(added):.2f}" if len(added) > 1 else "-"
+
+
 def report(run: Run, rate: float, loads: tuple[float, float]) -> list[str]:
     direct = run.paths[0]
     lines = []
@@ -313,7 +323,8 @@ def report(run: Run, rate: float, loads: tuple[float, float]) -> list[str]:
         cpu = f"{statistics.median(path.own_cpu):.2f}" if path.own_cpu else "-"
         idle = path.idle_cpu_s / path.idle_wall_s if path.idle_wall_s else 0.0
         lines.append(
-            f"{rate:>6.0f} {path.name:>14} {path.ok:>6}/{path.sent:<6} {p50:>8.2f} {p99:>8.2f} "
+            f"{rate:>6.0f} {path.name:>14} {path.ok:>6}/{path.sent:<6} {p50:>8.2f} "
+            f"{_spread(path.p50, direct.p50):>12} {p99:>8.2f} {_spread(path.p99, direct.p99):>12} "
             f"{cpu:>9} {idle:>9.3f}   {loads[0]:.1f}-{loads[1]:.1f}"
         )
     return lines
@@ -397,10 +408,13 @@ def main() -> None:
         if run.records is not None:
             print(f"completion records published: {run.records.sent}")
             run.records.close()
-    print("\nadded latency = path minus direct twin (median of rounds); CPU minus idle")
     print(
-        f"{'rate':>6} {'EPP':>14} {'ok/sent':>13} {'p50 +ms':>8} {'p99 +ms':>8} "
-        f"{'CPU ms/req':>9} {'idle cores':>9}   load"
+        "\nadded latency = path minus direct twin (median of rounds; rounds: the lowest and "
+        "highest single round's); CPU minus idle"
+    )
+    print(
+        f"{'rate':>6} {'EPP':>14} {'ok/sent':>13} {'p50 +ms':>8} {'rounds':>12} {'p99 +ms':>8} "
+        f"{'rounds':>12} {'CPU ms/req':>9} {'idle cores':>9}   load"
     )
     print("\n".join(out))
     if sustain:
