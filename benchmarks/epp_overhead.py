@@ -37,6 +37,8 @@ EPPs then run as with real engines: requests end at their record, and a buffered
 skips the response headers (docs/epp.md, "Skipped response headers"). Other EPPs get no
 records (their requests carry no key).
 
+``--api chat`` sends chat bodies to ``/v1/chat/completions`` instead.
+
     .venv/bin/python benchmarks/epp_overhead.py --prompt-bytes 2048 --rates 100,300 --seconds 10 --rounds 3 \\
         --variant 'aio:' --variant 'sync:--grpc-server sync' [--peer-binary /tmp/llm-d-epp]
 """
@@ -89,6 +91,22 @@ class Lane:
     sent: int = 0
     idle_cpu_s: float = 0.0  # EPP CPU while other paths were loaded
     idle_wall_s: float = 0.0
+
+
+API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def request_body(api: str, prompt_bytes: int) -> dict[str, Any]:
+    """The load's body: :func:`body_of_size`'s, or for ``chat`` the same prompt as the
+    user's message after a short system message (what agents send)."""
+    body = body_of_size(prompt_bytes)
+    if api != "chat":
+        return body
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": body["prompt"]},
+    ]
+    return {key: value for key, value in body.items() if key != "prompt"} | {"messages": messages}
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str], list[str]]:
@@ -200,7 +218,7 @@ class Run:
             self.tmp / f"envoy-{name}.yaml",
             name=f"envoy-{name}",
         )
-        return f"http://{LOOPBACK}:{listen}/v1/completions"
+        return f"http://{LOOPBACK}:{listen}{API_PATHS[self.args.api]}"
 
     def add_infergate(self, text: str) -> None:
         name, env, flags = parse_variant(text)
@@ -355,6 +373,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoints", type=int, default=4)
     parser.add_argument("--prompt-bytes", type=int, default=2048, help="0: a 7-byte prompt")
     parser.add_argument(
+        "--api",
+        default="completions",
+        choices=sorted(API_PATHS),
+        help="the body's API: a completions 'prompt', or chat 'messages' (a system and a "
+        "user message, the prompt's bytes in the user's)",
+    )
+    parser.add_argument(
         "--accounting",
         default="engine",
         choices=["engine", "observer", "body", "none"],
@@ -384,10 +409,10 @@ def main() -> None:
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}; {args.endpoints} endpoints, accounting "
-        f"{args.accounting}, prompt {args.prompt_bytes} B, {args.rounds} rounds x "
+        f"{args.accounting}, {args.api} prompt {args.prompt_bytes} B, {args.rounds} rounds x "
         f"{args.seconds:g} s per path" + (", completion records published" if args.records else "")
     )
-    body = body_of_size(args.prompt_bytes)
+    body = request_body(args.api, args.prompt_bytes)
     out = []
     with ProcessGroup() as group, tempfile.TemporaryDirectory() as tmp:
         run = Run(group, Path(tmp), args)

@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from infergate.epp.compact_json import compact_json
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.objectives import OBJECTIVE_HEADER, ObjectiveStore
 from infergate.epp.flowcontrol.controller import (
@@ -150,7 +151,7 @@ class Director:
             if target and target != request.model:
                 request.target_model = target
                 body["model"] = target
-                body_out = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+                body_out = compact_json(body)
                 rewritten = True
         request.objective = request.headers.get(OBJECTIVE_HEADER, "")
         request.priority = self.objectives.priority(request.objective)

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import msgspec
+from infergate.epp.compact_json import compact_json
 from infergate.epp.types import (
     ANTHROPIC_MESSAGES_API,
     CHAT_API,
@@ -85,7 +86,7 @@ _APIS = {
 def _line(**fields: str) -> str:
     """One rendered conversation item: compact JSON of string fields, in a fixed order,
     so the same item renders to the same bytes on every turn that repeats it."""
-    return json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
+    return compact_json(fields).decode()
 
 
 def _string_field(item: dict[str, Any], key: str, param: str) -> str:

@@ -52,6 +52,22 @@ COMPLETION = json.dumps(
         "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
     }
 )
+CHAT_COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
+)
 METRICS = (
     "# TYPE vllm:num_requests_waiting gauge\n"
     f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
@@ -80,6 +96,10 @@ def static_upstream_config(ports: Sequence[int], admin_port: int) -> dict[str, A
         {"match": {"prefix": "/metrics"}, **_direct(200, METRICS, "text/plain; version=0.0.4")},
         {"match": {"prefix": "/health"}, **_direct(200, "", "text/plain")},
         {"match": {"prefix": "/v1/completions"}, **_direct(200, COMPLETION, "application/json")},
+        {
+            "match": {"prefix": "/v1/chat/completions"},
+            **_direct(200, CHAT_COMPLETION, "application/json"),
+        },
     ]
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network."

@@ -24,7 +24,7 @@ EPP_DIR = Path(__file__).resolve().parents[2] / "epp"
 #: Lowest first. Entries are module names or packages (a package covers its submodules).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("wire", ("infergate.wire", "infergate.options")),
-    ("types", ("infergate.epp.types", "infergate.epp.prefill_cost")),
+    ("types", ("infergate.epp.types", "infergate.epp.prefill_cost", "infergate.epp.compact_json")),
     ("observability", ("infergate.epp.observability", "infergate.epp.loop_histogram")),
     ("datalayer", ("infergate.epp.datalayer",)),
     ("flowcontrol", ("infergate.epp.flowcontrol",)),

@@ -38,7 +38,6 @@ replicas must share the scorer's block size (one config), or the hashes do not m
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+from infergate.epp.compact_json import compact_json
 from infergate.epp.framework.requestcontrol import (
     PrepareData,
     PreRequest,
@@ -106,11 +106,13 @@ class PrefixParams(BaseModel):
     autoTune: bool = True  # accepted for GIE compatibility; the block size stays fixed here
 
 
-def _prompt_text(request: InferenceRequest) -> str:
+def _prompt_source(request: InferenceRequest) -> str | bytes:
+    """The prefix key's text: chat messages as compact JSON (already UTF-8 bytes, from
+    :func:`~infergate.epp.compact_json.compact_json`), else the prompt or rendered conversation."""
     body = request.body or {}
     messages = body.get("messages")
     if isinstance(messages, list) and request.api not in RENDERED_APIS:
-        return json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
+        return compact_json(messages)
     return request.prompt_text
 
 
@@ -120,7 +122,8 @@ def prompt_bytes(request: InferenceRequest) -> bytes:
 
     Lone surrogates (valid JSON escapes, not valid UTF-8) are replaced, never raised on.
     """
-    return _prompt_text(request).encode("utf-8", "replace")
+    source = _prompt_source(request)
+    return source if isinstance(source, bytes) else source.encode("utf-8", "replace")
 
 
 def prompt_head(request: InferenceRequest, limit: int) -> tuple[bytes, int]:
@@ -130,10 +133,12 @@ def prompt_head(request: InferenceRequest, limit: int) -> tuple[bytes, int]:
     characters, and ``str.isascii`` reads a flag CPython keeps): a 220 KB prompt is
     hashed over 16 KB, and encoding the rest was 6 % of the EPP's CPU per request.
     """
-    text = _prompt_text(request)
-    if text.isascii():
-        return text[: max(0, limit)].encode("ascii"), len(text)
-    data = text.encode("utf-8", "replace")
+    source = _prompt_source(request)
+    if isinstance(source, bytes):
+        return source[: max(0, limit)], len(source)
+    if source.isascii():
+        return source[: max(0, limit)].encode("ascii"), len(source)
+    data = source.encode("utf-8", "replace")
     return data[: max(0, limit)], len(data)
 
 
