@@ -84,10 +84,14 @@ def decode_batch(payload: bytes) -> CompletionBatch:
     return msgspec.msgpack.decode(payload, type=CompletionBatch)
 
 
-def encode_prefix(hashes: Sequence[int]) -> str:
-    """The header value for a prompt's leading block hashes (at most MAX_PREFIX_HASHES)."""
-    head = hashes[:MAX_PREFIX_HASHES]
-    packed = struct.pack(f"<{len(head)}Q", *head)
+def encode_prefix(hashes: bytes | Sequence[int]) -> str:
+    """The header value for a prompt's leading block hashes (at most MAX_PREFIX_HASHES),
+    given as ints or already packed (little-endian u64s, as the EPP's index keeps them)."""
+    if isinstance(hashes, bytes):
+        packed = hashes[: MAX_PREFIX_HASHES * 8]
+    else:
+        head = hashes[:MAX_PREFIX_HASHES]
+        packed = struct.pack(f"<{len(head)}Q", *head)
     return base64.urlsafe_b64encode(packed).rstrip(b"=").decode("ascii")
 
 

@@ -94,9 +94,9 @@ async def test_a_replica_learns_what_another_routed() -> None:
     # The other replica has never seen the prompt: nothing cached anywhere.
     assert (await _route(other, ds_b, prompt))["prefix.matches"] == {}
     # The engine echoes the header's hashes in its admission record.
-    assert other.learn("10.0.0.2:8000", decode_prefix(header)) == len(cycle["prefix.hashes"])
+    assert other.learn("10.0.0.2:8000", decode_prefix(header)) == cycle["prefix.blocks"]
     matches = (await _route(other, ds_b, prompt))["prefix.matches"]
-    assert matches == {"10.0.0.2:8000": len(cycle["prefix.hashes"])}
+    assert matches == {"10.0.0.2:8000": cycle["prefix.blocks"]}
 
 
 async def test_bad_or_foreign_admission_records_add_nothing_and_floods_stay_bounded() -> None:

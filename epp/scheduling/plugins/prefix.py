@@ -39,6 +39,7 @@ replicas must share the scorer's block size (one config), or the hashes do not m
 from __future__ import annotations
 
 import logging
+import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ from infergate.epp.types import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 
-from infergate.wire.completions import encode_prefix, prefix_hashes
+from infergate.wire.completions import MAX_PREFIX_HASHES, encode_prefix
 from infergate.wire.names import PREFIX_HEADER
 
 try:  # native/prefix_index, built by `pip install` where cargo is (setup.py)
@@ -142,22 +143,39 @@ def prompt_head(request: InferenceRequest, limit: int) -> tuple[bytes, int]:
     return data[: max(0, limit)], len(data)
 
 
-def block_hashes(
+def packed_block_hashes(
     model: str, cache_salt: str, data: bytes, block_chars: int, max_blocks: int
-) -> list[int]:
+) -> bytes:
     """Chained xxh64 hashes of ``data`` cut into ``block_chars`` blocks (last one partial):
     ``h[i] = xxh64(block[i] ‖ le64(h[i-1]))`` from ``h[-1] = xxh64(model ‖ cache_salt)``,
-    over the first ``max_blocks`` blocks. Native where built (same values)."""
+    over the first ``max_blocks`` blocks, packed as little-endian u64s (8 bytes a block).
+
+    Packed because that is how the index takes them and how the prefix header sends them:
+    no Python int per hash on the request path. Native where built (same values)."""
     if block_chars <= 0 or len(data) < block_chars:
-        return []
+        return b""
     seed = (model + cache_salt).encode("utf-8", "replace")
     if native is not None:
         return native.block_hashes(seed, data, block_chars, max(0, max_blocks))
     return python_block_hashes(seed, data, block_chars, max_blocks)
 
 
-def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: int) -> list[int]:
-    """:func:`block_hashes` without the native module."""
+def block_hashes(
+    model: str, cache_salt: str, data: bytes, block_chars: int, max_blocks: int
+) -> list[int]:
+    """:func:`packed_block_hashes` as ints."""
+    return unpack_hashes(packed_block_hashes(model, cache_salt, data, block_chars, max_blocks))
+
+
+def unpack_hashes(packed: bytes) -> list[int]:
+    """Packed little-endian u64s as ints (``ValueError`` unless whole u64s)."""
+    if len(packed) % 8:
+        raise ValueError(f"packed hashes are whole little-endian u64s; got {len(packed)} bytes")
+    return list(struct.unpack(f"<{len(packed) // 8}Q", packed))
+
+
+def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: int) -> bytes:
+    """:func:`packed_block_hashes` without the native module."""
     data = data[: block_chars * max_blocks]
     previous = xxhash.xxh64_intdigest(seed)
     hashes: list[int] = []
@@ -166,7 +184,12 @@ def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: 
             data[start : start + block_chars] + previous.to_bytes(8, "little")
         )
         hashes.append(previous)
-    return hashes
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def _ints(hashes: bytes | Sequence[int]) -> Sequence[int]:
+    """The index's methods take packed hashes or ints, as the native index does."""
+    return unpack_hashes(hashes) if isinstance(hashes, bytes) else hashes
 
 
 class PythonPrefixIndex:
@@ -199,7 +222,8 @@ class PythonPrefixIndex:
     def capacity_of(self, server: str) -> int:
         return self._capacities.get(server, self.capacity)
 
-    def add(self, server: str, hashes: Sequence[int]) -> None:
+    def add(self, server: str, hashes: bytes | Sequence[int]) -> None:
+        hashes = _ints(hashes)
         lru = self._servers.setdefault(server, OrderedDict())
         capacity = self.capacity_of(server)
         for h in hashes:
@@ -225,8 +249,9 @@ class PythonPrefixIndex:
         lru = self._servers.get(server)
         return lru.get(h) if lru is not None else None
 
-    def last_uses(self, server: str, hashes: Sequence[int]) -> list[int]:
+    def last_uses(self, server: str, hashes: bytes | Sequence[int]) -> list[int]:
         """:meth:`last_use` of each hash, 0 where ``server`` does not hold it."""
+        hashes = _ints(hashes)
         lru: Mapping[int, int] = self._servers.get(server) or {}
         return [lru.get(h, 0) for h in hashes]
 
@@ -243,7 +268,8 @@ class PythonPrefixIndex:
             dropped += 1
         return dropped
 
-    def remove(self, server: str, hashes: Sequence[int]) -> None:
+    def remove(self, server: str, hashes: bytes | Sequence[int]) -> None:
+        hashes = _ints(hashes)
         lru = self._servers.get(server)
         if lru is None:
             return
@@ -257,8 +283,9 @@ class PythonPrefixIndex:
             self._discard(h, server)
         self._capacities.pop(server, None)
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, hashes: bytes | Sequence[int]) -> dict[str, int]:
         """Per server, how many leading blocks of ``hashes`` it holds (0 omitted)."""
+        hashes = _ints(hashes)
         matches: dict[str, int] = {}
         alive: set[str] | None = None
         for i, h in enumerate(hashes):
@@ -291,7 +318,7 @@ class Prediction:
     server: str
     model: str
     chars: int
-    hashes: list[int]
+    hashes: bytes  # packed (:func:`packed_block_hashes`)
     matched: int  # leading blocks predicted cached there
     #: Last-use sequence number of the first block predicted cached beyond each position
     #: (``seqs[i]``: block i's entry before this request refreshed it).
@@ -378,11 +405,14 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
     ) -> None:
         data, length = prompt_head(request, self.block_chars * self.max_blocks)
         model = request.target_model or request.model
-        hashes = block_hashes(model, request.cache_salt, data, self.block_chars, self.max_blocks)
+        hashes = packed_block_hashes(
+            model, request.cache_salt, data, self.block_chars, self.max_blocks
+        )
         matches = self.index.match(hashes) if hashes else {}
         cycle["prefix.chars"] = length
         cycle["prefix.tokens"] = self.calibration.tokens(model, length)
-        cycle["prefix.hashes"] = hashes
+        cycle["prefix.hashes"] = hashes  # packed: 8 bytes a block
+        cycle["prefix.blocks"] = len(hashes) // 8
         cycle["prefix.matches"] = matches
         cycle["prefix.max_match"] = max(matches.values(), default=0)
         cycle["prefix.cached_tokens"] = {
@@ -390,28 +420,27 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
         }
         if hashes:
             self.lookups += 1
-            self.total_blocks += len(hashes)
+            self.total_blocks += len(hashes) // 8
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> list[float]:
-        hashes = cycle.get("prefix.hashes") or []
-        if not hashes:
+        total: int = cycle.get("prefix.blocks") or 0
+        if not total:
             return [0.0] * len(endpoints)
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
-        total = len(hashes)
         return [matches.get(e.key, 0) / total for e in endpoints]
 
     def pre_request(
         self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
     ) -> None:
-        hashes: list[int] = cycle.get("prefix.hashes") or []
+        hashes: bytes = cycle.get("prefix.hashes") or b""
         primary = result.primary
         if primary is None:
             return
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
         matched = matches.get(primary.key, 0)
-        seqs = self.index.last_uses(primary.key, hashes[:matched])
+        seqs = self.index.last_uses(primary.key, hashes[: matched * 8])
         prediction_chars = int(cycle.get("prefix.chars", 0))
         request.notes[NOTE] = Prediction(
             primary.key,
@@ -424,7 +453,7 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
         if not hashes:
             return
         self.hit_blocks += matched
-        cycle["prefix.hit_ratio"] = matched / len(hashes)
+        cycle["prefix.hit_ratio"] = matched / (len(hashes) // 8)
         cycle["prefix.hit_bytes"] = min(matched * self.block_chars, prediction_chars)
         self.refresh_capacity(primary, request.target_model or request.model)
         self.index.add(primary.key, hashes)
@@ -436,11 +465,13 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
         ``prefix``); returns how many. Unknown endpoints and malformed input add nothing."""
         if self._datastore.get(endpoint_key) is None:
             return 0
-        hashes = prefix_hashes(packed)[: self.max_blocks]
+        if len(packed) % 8 or len(packed) > MAX_PREFIX_HASHES * 8:
+            return 0  # not whole hashes, or more than a header may carry
+        hashes = packed[: self.max_blocks * 8]
         if hashes:
             self.index.add(endpoint_key, hashes)
-            self.learned_blocks += len(hashes)
-        return len(hashes)
+            self.learned_blocks += len(hashes) // 8
+        return len(hashes) // 8
 
     def request_admitted(
         self, request: InferenceRequest, result: SchedulingResult, prompt_tokens: int
