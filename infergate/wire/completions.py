@@ -105,13 +105,21 @@ def decode_prefix(value: bytes | str) -> bytes:
         packed = base64.urlsafe_b64decode(raw + b"=" * (-len(raw) % 4))
     except (binascii.Error, ValueError):
         return b""
-    if len(packed) % 8 or len(packed) > MAX_PREFIX_HASHES * 8:
-        return b""
-    return packed
+    return packed if is_packed_prefix(packed) else b""
+
+
+def is_packed_prefix(packed: bytes) -> bool:
+    """Whether ``packed`` is whole little-endian u64s, no more than a header may carry."""
+    return not len(packed) % 8 and len(packed) <= MAX_PREFIX_HASHES * 8
+
+
+def unpack_hashes(packed: bytes) -> list[int]:
+    """Packed little-endian u64s as ints (``ValueError`` unless whole u64s)."""
+    if len(packed) % 8:
+        raise ValueError(f"packed hashes are whole little-endian u64s; got {len(packed)} bytes")
+    return list(struct.unpack(f"<{len(packed) // 8}Q", packed))
 
 
 def prefix_hashes(packed: bytes) -> list[int]:
     """The hashes of a record's ``prefix`` (empty when its length is not whole hashes)."""
-    if len(packed) % 8 or len(packed) > MAX_PREFIX_HASHES * 8:
-        return []
-    return list(struct.unpack(f"<{len(packed) // 8}Q", packed))
+    return unpack_hashes(packed) if is_packed_prefix(packed) else []

@@ -64,7 +64,7 @@ from infergate.epp.types import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 
-from infergate.wire.completions import MAX_PREFIX_HASHES, encode_prefix
+from infergate.wire.completions import encode_prefix, is_packed_prefix, unpack_hashes
 from infergate.wire.names import PREFIX_HEADER
 
 try:  # native/prefix_index, built by `pip install` where cargo is (setup.py)
@@ -165,13 +165,6 @@ def block_hashes(
 ) -> list[int]:
     """:func:`packed_block_hashes` as ints."""
     return unpack_hashes(packed_block_hashes(model, cache_salt, data, block_chars, max_blocks))
-
-
-def unpack_hashes(packed: bytes) -> list[int]:
-    """Packed little-endian u64s as ints (``ValueError`` unless whole u64s)."""
-    if len(packed) % 8:
-        raise ValueError(f"packed hashes are whole little-endian u64s; got {len(packed)} bytes")
-    return list(struct.unpack(f"<{len(packed) // 8}Q", packed))
 
 
 def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: int) -> bytes:
@@ -465,8 +458,8 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
         ``prefix``); returns how many. Unknown endpoints and malformed input add nothing."""
         if self._datastore.get(endpoint_key) is None:
             return 0
-        if len(packed) % 8 or len(packed) > MAX_PREFIX_HASHES * 8:
-            return 0  # not whole hashes, or more than a header may carry
+        if not is_packed_prefix(packed):
+            return 0
         hashes = packed[: self.max_blocks * 8]
         if hashes:
             self.index.add(endpoint_key, hashes)
