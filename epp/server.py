@@ -478,12 +478,17 @@ class StreamState:
         self.decision = decision
         self.phase = Phase.ROUTED
         self.server.count("routed")
+        # GIE's two carriers, each in the form its consumers parse: the header names the
+        # primary pick alone (an ORIGINAL_DST cluster keyed on it dials exactly one
+        # address), the envoy.lb metadata the ordered list, primary first (override_host
+        # walks it on retries).
         destination = decision.destination
+        primary = destination.split(",", 1)[0]
         self.key = self.server.new_key()
         self.server.routed[self.key] = self
         headers = {
             **decision.result.request_headers,
-            DESTINATION_HEADER: destination,
+            DESTINATION_HEADER: primary,
             REQUEST_ID_HEADER: self.key,
             # The objective's priority for the engine's scheduler, in vLLM's convention
             # (lower first); always set, so a client's own copy never gets through.

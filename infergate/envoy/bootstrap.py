@@ -11,21 +11,24 @@ Why each piece is there:
   buffering. That body mode requires the matching trailer mode to be SEND. Because the
   EPP answers the request-headers message only after the last body chunk, the per-message
   timeout must cover the client's upload, hence seconds, not Envoy's 200 ms default.
-* The picked endpoint arrives as the ``x-gateway-destination-endpoint`` header (and the
-  same value as dynamic metadata in namespace ``envoy.lb``). The pool cluster uses Envoy's
-  ``override_host`` policy, which dials the first endpoint of that list and, on a retry
-  (connect failure, refused stream, reset before the request went out), the next one —
-  GIE's fallback list. ``override_host`` only dials hosts its cluster has, so the cluster
-  learns the pool's endpoints from the EPP itself over EDS (the EPP serves it on the
-  ext-proc port), and keeps the last set if the EPP dies. (DESIGN.md's ORIGINAL_DST
-  cluster dials any address but cannot honour the fallback list or fail open.) The
+* The EPP's pick arrives in GIE's two carriers, each in a form its readers parse: the
+  ``x-gateway-destination-endpoint`` header names the primary pick alone (one
+  ``ip:port``), and dynamic metadata ``envoy.lb`` / ``x-gateway-destination-endpoint``
+  holds the ordered list (``ip:port,ip:port,…``, primary first). The pool cluster uses
+  Envoy's ``override_host`` policy reading that metadata: it dials the first endpoint of
+  the list and, on a retry (connect failure, refused stream, reset before the request
+  went out), the next one — GIE's fallback list. ``override_host`` only dials hosts its
+  cluster has, so the cluster learns the pool's endpoints from the EPP itself over EDS
+  (the EPP serves it on the ext-proc port), and keeps the last set if the EPP dies. The
   header is stripped from client requests first, so a client can never choose an
   upstream itself.
 * ``upstream="original_dst"`` swaps that pool cluster for the one GIE's and llm-d-router's
   reference configs use: an ``ORIGINAL_DST`` cluster that dials whatever address the
-  ``x-gateway-destination-endpoint`` header names (one address: a fallback list in the
-  header fails the request, 503 UH, on Envoy 1.40; no EDS). It exists so an external EPP that does not serve EDS (the routing lab's
-  ``external-epp`` peer) runs behind this same listener and filter chain.
+  ``x-gateway-destination-endpoint`` header names (one address, which is why the EPP
+  puts only its primary there: Envoy 1.40 fails a list in that header with 503 UH; no
+  EDS, no fallback, no fail-open). It exists so an external EPP that does not serve EDS
+  (the routing lab's ``external-epp`` peer) runs behind this same listener and filter
+  chain, and to prove the EPP serves behind GIE's reference configuration.
 * Only requests that carry a pick in the ``envoy.lb`` metadata (which, unlike a header,
   only the EPP can set) take the retrying route. The rest (the EPP was unreachable and
   ``failure_mode_allow`` let the request through) are balanced least-request over a static
@@ -104,7 +107,8 @@ REQUEST_BODY_MODES = {"streamed": "FULL_DUPLEX_STREAMED", "buffered": "BUFFERED"
 UPSTREAM_HOST_HEADER = "x-infergate-upstream-host"
 """Debug response header: the upstream Envoy really dialled (``%UPSTREAM_HOST%``)."""
 PICKED_HEADER = "x-infergate-picked-endpoint"
-"""Debug response header: the EPP's pick, as it set ``x-gateway-destination-endpoint``."""
+"""Debug response header: the EPP's ordered pick list, as it set it in ``envoy.lb``
+metadata ``x-gateway-destination-endpoint`` (the header of that name holds the first)."""
 EPP_CLUSTER = "infergate_epp"
 EPP_HEALTH_SERVICE = "liveness"
 """gRPC health service the EPP reports SERVING while it runs, on its ext-proc port too."""
@@ -369,8 +373,9 @@ def _pool_cluster(
 ) -> dict[str, Any]:
     """The pool's engines, learnt from the EPP over EDS, picked by ``override_host``.
 
-    ``override_host`` dials the EPP's pick (header ``x-gateway-destination-endpoint``,
-    ``ip:port[,ip:port…]``), moves down that list on each retry, and balances
+    ``override_host`` dials the EPP's pick (metadata ``envoy.lb`` /
+    ``x-gateway-destination-endpoint``, ``ip:port[,ip:port…]``), moves down that list on
+    each retry, and balances
     least-request over the known endpoints when a request carries no pick (fail open).
     """
     return {
@@ -421,7 +426,11 @@ def engine_protocol_options(*, http2: bool) -> dict[str, Any]:
 
 def override_host_policy() -> dict[str, Any]:
     """The pool cluster's load balancing: dial the EPP's pick and walk its fallback list
-    on retries; without a pick, least-request over the pool."""
+    on retries; without a pick, least-request over the pool.
+
+    The list is read from dynamic metadata ``envoy.lb`` / ``x-gateway-destination-endpoint``
+    (``ip:port[,ip:port…]``, primary first), where the EPP puts it; the header of the same
+    name holds only the primary, for data planes that dial one address."""
     return {
         "policies": [
             {
@@ -429,8 +438,17 @@ def override_host_policy() -> dict[str, Any]:
                     "name": "envoy.load_balancing_policies.override_host",
                     "typed_config": {
                         "@type": _OVERRIDE_HOST,
-                        # Only the EPP can set it: client copies are stripped first.
-                        "override_host_sources": [{"header": DESTINATION_HEADER}],
+                        # The EPP's ordered list, from the envoy.lb metadata only the EPP
+                        # can set (the header carries just the primary pick; Envoy joins
+                        # every source given, so the header is not listed too).
+                        "override_host_sources": [
+                            {
+                                "metadata": {
+                                    "key": LB_METADATA_NAMESPACE,
+                                    "path": [{"key": DESTINATION_HEADER}],
+                                }
+                            }
+                        ],
                         "fallback_policy": {
                             "policies": [
                                 {
@@ -451,11 +469,11 @@ def override_host_policy() -> dict[str, Any]:
 def _original_dst_cluster(*, connect_timeout_s: float, max_requests: int) -> dict[str, Any]:
     """GIE's reference pool cluster: dial the address in ``x-gateway-destination-endpoint``.
 
-    The header must hold one ``ip:port``: Envoy (1.40) cannot parse GIE's fallback list
-    there and fails the request (503 UH), so an EPP behind this cluster must pick one
-    endpoint (infergate's default profile adds fallbacks; llm-d-router's and GIE's pick
-    one). It dials any address at all: safe here only because client copies of the
-    header are stripped before ext_proc runs.
+    The header must hold one ``ip:port`` (Envoy 1.40 cannot parse a list there: 503 UH).
+    infergate's EPP always sends one there, its primary pick, and puts the fallback list
+    in the ``envoy.lb`` metadata, which this cluster does not read: no fallback on a
+    failed connect here. It dials any address at all: safe here only because client
+    copies of the header are stripped before ext_proc runs.
     """
     return {
         "name": POOL_CLUSTER,
@@ -536,7 +554,8 @@ def _routes(
         headers = [header_value_option(SERVED_HEADER, "%UPSTREAM_HOST%")]
         if debug_headers:
             headers.append(header_value_option(UPSTREAM_HOST_HEADER, "%UPSTREAM_HOST%"))
-            headers.append(header_value_option(PICKED_HEADER, f"%REQ({DESTINATION_HEADER})%"))
+            picked = f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DESTINATION_HEADER})%"
+            headers.append(header_value_option(PICKED_HEADER, picked))
         route["response_headers_to_add"] = headers
     return routes
 

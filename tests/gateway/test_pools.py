@@ -68,7 +68,7 @@ def test_pool_cluster_follows_the_epps_pick() -> None:
     policy = c["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
     assert policy["typed_config"]["override_host_sources"] == [
-        {"header": "x-gateway-destination-endpoint"}
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
     ]
     http = c["typed_extension_protocol_options"][HTTP_OPTIONS]["explicit_http_config"]
     assert "http_protocol_options" in http  # appProtocol unset: HTTP/1.1

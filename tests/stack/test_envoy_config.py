@@ -158,7 +158,10 @@ def test_pool_follows_the_epp_over_eds_and_retries_down_its_list() -> None:
     assert backoff == {"base_interval": "0.25s", "max_interval": "1s"}
     policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
-    assert policy["typed_config"]["override_host_sources"] == [{"header": DESTINATION_HEADER}]
+    # The ordered list comes from the EPP's envoy.lb metadata (the header holds one pick).
+    assert policy["typed_config"]["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}
+    ]
     picked = _routes(config)[0]["route"]
     assert picked["retry_policy"]["num_retries"] == 3
     assert "connect-failure" in picked["retry_policy"]["retry_on"]
