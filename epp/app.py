@@ -218,7 +218,7 @@ class Epp:
         if o.secure_serving:
             from infergate.epp.tls import server_ssl_context
 
-            context, self.certificate = server_ssl_context(o.cert_path)
+            context, self.certificate = server_ssl_context(o.cert_path, o.client_ca_file)
         self._h2 = self._h2_server()
         try:
             self.grpc_port = await self._h2.start(o.host, o.grpc_port, context, o.reuse_port)
@@ -232,7 +232,7 @@ class Epp:
             if o.secure_serving:
                 from infergate.epp.tls import server_credentials
 
-                credentials, self.certificate = server_credentials(o.cert_path)
+                credentials, self.certificate = server_credentials(o.cert_path, o.client_ca_file)
                 self.grpc_port = server.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)
             else:
                 self.grpc_port = server.add_insecure_port(f"{o.host}:{o.grpc_port}")
@@ -283,7 +283,7 @@ class Epp:
         log.info(
             "endpoint picker serving ext-proc (%s) on %s:%d, health on %d, metrics on %d; "
             "%d endpoints",
-            "TLS" if o.secure_serving else "plaintext",
+            ("mutual TLS" if o.client_ca_file else "TLS") if o.secure_serving else "plaintext",
             o.host,
             self.grpc_port,
             self.health_port,

@@ -3,6 +3,7 @@
 from typing import Any, NoReturn
 
 import typer
+from infergate.epp.gie_flags import gie_flags_help
 from infergate.epp.options import EppOptions, parse_duration
 
 from infergate.options import command
@@ -42,10 +43,26 @@ def epp(options: EppOptions) -> None:
     sources = (options.pool_name, options.endpoints_file, options.static_endpoints)
     if sum(bool(source) for source in sources) != 1:
         _fail("give exactly one of --pool-name, --endpoints FILE, --endpoint HOST:PORT")
+    if options.client_ca_file is not None and not options.secure_serving:
+        _fail("--client-ca-file needs --secure-serving (client certificates are a TLS feature)")
     _validate(options)
     if options.workers > 1:
         _run_workers(options)
     _run(options)
+
+
+def gie_args(args: list[str]) -> list[str]:
+    """GIE's and llm-d-router's EPP flags (epp/gie_flags.py) rewritten as ours; a flag
+    asking for what infergate cannot do is a usage error naming it."""
+    from infergate.epp.gie_flags import GieArgsError, normalize
+
+    try:
+        rewritten, notes = normalize(args)
+    except GieArgsError as error:
+        _fail(str(error))
+    for note in notes:
+        typer.echo(f"infergate epp: {note}", err=True)
+    return rewritten
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -99,4 +116,4 @@ def _loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
-epp.__doc__ = HELP
+epp.__doc__ = f"{HELP}\n{gie_flags_help()}\n"

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0}
 
+#: The environment variable that gives the EPP the engines' ``--api-key`` (never a flag:
+#: a command line is visible to every process on the host). The precise-prefix scorer
+#: sends it to the engines' ``/tokenize``; ``infergate up`` and the operator (from the
+#: engines' Secret) set it.
+ENGINE_API_KEY_ENV = "INFERGATE_ENGINE_API_KEY"
+
 
 def seconds(text: str | float) -> float:
     """``0.05``, ``50ms``, ``2s``, ``1m`` → seconds (> 0); GIE's flags take Go durations."""
@@ -166,6 +172,12 @@ class EppOptions:
         "--cert-path",
         default=None,
         help="Directory with tls.crt and tls.key for --secure-serving.",
+    )
+    client_ca_file: Path | None = option(
+        "--client-ca-file",
+        default=None,
+        help="With --secure-serving: require a client certificate signed by this CA (PEM) on "
+        "the ext-proc port (ext-proc, EDS, health): mutual TLS with the gateway.",
     )
     log_level: str = option(
         "--log-level",

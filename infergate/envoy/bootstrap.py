@@ -35,12 +35,15 @@ Why each piece is there:
   fallback cluster when one is given, else over the endpoints the EPP last announced.
 * The EPP cluster speaks TLS when the EPP does (``epp_tls``, GIE's ``--secure-serving``;
   like GIE's gateways it does not verify the EPP's certificate, which is self-signed by
-  default), and is health-checked with gRPC health (service ``liveness``) on the ext-proc
+  default; with ``epp_mtls`` it verifies it against a CA and presents a client
+  certificate, for an EPP run with ``--client-ca-file``), and is health-checked with gRPC health (service ``liveness``) on the ext-proc
   port itself, over the same transport: a TLS mismatch, or a port that accepts TCP but
   does not speak gRPC, shows as unhealthy instead of failing every request. Panic routing
   is off: with FULL_DUPLEX_STREAMED
   bodies Envoy can fail open only before the first body chunk went out, so a dead EPP
   must be known before the request starts, not discovered at connect time.
+* The overload manager bounds Envoy's heap (:func:`overload_manager`): free heap is
+  returned near the bound and new requests are refused at it.
 * On the way back the upstream really used is copied into ``envoy.lb`` as
   ``x-gateway-destination-endpoint-served`` and forwarded to the EPP with the response
   headers, as GIE's protocol asks.
@@ -67,6 +70,7 @@ from infergate.wire.names import (
 
 __all__ = [
     "DESTINATION_HEADER",
+    "ENVOY_MAX_HEAP_BYTES",
     "EPP_CLUSTER",
     "EPP_HEALTH_SERVICE",
     "EPP_STREAM_RETRY",
@@ -80,6 +84,7 @@ __all__ = [
     "UPSTREAMS",
     "UPSTREAM_HOST_HEADER",
     "EnvoyConfig",
+    "EppMutualTls",
     "build_envoy_config",
     "circuit_breakers",
     "duration",
@@ -91,6 +96,7 @@ __all__ = [
     "grpc_protocol_options",
     "header_value_option",
     "is_ip",
+    "overload_manager",
     "override_host_policy",
     "render_envoy_yaml",
     "served_to_metadata_filter",
@@ -110,6 +116,13 @@ PICKED_HEADER = "x-infergate-picked-endpoint"
 """Debug response header: the EPP's ordered pick list, as it set it in ``envoy.lb``
 metadata ``x-gateway-destination-endpoint`` (the header of that name holds the first)."""
 EPP_CLUSTER = "infergate_epp"
+ENVOY_MAX_HEAP_BYTES = 1 << 30
+"""Envoy's heap bound (the overload manager's ``fixed_heap``): 1 GiB, the operator's
+default memory limit for its Envoy containers."""
+SHRINK_HEAP_AT = 0.95
+"""Fraction of the heap bound at which Envoy returns free heap to the kernel."""
+STOP_REQUESTS_AT = 0.98
+"""Fraction of the heap bound at which Envoy answers new requests 503."""
 EPP_HEALTH_SERVICE = "liveness"
 """gRPC health service the EPP reports SERVING while it runs, on its ext-proc port too."""
 POOL_CLUSTER = "infergate_pool"
@@ -119,6 +132,7 @@ _T = "type.googleapis.com/envoy."
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = _T + "extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _UPSTREAM_TLS = _T + "extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+_FIXED_HEAP = "envoy.resource_monitors.fixed_heap"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _HEADER_TO_METADATA = _T + "extensions.filters.http.header_to_metadata.v3.Config"
@@ -613,6 +627,18 @@ _CHOICES = {
 
 
 @dataclass(frozen=True)
+class EppMutualTls:
+    """Files Envoy reads for mutual TLS with the EPP (``infergate.epp.tls``'s bundle):
+    the CA that signed the EPP's certificate, Envoy's client pair, and the name the EPP's
+    certificate must carry."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    server_name: str
+
+
+@dataclass(frozen=True)
 class EnvoyConfig:
     """What :func:`build_envoy_config` builds: one listener in front of an InferencePool.
 
@@ -683,6 +709,11 @@ class EnvoyConfig:
     """With ``request_body_mode="buffered"``, the most Envoy buffers per request (the
     EPP's ``--max-request-body-bytes``, whose default this is)."""
     epp_tls: bool = False
+    epp_mtls: EppMutualTls | None = None
+    """Mutual TLS with the EPP (its ``--client-ca-file``): verify its certificate and
+    present a client one; implies ``epp_tls``."""
+    max_heap_bytes: int = ENVOY_MAX_HEAP_BYTES
+    """The overload manager's heap bound (:func:`overload_manager`)."""
     epp_replicas: Sequence[tuple[str, int]] = ()
     """Further EPP replicas (host, port) beside ``epp_address``: the ext_proc cluster then
     has one endpoint per replica, ejects a replica at its first failed connection and
@@ -747,20 +778,7 @@ def build_envoy_config(config: EnvoyConfig) -> dict[str, Any]:
             ],
             "clusters": _clusters(config),
         },
-        # Quiet the "no overload manager" warning and bound downstream connections.
-        "overload_manager": {
-            "resource_monitors": [
-                {
-                    "name": "envoy.resource_monitors.global_downstream_max_connections",
-                    "typed_config": {
-                        "@type": _T
-                        + "extensions.resource_monitors.downstream_connections.v3."
-                        + "DownstreamConnectionsConfig",
-                        "max_active_downstream_connections": 50000,
-                    },
-                }
-            ]
-        },
+        "overload_manager": overload_manager(config.max_heap_bytes),
     }
     if config.admin_port is not None:
         bootstrap["admin"] = {"address": socket_address(config.admin_address, config.admin_port)}
@@ -889,9 +907,9 @@ def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
         )
     if config.epp_replicas:
         cluster.update(_epp_replica_failover())
-    if config.epp_tls:
+    if config.epp_tls or config.epp_mtls is not None:
         cluster["transport_socket"] = epp_tls_transport_socket(
-            None if is_ip(config.epp_address) else config.epp_address
+            None if is_ip(config.epp_address) else config.epp_address, config.epp_mtls
         )
     return cluster
 
@@ -921,16 +939,80 @@ def epp_health_checks(interval_s: float, check: dict[str, Any]) -> dict[str, Any
     }
 
 
-def epp_tls_transport_socket(sni: str | None) -> dict[str, Any]:
-    """TLS toward an EPP serving ``--secure-serving``; like GIE's gateways it does not
-    verify the certificate (self-signed by default)."""
+def epp_tls_transport_socket(sni: str | None, mutual: EppMutualTls | None = None) -> dict[str, Any]:
+    """TLS toward an EPP serving ``--secure-serving``.
+
+    Without ``mutual``, like GIE's gateways, it does not verify the certificate
+    (self-signed by default). With it, Envoy checks the EPP's certificate against the CA
+    and its name (SAN and SNI ``mutual.server_name``) and presents its own client
+    certificate, which an EPP run with ``--client-ca-file`` requires. ext-proc, EDS and
+    the health checks share this cluster, so all three go over the same mutual TLS.
+    """
+    context: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if mutual is not None:
+        sni = mutual.server_name
+        context["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": mutual.cert_file},
+                "private_key": {"filename": mutual.key_file},
+            }
+        ]
+        context["validation_context"] = {
+            "trusted_ca": {"filename": mutual.ca_file},
+            "match_typed_subject_alt_names": [
+                {"san_type": "DNS", "matcher": {"exact": mutual.server_name}}
+            ],
+        }
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
             "@type": _UPSTREAM_TLS,
-            "common_tls_context": {"alpn_protocols": ["h2"]},
+            "common_tls_context": context,
             **({} if sni is None else {"sni": sni}),
         },
+    }
+
+
+def overload_manager(max_heap_bytes: int, max_connections: int = 50_000) -> dict[str, Any]:
+    """Envoy's overload manager: a heap bound that holds, and a downstream connection cap.
+
+    Why: a flood of large bodies (each held until the EPP answers) grows Envoy's heap,
+    and tcmalloc keeps what it freed. At :data:`SHRINK_HEAP_AT` of ``max_heap_bytes``
+    Envoy hands free heap back to the kernel; at :data:`STOP_REQUESTS_AT` it answers new
+    requests 503 at once rather than grow into the container's OOM kill. The connection
+    cap also quiets Envoy's "no overload manager" warning.
+    """
+    if max_heap_bytes <= 0:
+        raise ValueError(f"max_heap_bytes must be > 0, got {max_heap_bytes}")
+
+    def action(name: str, threshold: float) -> dict[str, Any]:
+        trigger = {"name": _FIXED_HEAP, "threshold": {"value": threshold}}
+        return {"name": name, "triggers": [trigger]}
+
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {
+                "name": _FIXED_HEAP,
+                "typed_config": {
+                    "@type": _T + "extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                    "max_heap_size_bytes": max_heap_bytes,
+                },
+            },
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": _T
+                    + "extensions.resource_monitors.downstream_connections.v3."
+                    + "DownstreamConnectionsConfig",
+                    "max_active_downstream_connections": max_connections,
+                },
+            },
+        ],
+        "actions": [
+            action("envoy.overload_actions.shrink_heap", SHRINK_HEAP_AT),
+            action("envoy.overload_actions.stop_accepting_requests", STOP_REQUESTS_AT),
+        ],
     }
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infergate.envoy.bootstrap import ENVOY_MAX_HEAP_BYTES, overload_manager
 from infergate.gateway.static import runtime_layer
 from infergate.gateway.xds import BIND_ADDRESS_KEY
 
@@ -54,9 +55,6 @@ _T = "type.googleapis.com/envoy."
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = _T + "extensions.filters.http.router.v3.Router"
-_DOWNSTREAM_CONNECTIONS = (
-    _T + "extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
-)
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,8 @@ class GatewayProxy:
     reconnect_base_s: float = 0.25
     reconnect_max_s: float = 5.0
     max_downstream_connections: int = 50_000
+    max_heap_bytes: int = ENVOY_MAX_HEAP_BYTES
+    """The overload manager's heap bound (``infergate.envoy.bootstrap.overload_manager``)."""
     ready_port: int | None = None
     """A listener that answers ``GET /ready`` from the admin API, for the kubelet's
     readiness probe (the admin API itself stays on loopback or a socket)."""
@@ -125,7 +125,10 @@ def build_gateway_bootstrap(proxy: GatewayProxy) -> dict[str, Any]:
             "lds_config": dict(ads),
         },
         "static_resources": {"clusters": [_xds_cluster(proxy)]},
-        "overload_manager": _overload_manager(proxy.max_downstream_connections),
+        # The same heap bound and connection cap as the standalone Envoy's.
+        "overload_manager": overload_manager(
+            proxy.max_heap_bytes, proxy.max_downstream_connections
+        ),
         # The translator's regexes may exceed Envoy's default RE2 program-size limit (100),
         # which would reject a whole route table; it bounds them itself (static.py).
         "layered_runtime": runtime_layer(),
@@ -264,21 +267,6 @@ def _admin(proxy: GatewayProxy) -> dict[str, Any] | None:
     if proxy.admin_port is None:
         return None
     return {"address": _socket(proxy.admin_address, proxy.admin_port)}
-
-
-def _overload_manager(max_connections: int) -> dict[str, Any]:
-    """A cap on downstream connections (also silences Envoy's "unbounded" warning)."""
-    return {
-        "resource_monitors": [
-            {
-                "name": "envoy.resource_monitors.global_downstream_max_connections",
-                "typed_config": {
-                    "@type": _DOWNSTREAM_CONNECTIONS,
-                    "max_active_downstream_connections": max_connections,
-                },
-            }
-        ]
-    }
 
 
 def _socket(address: str, port: int) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 
 from infergate.engine.serve import ServeOptions
-from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
+from infergate.envoy.bootstrap import EnvoyConfig, EppMutualTls, build_envoy_config
 from infergate.envoy.process import start_envoy
-from infergate.epp.options import EppOptions
+from infergate.epp.options import ENGINE_API_KEY_ENV, EppOptions
 from infergate.options import inherit, option
 from infergate.procs import (
     ManagedProcess,
@@ -159,6 +159,17 @@ def resolve_model(model: Path, cache_dir: Path | None = None) -> Path:
 
 def _roles(text: str | None) -> list[str]:
     return [role.strip() for role in text.split(",")] if text else []
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` in ``args`` (``--flag=V`` or ``--flag V``), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+        elif arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+    return value
 
 
 @dataclass
@@ -302,8 +313,8 @@ class StackSpec:
         EppOptions,
         "secure_serving",
         cli_default=True,
-        help="ext-proc over TLS (GIE's default): the EPP serves a self-signed certificate and "
-        "the generated Envoy config dials it with TLS, so the two always match.",
+        help="ext-proc over mutual TLS: one CA issued at start signs the EPP's certificate, "
+        "which Envoy verifies, and Envoy's client certificate, which the EPP requires.",
     )
     """ext-proc over TLS (the EPP's ``--secure-serving``; Envoy's EPP cluster then uses TLS)."""
     envoy_concurrency: int = 1
@@ -491,6 +502,31 @@ class LocalStack:
         return self.workdir / "envoy.yaml"
 
     @property
+    def tls_dir(self) -> Path:
+        """Mutual TLS between Envoy and the EPP (``--secure-serving``): one CA, the EPP's
+        server pair and Envoy's client pair, issued once per work directory."""
+        from infergate.epp import tls
+
+        assert self.workdir is not None, "stack not started"
+        directory = self.workdir / "tls"
+        if not (directory / tls.CLIENT_KEY).exists():
+            tls.write_bundle(directory, tls.mutual_tls_bundle(ip_addresses=[LOOPBACK]))
+        return directory
+
+    def _epp_mtls(self) -> EppMutualTls | None:
+        """The files Envoy needs for :attr:`tls_dir`, or None without TLS."""
+        from infergate.epp import tls
+
+        if not self.spec.secure_serving:
+            return None
+        return EppMutualTls(
+            ca_file=str(self.tls_dir / tls.CA_CERT),
+            cert_file=str(self.tls_dir / tls.CLIENT_CERT),
+            key_file=str(self.tls_dir / tls.CLIENT_KEY),
+            server_name=tls.EPP_SERVER_NAME,
+        )
+
+    @property
     def epp_metrics_url(self) -> str:
         return f"http://{LOOPBACK}:{self.spec.epp_metrics_port}/metrics"
 
@@ -624,6 +660,7 @@ class LocalStack:
             debug_headers=True,
             access_log=self.spec.access_log,
             epp_tls=self.spec.secure_serving,
+            epp_mtls=self._epp_mtls(),
             response_accounting=self.spec.response_accounting,
             request_body_mode=self.spec.request_body_mode,
         )
@@ -690,7 +727,9 @@ class LocalStack:
         if self.spec.objectives_file:
             argv += ["--objectives-file", str(self.spec.objectives_file)]
         if self.spec.secure_serving:
-            argv.append("--secure-serving")
+            tls_dir = self.tls_dir
+            argv += ["--secure-serving", "--cert-path", str(tls_dir)]
+            argv += ["--client-ca-file", str(tls_dir / "ca.crt")]
         argv += list(self.spec.epp_args)
         name = f"epp-{index}" if index else "epp"
         process = self._start(
@@ -700,6 +739,7 @@ class LocalStack:
                 argv,
                 ready=grpc_serving(LOOPBACK, health_port),
                 timeout=self.spec.start_timeout,
+                env=self._epp_env(),
                 log_path=log,
             ),
         )
@@ -709,6 +749,15 @@ class LocalStack:
         if index == 0:
             self.epp = process
         return process
+
+    def _epp_env(self) -> dict[str, str] | None:
+        """The EPP's environment: the engines' API key (``--engine-arg=--api-key=K``, or
+        the engines' own ``INFERGATE_API_KEY``) as ``INFERGATE_ENGINE_API_KEY``, so the
+        precise-prefix scorer's ``/tokenize`` is not refused; None (inherit) without one."""
+        key = _flag_value(self.spec.engine_args, "--api-key") or os.environ.get(
+            "INFERGATE_API_KEY"
+        )
+        return None if not key else {**os.environ, ENGINE_API_KEY_ENV: key}
 
     def stop_epp(self, index: int = 0) -> None:
         process = self.epps[index] if index < len(self.epps) else None
