@@ -58,8 +58,9 @@ def gie_args(args: list[str]) -> list[str]:
 
     try:
         rewritten, notes = normalize(args)
-    except GieArgsError as error:
-        _fail(str(error))
+    except GieArgsError as error:  # before click runs: no typer.Exit handler yet
+        typer.echo(f"infergate epp: {error}", err=True)
+        raise SystemExit(2) from None
     for note in notes:
         typer.echo(f"infergate epp: {note}", err=True)
     return rewritten

@@ -215,6 +215,13 @@ class EppMetrics:
         self.kv_events = Counter(
             "infergate_epp_kv_events", "KV-cache events received, by type.", ["type"], registry=r
         )
+        self.tokenize_errors = Counter(
+            "infergate_epp_tokenize_errors",
+            "Failed POST /tokenize calls to engines (precise prefix), by reason: unauthorized "
+            "(401/403: the engines' API key), http_error, timeout, error, bad_response.",
+            ["reason"],
+            registry=r,
+        )
         self.kv_event_gaps = Counter(
             "infergate_epp_kv_events_gaps",
             "Sequence gaps in an engine's KV events, by result: filled from the engine's "

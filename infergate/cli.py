@@ -60,6 +60,10 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv[:2] == ["engine", "serve"] and not {"-h", "--help"} & set(argv):
         argv = argv[:2] + _vllm_serve_args(argv[2:])
+    if argv[:1] == ["epp"] and not {"-h", "--help"} & set(argv):
+        from infergate.epp.cli import gie_args
+
+        argv = argv[:1] + gie_args(argv[1:])
     app(args=argv)
 
 

@@ -754,9 +754,7 @@ class LocalStack:
         """The EPP's environment: the engines' API key (``--engine-arg=--api-key=K``, or
         the engines' own ``INFERGATE_API_KEY``) as ``INFERGATE_ENGINE_API_KEY``, so the
         precise-prefix scorer's ``/tokenize`` is not refused; None (inherit) without one."""
-        key = _flag_value(self.spec.engine_args, "--api-key") or os.environ.get(
-            "INFERGATE_API_KEY"
-        )
+        key = _flag_value(self.spec.engine_args, "--api-key") or os.environ.get("INFERGATE_API_KEY")
         return None if not key else {**os.environ, ENGINE_API_KEY_ENV: key}
 
     def stop_epp(self, index: int = 0) -> None:

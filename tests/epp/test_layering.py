@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("app", ("infergate.epp.app", "infergate.epp.workers", "infergate.epp.heap")),
-    ("cli", ("infergate.epp.cli",)),
+    ("cli", ("infergate.epp.cli", "infergate.epp.gie_flags")),
 ]
 
 

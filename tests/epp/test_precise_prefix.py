@@ -10,6 +10,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from infergate.epp.config import parse_config
+from infergate.epp.options import ENGINE_API_KEY_ENV
 from infergate.epp.scheduling.plugins.precise_prefix import KV_EVENTS_PORT_LABEL
 from infergate.epp.types import CycleState, Endpoint, InferenceRequest
 
@@ -156,11 +157,17 @@ async def test_real_engine_metrics_events_and_tokenize(
 
 
 async def test_tokenize_carries_the_engines_api_key(
-    processes, infergate_cli, tiny_model, epp_factory, monkeypatch
+    processes, infergate_cli, tiny_model, epp_factory, monkeypatch, caplog
 ) -> None:
-    """An engine started with --api-key refuses /tokenize without the key; the scorer's
-    ``apiKeyEnv`` (the operator fills it from a Secret) makes the EPP send it."""
+    """An engine started with --api-key refuses /tokenize without the key: each refusal is
+    counted (``infergate_epp_tokenize_errors_total{reason="unauthorized"}``) and logged
+    once per endpoint per 30 s. The key comes from ``INFERGATE_ENGINE_API_KEY`` (``up`` and
+    the operator set it) or the variable the scorer's ``apiKeyEnv`` names."""
+    import logging
+
     import httpx
+
+    monkeypatch.delenv(ENGINE_API_KEY_ENV, raising=False)
 
     port = free_port()
     processes.start(
@@ -185,16 +192,30 @@ async def test_tokenize_carries_the_engines_api_key(
         "r", {}, body={"model": "tiny", "prompt": prompt}, target_model="tiny"
     )
 
-    async def hashes(params: str) -> list[int]:
+    async def hashes(params: str, times: int = 1) -> list[int]:
         config = parse_config(CONFIG.replace("{blockSize: 4}", params))
         epp = await epp_factory(static_endpoints=[engine], config=config)
         state = epp.datastore.get(engine.key)
         assert state is not None
-        cycle = CycleState()
-        await epp.scheduler.plugins["precise-prefix-cache-scorer"].prepare(cycle, request, [state])
+        epps.append(epp)
+        for _ in range(times):
+            cycle = CycleState()
+            plugin = epp.scheduler.plugins["precise-prefix-cache-scorer"]
+            await plugin.prepare(cycle, request, [state])
         return list(cycle["precise.hashes"])
 
-    assert await hashes("{blockSize: 16}") == []  # no key: refused, no precise score
+    epps: list = []
+    with caplog.at_level(logging.WARNING, logger="infergate.epp.precise_prefix"):
+        assert await hashes("{blockSize: 16}", times=3) == []  # no key: refused, no score
+    refused_count = epps[0].metrics.registry.get_sample_value(
+        "infergate_epp_tokenize_errors_total", {"reason": "unauthorized"}
+    )
+    assert refused_count == 3
+    lines = [r.getMessage() for r in caplog.records if "/tokenize failed" in r.getMessage()]
+    assert len(lines) == 1 and "HTTP 401" in lines[0] and ENGINE_API_KEY_ENV in lines[0]
+    monkeypatch.setenv(ENGINE_API_KEY_ENV, "s3cret-key")  # what `up` and the operator set
+    assert len(await hashes("{blockSize: 16}")) >= 5
+    monkeypatch.delenv(ENGINE_API_KEY_ENV)
     monkeypatch.setenv("ENGINE_KEY", "wrong")
     assert await hashes("{blockSize: 16, apiKeyEnv: ENGINE_KEY}") == []
     monkeypatch.setenv("ENGINE_KEY", "s3cret-key")

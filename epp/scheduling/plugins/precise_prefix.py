@@ -10,12 +10,18 @@ engine's ``POST /tokenize``, which also applies the chat template, or a local
 ``tokenizer.json`` for plain prompts) and hashes full blocks with the engine's recipe
 (:mod:`infergate.wire.block_hash`); the score is the fraction of the prompt's blocks an
 endpoint holds as a leading run. Unlike the approximate index, evictions are real.
+
+Engines started with ``--api-key`` refuse ``/tokenize`` without it, which would make every
+score 0.0: the key comes from ``INFERGATE_ENGINE_API_KEY`` (``up`` and the operator set
+it), and a failing ``/tokenize`` is logged (once per endpoint every
+:data:`TOKENIZE_LOG_EVERY_S`) and counted in ``infergate_epp_tokenize_errors_total``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ from infergate.epp.datalayer.kv_events import (
     KVEventSubscriptions,
 )
 from infergate.epp.framework.requestcontrol import PrepareData, PreRequest
+from infergate.epp.options import ENGINE_API_KEY_ENV
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +46,9 @@ log = logging.getLogger("infergate.epp.precise_prefix")
 __all__ = ["KV_EVENTS_PORT_LABEL", "KV_EVENTS_REPLAY_PORT_LABEL", "PrecisePrefixCacheScorer"]
 #: ``context.extras`` key: callables(endpoint_key) told when an engine cleared its KV cache.
 CACHE_CLEARED_LISTENERS = "kv_cache_cleared_listeners"
+#: A failing ``/tokenize`` is logged at most this often per endpoint (every failure counts
+#: in the metric): a fleet-wide 401 must be visible without flooding the log.
+TOKENIZE_LOG_EVERY_S = 30.0
 
 
 class PrecisePrefixParams(BaseModel):
@@ -65,7 +75,8 @@ class PrecisePrefixParams(BaseModel):
     apiKeyEnv: str | None = Field(
         None,
         description="Environment variable holding the engines' --api-key; sent as a bearer "
-        "token to their /tokenize (which needs it when the engines have a key).",
+        f"token to their /tokenize (which needs it when the engines have a key). Default: "
+        f"{ENGINE_API_KEY_ENV}, when set.",
     )
     maxPrefixBlocksToMatch: int = Field(1024, ge=1)
     speculativeTTL: float = Field(
@@ -93,6 +104,9 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
         # endpoint is now wrong too.
         self.events.cleared_listeners.extend(context.extras.get(CACHE_CLEARED_LISTENERS, ()))
         self._session: aiohttp.ClientSession | None = None
+        self._metrics: Any = context.extras.get("metrics")
+        #: endpoint key → (when its last failure was logged, failures not logged since).
+        self._failures: dict[str, tuple[float, int]] = {}
         self._local_tokenizer: Any = None
         if self.p.tokenizerPath:
             from tokenizers import Tokenizer
@@ -104,10 +118,10 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
 
     async def start(self) -> None:
         headers = {}
-        if self.p.apiKeyEnv:
-            key = os.environ.get(self.p.apiKeyEnv, "")
-            if not key:
-                log.warning("apiKeyEnv %s is empty: /tokenize will be refused", self.p.apiKeyEnv)
+        key = os.environ.get(self.p.apiKeyEnv or ENGINE_API_KEY_ENV, "")
+        if self.p.apiKeyEnv and not key:
+            log.warning("apiKeyEnv %s is empty: /tokenize will be refused", self.p.apiKeyEnv)
+        if key:
             headers["Authorization"] = f"Bearer {key}"
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=self.p.tokenizeTimeout)
@@ -142,17 +156,49 @@ class PrecisePrefixCacheScorer(PrepareData, Scorer, PreRequest):
             payload["prompt"] = prompt
         else:
             return None
-        url = f"http://{endpoints[0].key}/tokenize"
+        endpoint = endpoints[0].key
         try:
-            async with self._session.post(url, json=payload) as response:
+            async with self._session.post(f"http://{endpoint}/tokenize", json=payload) as response:
                 if response.status != 200:
+                    reason = "unauthorized" if response.status in (401, 403) else "http_error"
+                    self._tokenize_failed(endpoint, reason, f"HTTP {response.status}")
                     return None
                 data = await response.json()
-        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-            log.debug("tokenize via %s failed: %s", url, error)
+        except TimeoutError:
+            self._tokenize_failed(endpoint, "timeout", f"no answer in {self.p.tokenizeTimeout}s")
+            return None
+        except (aiohttp.ClientError, ValueError) as error:
+            self._tokenize_failed(endpoint, "error", f"{type(error).__name__}: {error}")
             return None
         tokens = data.get("tokens") if isinstance(data, dict) else None
-        return tokens if isinstance(tokens, list) else None
+        if not isinstance(tokens, list):
+            self._tokenize_failed(endpoint, "bad_response", "no 'tokens' list in the answer")
+            return None
+        return tokens
+
+    def _tokenize_failed(self, endpoint: str, reason: str, detail: str) -> None:
+        """Count every failure; log one line per endpoint per :data:`TOKENIZE_LOG_EVERY_S`
+        (the request still routes, its precise-prefix score is 0.0 on every endpoint)."""
+        if self._metrics is not None:
+            self._metrics.tokenize_errors.labels(reason).inc()
+        now = time.monotonic()
+        last, quiet = self._failures.get(endpoint, (float("-inf"), 0))
+        if now - last < TOKENIZE_LOG_EVERY_S:
+            self._failures[endpoint] = (last, quiet + 1)
+            return
+        if len(self._failures) > 4096:  # endpoints come and go; the map must not grow
+            self._failures.clear()
+        self._failures[endpoint] = (now, 0)
+        hint = (
+            f": the engines need their --api-key in {self.p.apiKeyEnv or ENGINE_API_KEY_ENV}"
+            if reason == "unauthorized"
+            else ""
+        )
+        log.warning(
+            "POST http://%s/tokenize failed (%s)%s; precise prefix scores 0 for such requests "
+            "(%d more failures on this endpoint since the last line)",
+            endpoint, detail, hint, quiet,
+        )  # fmt: skip
 
     async def prepare(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
