@@ -379,7 +379,9 @@ def build(opts: ServeOptions) -> Any:
         log.info("request defaults from generation_config.json: %s", defaults)
     names = opts.served_model_name or [str(opts.model_dir)]
     config_len = int(cfg.get("max_position_embeddings") or 2048)
-    if opts.max_model_len is not None and opts.max_model_len > config_len:
+    # A simulated engine runs no forward pass: the model is only a tokenizer, and its
+    # position limit does not bind (a replayed trace sets the context it needs).
+    if opts.max_model_len is not None and opts.max_model_len > config_len and not opts.simulate:
         raise ServeError(
             f"--max-model-len {opts.max_model_len} exceeds the model's "
             f"max_position_embeddings ({config_len})"
@@ -470,9 +472,9 @@ def _runner(
 ) -> tuple[Any, int]:
     """The model runner (simulated, or torch on ``--device``) and its max_model_len."""
     if opts.simulate:
-        from infergate.engine.sim_runner import SimulatedRunner, default_num_blocks
+        from infergate.engine.sim_runner import SimulatedRunner
 
-        num_blocks = opts.num_gpu_blocks_override or default_num_blocks(
+        num_blocks = opts.num_gpu_blocks_override or opts.timing.num_blocks(
             opts.block_size, opts.gpu_memory_utilization
         )
         runner = SimulatedRunner(

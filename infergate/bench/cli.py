@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
+from infergate.bench.routing.traces import TraceOptions
+from infergate.options import _parameters, build
+
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from infergate.bench.routing.workloads import Workload
 
 app = typer.Typer(help="Benchmarks that print numbers (never timed tests).", no_args_is_help=True)
@@ -179,7 +186,25 @@ def serve(
         console.print(f"results written to {result_file}", markup=False, soft_wrap=True)
 
 
+def _with_trace_options(run: Callable[..., None]) -> Callable[..., None]:
+    """``run``'s own parameters plus :class:`TraceOptions`'s fields (declared once there),
+    which reach ``run`` as one ``trace_opts`` built from them."""
+    prefix = "trace_opts__"
+    signature = inspect.signature(run, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.name != "trace_opts"]
+    params = [*own, *_parameters(TraceOptions, prefix)]
+
+    def cli(**values: Any) -> None:
+        mine = {k: v for k, v in values.items() if not k.startswith(prefix)}
+        run(**mine, trace_opts=build(TraceOptions, values, prefix))
+
+    cli.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    cli.__name__, cli.__doc__ = run.__name__, run.__doc__
+    return cli
+
+
 @app.command("routing")
+@_with_trace_options
 def routing(
     workload: list[str] = typer.Option(
         ["tight-prefix"],
@@ -284,6 +309,7 @@ def routing(
         help="Also run each multi-replica count with Envoy dialling only the first replica "
         "(the rest run idle): what the extra replicas cost in CPU, apart from their routing.",
     ),
+    trace_opts: TraceOptions | None = None,
 ) -> None:
     """The routing lab: each router on a fresh simulated fleet, same seeded workload.
 
@@ -301,8 +327,10 @@ def routing(
 
     from infergate.bench.routing.lab import LabSpec, run_lab
     from infergate.bench.routing.report import (
+        faithfulness,
         plot,
         plot_regret,
+        print_faithfulness,
         print_regret,
         print_summary,
         row_cells,
@@ -313,7 +341,14 @@ def routing(
     console = Console()
     if not console.is_terminal:  # a log file or CI: no wrapping of the wide table
         console = Console(width=180)
-    chosen, names = _lab_workloads(workload, matrix, cells, rates)
+    trace_opts = trace_opts or TraceOptions()
+    if trace_opts.trace is not None:
+        if matrix is not None or rates:
+            raise typer.BadParameter("a trace sets its own arrivals", param_hint="--matrix/--rates")
+        chosen, names, trace_meta = _trace_workloads(trace_opts, console)
+    else:
+        chosen, names = _lab_workloads(workload, matrix, cells, rates)
+        trace_meta = None
     wanted = router or [*DEFAULT_ROUTERS, *(["external-epp"] if external_epp else [])]
     try:
         routers = [
@@ -356,6 +391,7 @@ def routing(
             console.print(f"bench routing: {error}", style="red", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
     print_summary(results, console)
+    print_faithfulness(results, console)
     meta: dict[str, object] = {
         "engines": engines,
         "seed": seed,
@@ -363,6 +399,8 @@ def routing(
         "workloads": names,
         "routers": [r.name for r in routers],
         "model": str(model) if model else "tiny",
+        "trace": trace_meta,
+        "faithfulness": faithfulness(results),
     }
     write_json(results, output_dir / "results.json", meta)
     if matrix is None:
@@ -372,6 +410,56 @@ def routing(
         heat = plot_regret(results, output_dir)
         plots = [heat] if heat else []
     console.print(f"results: {output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")
+
+
+def _trace_workloads(
+    opts: TraceOptions, console: Console
+) -> tuple[list[Workload], list[str], dict[str, object]]:
+    """The trace's windows as workloads: the given ones, then one per seed (drawn and
+    printed when neither is given), each printed with its seed, requests and ceiling."""
+    from infergate.bench.routing import traces
+
+    assert opts.trace is not None
+    try:
+        trace = traces.read_trace(opts.trace)
+        windows = traces.parse_windows(opts.windows)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--trace/--trace-window") from None
+    seeds = list(opts.seeds)
+    if not windows and not seeds:
+        seeds = [random.SystemRandom().randrange(2**31) for _ in range(opts.count)]
+    windows += [traces.window_for_seed(trace, opts.window_seconds, s) for s in seeds]
+    replay = traces.Replay(opts.speedup, opts.scale, opts.max_output)
+    name = opts.trace.stem
+    chosen: list[Workload] = []
+    described = []
+    for window in windows:
+        try:
+            chosen.append(traces.window_workload(name, trace, window, replay, opts.profile))
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--trace-window/--trace-seed") from None
+        requests = traces.in_window(trace, window)
+        ceiling = traces.prefix_ceiling(requests)
+        seed = f"seed {window.seed}" if window.seed is not None else "given"
+        console.print(
+            f"trace window {window.label} ({seed}): {len(requests)} requests, prefix-hit "
+            f"ceiling {ceiling:.1%}; rerun with --trace-window {window.start_s:g}:"
+            f"{window.seconds:g}",
+            markup=False,
+        )
+        described.append({"start_s": window.start_s, "seconds": window.seconds,
+                          "seed": window.seed, "requests": len(requests),
+                          "prefix_ceiling": ceiling})  # fmt: skip
+    console.print(
+        f"replay: scale {replay.scale:g}, speed-up {replay.speedup:g}, output cap "
+        f"{replay.max_output or 'none'}, engines {opts.profile}",
+        markup=False,
+    )
+    meta: dict[str, object] = {
+        "file": str(opts.trace), "windows": described, "scale": replay.scale,
+        "speedup": replay.speedup, "max_output": replay.max_output, "gpu_profile": opts.profile,
+    }  # fmt: skip
+    return chosen, [w.name for w in chosen], meta
 
 
 def _replica_counts(text: str) -> list[int]:

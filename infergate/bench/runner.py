@@ -24,6 +24,9 @@ class BenchConfig:
     model: str | None = None
     request_rate: float = float("inf")
     burstiness: float = 1.0
+    #: Send offsets (s from the start), one per sample, instead of ``request_rate``'s
+    #: arrivals (a replayed trace's timestamps).
+    arrivals: Sequence[float] | None = None
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = False
@@ -62,13 +65,22 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = config.model or await first_model(session, base)
-        offsets = arrival_times(
-            len(config.samples), config.request_rate, config.burstiness, seed=config.seed
+        offsets = (
+            list(config.arrivals)
+            if config.arrivals is not None
+            else arrival_times(
+                len(config.samples), config.request_rate, config.burstiness, seed=config.seed
+            )
         )
+        if len(offsets) != len(config.samples):
+            raise ValueError(f"{len(offsets)} arrival times for {len(config.samples)} samples")
+        # How late each request left against its arrival time: a client that cannot keep
+        # the schedule (a busy machine) shows here, not as the router's latency.
+        send_lags = [0.0] * len(config.samples)
         gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         bar = tqdm(total=len(config.samples), disable=not config.progress, unit="req")
 
-        async def one(sample: SampleRequest) -> RequestResult:
+        async def one(index: int, sample: SampleRequest) -> RequestResult:
             payload = build_payload(
                 sample,
                 endpoint=config.endpoint,
@@ -77,6 +89,7 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
                 temperature=config.temperature,
                 extra_body=config.extra_body,
             )
+            send_lags[index] = time.perf_counter() - (started + offsets[index])
             if gate is None:
                 result = await send_request(
                     session, url, payload, prompt_len=sample.prompt_len, headers=config.headers
@@ -95,11 +108,11 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
 
         started = time.perf_counter()
         tasks = []
-        for sample, offset in zip(config.samples, offsets, strict=True):
+        for index, (sample, offset) in enumerate(zip(config.samples, offsets, strict=True)):
             delay = started + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(sample)))
+            tasks.append(asyncio.create_task(one(index, sample)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
         bar.close()
@@ -125,4 +138,5 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         "ttfts": [r.ttft for r in results],
         "itls": [r.itl for r in results],
         "errors": [r.error for r in results],
+        "send_lags": send_lags,
     }

@@ -86,6 +86,10 @@ class RunResult:
     prefix_hit_rate: float = 0.0
     imbalance: float = 0.0
     sim_lag: float = 0.0
+    #: How late the client sent its requests against their arrival times (ms, p99 and
+    #: max): the client's own share of unfaithfulness, apart from the engines' ``sim_lag``.
+    send_lag_p99_ms: float = 0.0
+    send_lag_max_ms: float = 0.0
     skipped: str = ""
     lora_loads: float = 0.0  # adapters brought into a slot, all engines (LoRA workloads)
     #: Responses sessions: follow-up turns answered by the engine that served the turn
@@ -240,6 +244,7 @@ def _write_requests(path: Path, report: dict[str, Any]) -> None:
         "prompt_tokens": report["input_lens"],
         "ttft_s": report["ttfts"],
         "error": report["errors"],
+        "send_lag_s": report.get("send_lags", []),
     }
     path.write_text(json.dumps(rows))
 
@@ -276,6 +281,7 @@ async def _drive(
             ignore_eos=True,
             progress=False,
             seed=spec.seed,
+            arrivals=workload.arrivals[: len(samples)] if workload.arrivals else None,
         )
     )
 
@@ -294,6 +300,9 @@ def _fill(
     result.e2e_p50_ms = float(report["median_e2el_ms"])
     result.e2e_p99_ms = float(report["p99_e2el_ms"])
     result.output_tok_s = float(report["output_throughput"])
+    lags = sorted(report.get("send_lags") or [0.0])
+    result.send_lag_p99_ms = 1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+    result.send_lag_max_ms = 1000 * lags[-1]
     result.errors = list(dict.fromkeys(e[:200] for e in report.get("errors", []) if e))[:3]
     if report.get("follow_ups"):
         result.follow_ups_on_holder = report["follow_ups_on_holder"] / report["follow_ups"]

@@ -28,13 +28,14 @@ COLUMNS = (
     ("prefix_hit_rate", "hit rate"),
     ("imbalance", "imbalance"),
     ("sim_lag", "sim lag"),
+    ("send_lag_p99_ms", "send lag p99"),
     ("follow_ups_on_holder", "on holder"),
 )
 
 
 def row_cells(r: RunResult) -> list[str]:
     if r.skipped:
-        return [r.workload, f"{r.rate:g}", r.router, "-", "-", f"skipped: {r.skipped}"] + [""] * 9
+        return [r.workload, f"{r.rate:g}", r.router, "-", "-", f"skipped: {r.skipped}"] + [""] * 10
     lag = f"{r.sim_lag:.1%}" + (" !" if r.lag_warning else "")
     return [
         r.workload,
@@ -52,6 +53,7 @@ def row_cells(r: RunResult) -> list[str]:
         f"{r.prefix_hit_rate:.1%}",
         f"{r.imbalance:.2f}",
         lag,
+        f"{r.send_lag_p99_ms:.0f}",
         "-" if r.follow_ups_on_holder is None else f"{r.follow_ups_on_holder:.1%}",
     ]
 
@@ -84,6 +86,58 @@ def print_summary(results: Sequence[RunResult], console: Console | None = None) 
             f"{LAG_WARNING:.0%} late ('!'): this machine could not keep the engines' timing "
             "model; compare ratios within a run, use fewer engines or a lower rate."
         )
+
+
+#: Rows of one comparison (same workload and rate) whose engines ran later than the
+#: comparison's least-late row by more than this (late ÷ modelled seconds) are flagged:
+#: their TTFT includes the machine's lag, not only the router's decisions.
+LAG_SPREAD_BOUND = 0.05
+#: The same for the client's p99 send lag (ms).
+SEND_LAG_SPREAD_BOUND_MS = 50.0
+
+
+def faithfulness(results: Sequence[RunResult]) -> list[str]:
+    """One line per row whose simulator lateness or client send lag exceeds its
+    comparison's least-late row by more than the stated bounds, naming the row. Rows are
+    kept, not dropped: a router whose own CPU slows the engines beside it (a peer's Go
+    EPP on a small machine) is reported as such, and its TTFT read with that in mind."""
+    lines = []
+    for (workload, rate), rows in _comparisons(results).items():
+        calm = min(rows, key=lambda r: r.sim_lag)
+        for r in rows:
+            if r.sim_lag - calm.sim_lag > LAG_SPREAD_BOUND:
+                lines.append(
+                    f"{workload} @ {rate:g}: the engines ran {r.sim_lag:.1%} late beside "
+                    f"{r.router}, against {calm.sim_lag:.1%} beside {calm.router} (bound "
+                    f"{LAG_SPREAD_BOUND:.0%}): {r.router}'s row is not like for like; its "
+                    "own CPU (or the machine's load during it) slowed the simulated engines"
+                )
+        prompt = min(rows, key=lambda r: r.send_lag_p99_ms)
+        for r in rows:
+            if r.send_lag_p99_ms - prompt.send_lag_p99_ms > SEND_LAG_SPREAD_BOUND_MS:
+                lines.append(
+                    f"{workload} @ {rate:g}: the client sent {r.router}'s requests up to "
+                    f"{r.send_lag_p99_ms:.0f} ms late (p99), against "
+                    f"{prompt.send_lag_p99_ms:.0f} ms for {prompt.router} (bound "
+                    f"{SEND_LAG_SPREAD_BOUND_MS:g} ms)"
+                )
+    return lines
+
+
+def _comparisons(results: Sequence[RunResult]) -> dict[tuple[str, float], list[RunResult]]:
+    groups: dict[tuple[str, float], list[RunResult]] = {}
+    for r in results:
+        if not r.skipped and r.completed:
+            groups.setdefault((r.workload, r.rate), []).append(r)
+    return groups
+
+
+def print_faithfulness(results: Sequence[RunResult], console: Console | None = None) -> None:
+    lines = faithfulness(results)
+    if lines:
+        console = console or Console()
+        for line in lines:
+            console.print(f"unfaithful comparison: {line}", style="yellow", markup=False)
 
 
 def write_json(results: Sequence[RunResult], path: Path, meta: dict[str, object]) -> None:

@@ -54,6 +54,9 @@ class Workload:
     #: "chat" or "responses": the samples are sessions (``group``), sent closed-loop through
     #: that API (:mod:`infergate.bench.routing.sessions`); "": open-loop samples.
     session_api: str = ""
+    #: Send offsets (s) of the samples, in order (a trace's timestamps); empty: Poisson
+    #: (or gamma, ``burstiness``) arrivals at the row's rate.
+    arrivals: tuple[float, ...] = ()
 
 
 def _shared_prefix(groups: int, prefix: int, suffix: int, output: int) -> Builder:
