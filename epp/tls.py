@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # imported where used: the EPP without TLS never loads crypto
 #: gateway's client pair.
 CA_CERT, SERVER_CERT, SERVER_KEY = "ca.crt", "tls.crt", "tls.key"
 CLIENT_CERT, CLIENT_KEY = "client.crt", "client.key"
+BUNDLE_FILES = (CA_CERT, SERVER_CERT, SERVER_KEY, CLIENT_CERT, CLIENT_KEY)
 #: The name every EPP server certificate carries and Envoy checks (its SAN and SNI):
 #: one fixed name, so the check does not depend on how Envoy reaches the EPP (loopback,
 #: a pod IP, a headless Service's DNS name).

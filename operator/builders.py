@@ -8,6 +8,7 @@ it) and carries a hash of itself so a resync can tell "already applied" apart fr
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -79,6 +80,48 @@ def envoy_config_name(pool: PoolSpec) -> str:
     return f"{pool.picker_name}-envoy"
 
 
+def tls_secret_name(pool: PoolSpec) -> str:
+    return f"{pool.picker_name}-tls"
+
+
+def tls_server_names(pool: PoolSpec) -> list[str]:
+    """DNS names the EPP's certificate carries beside ``infergate-epp`` (its Service's)."""
+    service = f"{pool.picker_name}.{pool.namespace}.svc"
+    return [pool.picker_name, service, f"{service}.cluster.local"]
+
+
+def encode_tls_bundle(bundle: dict[str, bytes]) -> dict[str, str]:
+    """A bundle of ``infergate.epp.tls.mutual_tls_bundle`` as a Secret's ``data``."""
+    return {name: base64.b64encode(value).decode() for name, value in sorted(bundle.items())}
+
+
+def build_tls_secret(pool: PoolSpec, tls_data: dict[str, str]) -> Obj:
+    """The pool's TLS material (one CA's certificate, the EPP's server pair, the
+    gateway's client pair; ``tls_data`` is the Secret's base64 ``data``). The reconciler
+    creates it once and never reads or rewrites it (the operator may create Secrets,
+    not read them); it lives as long as the pool."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(pool, tls_secret_name(pool)),
+        "type": "Opaque",
+        "data": dict(tls_data),
+    }
+
+
+def _tls_args(pool: PoolSpec, tls: bool) -> list[str]:
+    """With the pool's TLS Secret the EPP serves its certificate, and requires the
+    standalone Envoy's client certificate (mutual TLS); without, a self-signed one."""
+    if not tls:
+        return []
+    from infergate.epp.tls import CA_CERT
+
+    args = ["--cert-path", c.EPP_TLS_DIR]
+    if pool.standalone_envoy:
+        args += ["--client-ca-file", f"{c.EPP_TLS_DIR}/{CA_CERT}"]
+    return args
+
+
 def build_config_map(pool: PoolSpec, epp_config: str) -> Obj:
     return {
         "apiVersion": "v1",
@@ -141,7 +184,7 @@ def _restricted_security_context() -> Obj:
     }
 
 
-def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
+def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = False) -> Obj:
     args = [
         "epp",
         "--pool-name", pool.name,
@@ -152,6 +195,7 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "--metrics-port", str(c.EPP_METRICS_PORT),
         # GIE's default: gateways (Istio, the sidecar below) reach ext-proc over TLS.
         "--secure-serving",
+        *_tls_args(pool, tls),
         *(
             ["--completion-events-port", str(pool.completion_events_port)]
             if pool.completion_events_port is not None
@@ -193,8 +237,13 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "volumeMounts": [
             {"name": "epp-config", "mountPath": c.EPP_CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *_tls_mount(tls),
         ],
     }
+
+
+def _tls_mount(tls: bool) -> list[Obj]:
+    return [{"name": "tls", "mountPath": c.EPP_TLS_DIR, "readOnly": True}] if tls else []
 
 
 def _engine_api_key_env(pool: PoolSpec) -> list[Obj]:
@@ -206,7 +255,7 @@ def _engine_api_key_env(pool: PoolSpec) -> list[Obj]:
     return [{"name": c.EPP_ENGINE_API_KEY_ENV, "valueFrom": ref}]
 
 
-def build_envoy_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
+def build_envoy_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = False) -> Obj:
     """The standalone-mode proxy: Envoy in the EPP pod, talking ext-proc over loopback."""
     return {
         "name": ENVOY_CONTAINER,
@@ -238,18 +287,27 @@ def build_envoy_container(pool: PoolSpec, settings: OperatorSettings) -> Obj:
         "volumeMounts": [
             {"name": "envoy-config", "mountPath": c.ENVOY_CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *_tls_mount(tls),
         ],
     }
 
 
-def build_deployment(pool: PoolSpec, settings: OperatorSettings, config_hash: str) -> Obj:
-    containers = [build_epp_container(pool, settings)]
+def build_deployment(
+    pool: PoolSpec,
+    settings: OperatorSettings,
+    config_hash: str,
+    tls: bool = False,
+) -> Obj:
+    containers = [build_epp_container(pool, settings, tls)]
     volumes: list[Obj] = [
         {"name": "epp-config", "configMap": {"name": pool.picker_name}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
+    if tls:
+        secret = {"secretName": tls_secret_name(pool), "defaultMode": 0o440}
+        volumes.append({"name": "tls", "secret": secret})
     if pool.standalone_envoy:
-        containers.append(build_envoy_container(pool, settings))
+        containers.append(build_envoy_container(pool, settings, tls))
         volumes.append({"name": "envoy-config", "configMap": {"name": envoy_config_name(pool)}})
     return {
         "apiVersion": "apps/v1",
@@ -362,9 +420,25 @@ def build_pdb(pool: PoolSpec) -> Obj | None:
     }
 
 
-def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
-    """Envoy's bootstrap for the sidecar: ext-proc and EDS from the EPP on loopback."""
-    from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
+def build_envoy_bootstrap(
+    pool: PoolSpec, settings: OperatorSettings | None = None, mutual_tls: bool = False
+) -> Obj:
+    """Envoy's bootstrap for the sidecar: ext-proc and EDS from the EPP on loopback,
+    over mutual TLS with the pool's Secret (``mutual_tls``), its heap bounded below the
+    container's memory limit."""
+    from infergate.epp import tls
+
+    from infergate.envoy.bootstrap import EnvoyConfig, EppMutualTls, build_envoy_config
+
+    settings = settings or OperatorSettings()
+    mtls = None
+    if mutual_tls:
+        mtls = EppMutualTls(
+            ca_file=f"{c.EPP_TLS_DIR}/{tls.CA_CERT}",
+            cert_file=f"{c.EPP_TLS_DIR}/{tls.CLIENT_CERT}",
+            key_file=f"{c.EPP_TLS_DIR}/{tls.CLIENT_KEY}",
+            server_name=tls.EPP_SERVER_NAME,
+        )
 
     return build_envoy_config(
         EnvoyConfig(
@@ -375,6 +449,8 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
             admin_port=c.ENVOY_ADMIN_PORT,
             listen_address="0.0.0.0",
             epp_tls=True,  # the EPP container runs with --secure-serving
+            epp_mtls=mtls,
+            max_heap_bytes=settings.envoy_max_heap_bytes,
             # `observer` unless the pool's engines publish completion records (parse_pool).
             response_accounting=pool.response_accounting,
             # Every replica (the headless Service's DNS), beside the pod's own EPP.
@@ -387,8 +463,10 @@ def build_envoy_bootstrap(pool: PoolSpec) -> Obj:
     )
 
 
-def build_envoy_config_map(pool: PoolSpec) -> Obj:
-    bootstrap = yaml.safe_dump(build_envoy_bootstrap(pool), sort_keys=False)
+def build_envoy_config_map(
+    pool: PoolSpec, settings: OperatorSettings | None = None, mutual_tls: bool = False
+) -> Obj:
+    bootstrap = yaml.safe_dump(build_envoy_bootstrap(pool, settings, mutual_tls), sort_keys=False)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -397,18 +475,26 @@ def build_envoy_config_map(pool: PoolSpec) -> Obj:
     }
 
 
-def desired_objects(pool: PoolSpec, settings: OperatorSettings, epp_config: str) -> list[Obj]:
-    """Everything one pool needs, in apply order, each stamped with its spec hash."""
+def desired_objects(
+    pool: PoolSpec,
+    settings: OperatorSettings,
+    epp_config: str,
+    tls: bool = False,
+) -> list[Obj]:
+    """Everything one pool needs, in apply order, each stamped with its spec hash.
+
+    ``tls``: the pool's TLS Secret (:func:`build_tls_secret`) exists, created by the
+    reconciler; without it the EPP serves a self-signed certificate, unverified."""
     config_map = build_config_map(pool, epp_config)
     objects: list[Obj] = [config_map]
     if pool.standalone_envoy:
-        objects.append(build_envoy_config_map(pool))
+        objects.append(build_envoy_config_map(pool, settings, tls))
     config_hash = digest([o["data"] for o in objects])
     objects += [
         build_service_account(pool),
         build_role(pool),
         build_role_binding(pool),
-        build_deployment(pool, settings, config_hash),
+        build_deployment(pool, settings, config_hash, tls),
         build_service(pool),
     ]
     replicas_service = build_replicas_service(pool)

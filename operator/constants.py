@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from infergate.epp.options import ENGINE_API_KEY_ENV
+
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
 POOL_PLURAL = "inferencepools"
@@ -45,11 +47,11 @@ ANNOTATION_RESPONSE_ACCOUNTING = "infergate.io/response-accounting"
 RESPONSE_ACCOUNTING = ("engine", "observer", "body", "none")
 # The engines' --api-key, for the EPP's calls to their /tokenize: "NAME" or "NAME/KEY",
 # a Secret in the pool's namespace (key default ENGINE_API_KEY_SECRET_KEY). The EPP gets it
-# as the environment variable EPP_ENGINE_API_KEY_ENV; the precise-prefix-cache-scorer reads
-# it with `apiKeyEnv: INFERGATE_ENGINE_API_KEY`.
+# as the environment variable EPP_ENGINE_API_KEY_ENV (a secretKeyRef), which the
+# precise-prefix-cache-scorer reads by default.
 ANNOTATION_ENGINE_API_KEY_SECRET = "infergate.io/engine-api-key-secret"
 ENGINE_API_KEY_SECRET_KEY = "api-key"
-EPP_ENGINE_API_KEY_ENV = "INFERGATE_ENGINE_API_KEY"
+EPP_ENGINE_API_KEY_ENV = ENGINE_API_KEY_ENV
 
 # Annotations and labels the operator puts on what it owns.
 ANNOTATION_SPEC_HASH = "infergate.io/spec-hash"  # hash of the desired object, for no-op resyncs
@@ -69,6 +71,8 @@ ENVOY_ADMIN_PORT = 19000
 
 EPP_CONFIG_KEY = "config.yaml"
 EPP_CONFIG_DIR = "/etc/infergate/epp"
+EPP_TLS_DIR = "/etc/infergate/tls"
+"""The pool's TLS Secret, mounted in the EPP and the standalone Envoy containers."""
 ENVOY_CONFIG_KEY = "envoy.yaml"
 ENVOY_CONFIG_DIR = "/etc/envoy"
 

@@ -14,7 +14,7 @@ from typing import Any
 from infergate.gateway.types import Key, Obj, Snapshot, node_id
 from infergate.operator import constants as c
 from infergate.operator.gateway_objects import ProxyConfig, listener_ports
-from infergate.operator.settings import GatewaySettings
+from infergate.operator.settings import GatewaySettings, OperatorSettings
 
 log = logging.getLogger("infergate.operator.gateway")
 
@@ -101,6 +101,8 @@ def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Obj]
             xds_port=port,
             admin_port=ADMIN_PORT,
             ready_port=ready,
+            # Below the Envoy container's memory limit (gateway_objects), as the sidecar's.
+            max_heap_bytes=OperatorSettings.from_env().envoy_max_heap_bytes,
         )
         args = gateway_proxy_args(f"{c.ENVOY_CONFIG_DIR}/{c.ENVOY_CONFIG_KEY}")
         return ProxyConfig(

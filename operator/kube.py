@@ -41,6 +41,7 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "ConfigMap": Kind("", "v1", "configmaps"),
+    "Secret": Kind("", "v1", "secrets"),
     "ServiceAccount": Kind("", "v1", "serviceaccounts"),
     "Service": Kind("", "v1", "services"),
     "Pod": Kind("", "v1", "pods"),

@@ -13,12 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infergate.epp.config import pd_config
+from infergate.epp.tls import mutual_tls_bundle
 
 from infergate.operator import constants as c
 from infergate.operator import status as st
-from infergate.operator.builders import desired_objects
+from infergate.operator.builders import (
+    build_tls_secret,
+    desired_objects,
+    encode_tls_bundle,
+    tls_secret_name,
+    tls_server_names,
+)
 from infergate.operator.eppconfig import DEFAULT_EPP_CONFIG, InvalidEPPConfig, check_epp_config
-from infergate.operator.kube import OWNED_KINDS, Kube, KubeError
+from infergate.operator.kube import KINDS, OWNED_KINDS, Kube, KubeError
 from infergate.operator.pool import InvalidPool, PoolSpec, parse_pool
 from infergate.operator.settings import OperatorSettings
 
@@ -113,6 +120,31 @@ def resolve_epp_config(kube: Kube, pool: PoolSpec) -> str:
     return str(text)
 
 
+def ensure_tls_secret(kube: Kube, pool: PoolSpec) -> bool:
+    """Create the pool's TLS Secret (one CA, the EPP's server pair, the standalone
+    Envoy's client pair) unless it exists; whether the pods can mount it.
+
+    Create-only (POST; 409 means it is there): the operator's RBAC may create Secrets but
+    never read them, so certificates are issued once per pool and no other Secret is
+    readable to it. Refused (an older chart's RBAC): the EPP keeps its self-signed
+    certificate, and a warning says why.
+    """
+    bundle = mutual_tls_bundle(server_names=tls_server_names(pool))
+    secret = build_tls_secret(pool, encode_tls_bundle(bundle))
+    try:
+        kube.call("POST", KINDS["Secret"].path(pool.namespace), body=secret)
+    except KubeError as error:
+        if error.status == 409:
+            return True
+        log.warning(
+            "pool %s/%s: cannot create Secret %s (HTTP %s); the EPP serves a self-signed "
+            "certificate without client verification",
+            pool.namespace, pool.name, tls_secret_name(pool), error.status,
+        )  # fmt: skip
+        return False
+    return True
+
+
 def prune(kube: Kube, pool: PoolSpec, keep: set[tuple[str, str]], result: Result) -> None:
     """Delete objects this pool owns that the desired set no longer has."""
     for kind in OWNED_KINDS:
@@ -192,7 +224,7 @@ def _converge(
             ),
         ]
 
-    desired = desired_objects(pool, settings, epp_config)
+    desired = desired_objects(pool, settings, epp_config, ensure_tls_secret(kube, pool))
     live_by_key: dict[tuple[str, str], Obj | None] = {}
     conflicts: list[str] = []
     for obj in desired:

@@ -36,6 +36,12 @@ class OperatorSettings:
     #: GIE's conformance suite deploys its reference EPP).
     manage_endpoint_pickers: bool = True
 
+    @property
+    def envoy_max_heap_bytes(self) -> int:
+        """Envoy's overload-manager heap bound: 80 % of its container's memory limit, the
+        rest for what is not heap (as Envoy Gateway does)."""
+        return int(memory_bytes(self.envoy_memory_limit) * 0.8)
+
     @classmethod
     def from_env(cls) -> OperatorSettings:
         base = cls()
@@ -55,6 +61,29 @@ class OperatorSettings:
 
 
 MANAGE_EPP_ENV = "INFERGATE_MANAGE_ENDPOINT_PICKERS"
+
+_QUANTITY_SUFFIXES = {
+    "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+}  # fmt: skip
+
+
+def memory_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``512Mi``, ``1Gi``, ``1G``, ``1048576``) in bytes."""
+    text = quantity.strip()
+    for suffix, scale in _QUANTITY_SUFFIXES.items():
+        if text.endswith(suffix) and text[: -len(suffix)]:
+            text, factor = text[: -len(suffix)], scale
+            break
+    else:
+        factor = 1
+    try:
+        value = float(text) * factor
+    except ValueError:
+        raise ValueError(f"not a memory quantity: {quantity!r} (e.g. 512Mi, 1Gi)") from None
+    if value <= 0:
+        raise ValueError(f"memory quantity must be > 0: {quantity!r}")
+    return int(value)
 
 
 SERVICE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
