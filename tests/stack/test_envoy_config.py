@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from infergate.envoy.bootstrap import (
     DESTINATION_HEADER,
@@ -312,3 +313,42 @@ def test_several_epp_replicas_are_one_cluster_that_routes_around_a_dead_one() ->
     one = {c["name"]: c for c in single["static_resources"]["clusters"]}[EPP_CLUSTER]
     assert "outlier_detection" not in one
     assert "retry_policy" not in _ext_proc(single)["grpc_service"]
+
+
+def test_overload_manager_bounds_the_heap_and_envoy_accepts_it(
+    tmp_path: Path, envoy_binary: Path
+) -> None:
+    """Both generated bootstraps carry the heap bound, shrink near it and refuse new
+    requests at it; Envoy 1.40 accepts them (the Gateway's too), mTLS files included."""
+    from infergate.epp import tls
+
+    from infergate.envoy.bootstrap import EppMutualTls
+    from infergate.gateway.bootstrap import GatewayProxy, build_gateway_bootstrap
+
+    tls.write_bundle(tmp_path, tls.mutual_tls_bundle())
+    mutual = EppMutualTls(
+        ca_file=str(tmp_path / tls.CA_CERT),
+        cert_file=str(tmp_path / tls.CLIENT_CERT),
+        key_file=str(tmp_path / tls.CLIENT_KEY),
+        server_name=tls.EPP_SERVER_NAME,
+    )
+    standalone = EnvoyConfig(
+        listen_port=8081, epp_address="127.0.0.1", epp_port=9002, epp_mtls=mutual,
+        max_heap_bytes=256 << 20,
+    )  # fmt: skip
+    gateway = build_gateway_bootstrap(
+        GatewayProxy(node_id="gw", xds_host="127.0.0.1", xds_port=18000, max_heap_bytes=256 << 20)
+    )
+    for name, bootstrap in (("standalone", build_envoy_config(standalone)), ("gw", gateway)):
+        overload = bootstrap["overload_manager"]
+        heap = overload["resource_monitors"][0]
+        assert heap["name"] == "envoy.resource_monitors.fixed_heap"
+        assert heap["typed_config"]["max_heap_size_bytes"] == 256 << 20
+        actions = {a["name"]: a["triggers"][0]["threshold"]["value"] for a in overload["actions"]}
+        assert actions == {
+            "envoy.overload_actions.shrink_heap": 0.95,
+            "envoy.overload_actions.stop_accepting_requests": 0.98,
+        }
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        validate_config(path, envoy=envoy_binary)
