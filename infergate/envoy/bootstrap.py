@@ -568,8 +568,8 @@ def _routes(
         headers = [header_value_option(SERVED_HEADER, "%UPSTREAM_HOST%")]
         if debug_headers:
             headers.append(header_value_option(UPSTREAM_HOST_HEADER, "%UPSTREAM_HOST%"))
-            picked = f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DESTINATION_HEADER})%"
-            headers.append(header_value_option(PICKED_HEADER, picked))
+            listed = f"%DYNAMIC_METADATA({LB_METADATA_NAMESPACE}:{DESTINATION_HEADER})%"
+            headers.append(header_value_option(PICKED_HEADER, listed))
         route["response_headers_to_add"] = headers
     return routes
 

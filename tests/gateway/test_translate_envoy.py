@@ -294,7 +294,13 @@ class _PickingEpp(pb_grpc.ExternalProcessorServicer):
                 mutation = pb.CommonResponse(
                     header_mutation=pb.HeaderMutation(set_headers=[header])
                 )
-                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=mutation))
+                # GIE's protocol: the pick in the header and in envoy.lb metadata, which is
+                # what the pool's override_host reads.
+                answer = pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=mutation)
+                )
+                answer.dynamic_metadata.update({"envoy.lb": {DESTINATION_HEADER: self.pick}})
+                yield answer
             elif kind == "response_headers":
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
