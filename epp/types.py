@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,37 @@ class Metrics:
         return (time.monotonic() if now is None else now) - self.updated_at
 
 
+#: How long a routed request may take to reach its engine (through the gateway), seconds.
+#: A report the engine sampled later than this after a pick shows that pick (its queue, its
+#: KV blocks, its prefill), so the pick's claim is settled by it; an earlier report does not.
+REACH_S = 0.02
+#: Claims kept per endpoint at most (an engine that never reports settles none of them).
+MAX_CLAIMS = 1024
+
+
+@dataclass(slots=True)
+class Claim:
+    """What one of this EPP's picks is predicted to take on its endpoint, counted from the
+    moment of the pick until the engine's own report shows it (burst accounting).
+
+    Requests of a burst arrive in the same instant and are placed one after another; the
+    engine's counts (running, waiting, KV usage, pending prefill) show a request only once
+    it has reached the engine and the engine has reported since. Until then the claim
+    stands for it: ``kv_tokens`` of KV cache (its uncached prompt plus its output budget),
+    one batch slot, ``prefill_tokens`` of prefill work, and the prompt's block ``hashes``
+    of which ``cached_blocks`` were already held there (the rest is to be computed).
+    Settled by :meth:`EndpointState.settle_claims`
+    (a report sampled at least :data:`REACH_S` after the pick) or released when the
+    request ends, whichever comes first."""
+
+    picked_at: float
+    kv_tokens: float
+    prefill_tokens: float
+    hashes: bytes = b""
+    cached_blocks: int = 0
+    live: bool = True
+
+
 @dataclass(slots=True)
 class EndpointState:
     """An endpoint with its live metrics and EPP-side accounting."""
@@ -117,8 +149,12 @@ class EndpointState:
     #: engine's latest load report (``metrics.updated_at`` as of ``_report_seen``).
     picks_since_report: int = 0
     done_since_report: int = 0
-    #: Uncached prompt tokens this EPP sent here since that report (its prefill work).
-    prefill_since_report: float = 0.0
+    #: This EPP's picks here that no report has shown yet (:class:`Claim`, oldest first),
+    #: and the sums of the live ones: KV tokens, prefill tokens, requests.
+    claims: deque[Claim] = field(default_factory=deque)
+    claimed_kv_tokens: float = 0.0
+    claimed_prefill_tokens: float = 0.0
+    claimed_requests: int = 0
     _report_seen: float = 0.0
 
     @property
@@ -130,7 +166,39 @@ class EndpointState:
             self._report_seen = self.metrics.updated_at
             self.picks_since_report = 0
             self.done_since_report = 0
-            self.prefill_since_report = 0.0
+            self.settle_claims(self.metrics.updated_at - self.metrics.lag - REACH_S)
+
+    def claim(self, claim: Claim) -> None:
+        """Count a pick's predicted KV tokens, prefill and slot here until a report shows
+        it or it ends (:class:`Claim`)."""
+        self._sync_report()
+        self.claims.append(claim)
+        self.claimed_kv_tokens += claim.kv_tokens
+        self.claimed_prefill_tokens += claim.prefill_tokens
+        self.claimed_requests += 1
+        while len(self.claims) > MAX_CLAIMS:
+            self.release(self.claims.popleft())
+
+    def release(self, claim: Claim) -> None:
+        """The claim's request ended (or a report showed it): stop counting it."""
+        if not claim.live:
+            return
+        claim.live = False
+        self.claimed_kv_tokens = max(0.0, self.claimed_kv_tokens - claim.kv_tokens)
+        self.claimed_prefill_tokens = max(0.0, self.claimed_prefill_tokens - claim.prefill_tokens)
+        self.claimed_requests = max(0, self.claimed_requests - 1)
+        claims = self.claims
+        while claims and not claims[0].live:
+            claims.popleft()
+
+    def settle_claims(self, sampled_before: float) -> None:
+        """Release the claims of picks made at or before ``sampled_before`` (monotonic
+        clock): the engine had them when it sampled the report now in :attr:`metrics`, so
+        the report's counts include them. Claims are kept in pick order, so this pops from
+        the left only: O(claims settled)."""
+        claims = self.claims
+        while claims and claims[0].picked_at <= sampled_before:
+            self.release(claims[0])  # the oldest is live: release pops every dead one
 
     def note_pick(self) -> None:
         """This EPP sent a request here (counted in :attr:`in_flight_requests` too)."""
@@ -144,26 +212,22 @@ class EndpointState:
         self.in_flight_requests = max(0, self.in_flight_requests - 1)
         self.done_since_report += 1
 
-    def note_prefill(self, tokens: float) -> None:
-        """This EPP sent ``tokens`` uncached prompt tokens here (after :meth:`note_pick`)."""
-        self._sync_report()
-        self.prefill_since_report += tokens
-
     def pending_prefill_seconds(self, per_token: float, now: float) -> float:
         """Prefill work ahead of a new request here, whoever routed it, in seconds:
         ``max(0, pending × per_token − age) + sent × per_token``, with ``pending`` the
         engine's running prompt tokens not yet computed at its last load report, ``age``
         the report's age (the engine has worked that long since), and ``sent`` the uncached
-        tokens this EPP routed here after it (not drained: the next report, within a tick
-        of the change they make, replaces them). 0 for an endpoint that does not push (a
-        scrape does not carry it)."""
+        tokens of this EPP's picks here that the report does not show yet (its live
+        :class:`Claim` s; not drained: the next report, within a tick of the change they
+        make, replaces them). 0 for an endpoint that does not push (a scrape does not carry
+        it)."""
         self._sync_report()
         m = self.metrics
         if not m.pushed:
             return 0.0
         age = max(0.0, now - m.updated_at)
         reported = max(0.0, m.prefill_pending_tokens * per_token - age)
-        return reported + self.prefill_since_report * per_token
+        return reported + self.claimed_prefill_tokens * per_token
 
     def load(self) -> int:
         """Requests on the endpoint, whoever sent them.

@@ -391,7 +391,7 @@ async def test_a_prefill_another_replica_started_is_seen_from_the_engines_load_r
     interference = 1001 * PER_TOKEN
     assert predicted[busy.key] - predicted[idle.key] == pytest.approx(0.08 + interference, rel=0.05)
     # This replica's own pick counts on top of the report until the next report.
-    assert idle.prefill_since_report == pytest.approx(1001, abs=2)
+    assert idle.claimed_prefill_tokens == pytest.approx(1001, abs=2)
     assert idle.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(1001 * PER_TOKEN, rel=0.01)
     # The next report shows the prefill done: the engine is idle again for everyone.
     busy.metrics = Metrics(
@@ -418,6 +418,7 @@ async def test_a_cold_prompt_avoids_an_engine_still_prefilling_another() -> None
         states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.001, **params)
         a, b = states
         await schedule(ctx, [a], "g" * 8000 + " q0", scorer)  # A holds group g (1 running)
+        now[0] += 1.0  # routed earlier (not this instant): A is in the step computing it
         a.prefill_busy_until = now[0] + 0.005
         b.metrics.running = 8
         picked, _, _ = await schedule(ctx, states, text, scorer)
@@ -440,6 +441,7 @@ async def _copy_or_wait(fill: bool, busy_s: float, **params: object) -> tuple[st
     index = ctx.extras["prefix_index"]
     group = "g" * 8000  # 2,000 tokens: 125 index blocks (and the question's partial one)
     await schedule(ctx, [holder], group + " q0", scorer)
+    now[0] += 1.0  # routed earlier (not this instant): H is in the step computing it
     if fill:
         index.index.add(holder.key, list(range(1, 75)))
         index.index.add(full.key, list(range(100, 300)))
@@ -483,6 +485,7 @@ async def _sticky_and_cold(lifetime: float, sticky_load: tuple[int, int, float])
     scorer._lifetime[sticky.key] = lifetime  # learned from completions (T(e))
     now[0] += 5.0  # the prefill clock drained: only the engine's own queue remains
     _loaded(sticky, running=sticky_load[0], waiting=sticky_load[1], kv_usage=sticky_load[2])
+    sticky.metrics.updated_at = now[0]  # a report taken now: it shows q0 (its claim settles)
     picked, _, cycle = await schedule(ctx, states, group + " q1", scorer)
     return states[picked] is sticky, sticky, cold, cycle["latency.predicted"]
 

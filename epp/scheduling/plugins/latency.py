@@ -87,6 +87,27 @@ token there (all times in seconds)::
   1 % tail. A hit's few uncached tokens cost nearly nothing here, so stickiness is
   unchanged; a cold prompt goes to an engine that is not prefilling when there is one.
 * ``busy(e) = running(e) × decodeSecondsPerRequest``: a small tie-break for decode load.
+* ``progress(e)``, an *in-progress hit*: the part of ``cached(e)`` that a pick of the same
+  instant (the last ``SAME_STEP_S``) placed on ``e`` is not in the engine's cache yet.
+  Both requests wait for the engine's next step; it admits this one at the latest in the
+  step of that prefill's last chunk and it hits only the blocks computed before it, so it
+  computes up to one step's budget of them again, beside that prefill:
+  ``progress(e) = (1 + interferencePenalty) × per_token × min(pending, prefillChunkTokens)``.
+  Without it a burst of one new prefix all went to the first engine that got it (its
+  hit looked free, and the holder's queue grew by one token per request): 7 of 8 on one
+  engine of four; with it, copies where the engine would really compute the prefix twice.
+
+**Burst accounting.** Requests that arrive together are placed one after another, and
+the engine's counts show a request only once it has reached the engine and the engine
+has reported since. So every pick records at once, on its endpoint, a *claim*
+(:class:`~infergate.epp.types.Claim`): its prefill (the clock above, and
+``claimed_prefill_tokens`` for the pending-prefill floor), its KV tokens (uncached prompt
++ output budget, for ``queue``), its batch slot and its prompt blocks (for ``progress``);
+the prefix index records the blocks as held there at the same moment. The N-th request of
+a burst thus sees the N-1 placed before it. A claim ends when a report sampled at least
+``REACH_S`` after the pick shows it, or when its request ends, whichever is first. Cost:
+one small object per pick, O(1) to add and release, and a scan of the endpoint's
+unreported claims only for an endpoint this request hits while it has any.
 * An endpoint whose metrics are stale (DESIGN.md: stale means saturated; a dead engine
   stops answering its scrapes) gets ``STALE_PENALTY_S`` added, so it is chosen only when
   every candidate is stale.
@@ -114,7 +135,7 @@ from infergate.epp.framework.requestcontrol import PreRequest, ResponseComplete,
 from infergate.epp.prefill_cost import PrefillCost
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.scheduling.plugins.filters import endpoint_load
-from infergate.epp.types import CycleState, EndpointState, InferenceRequest
+from infergate.epp.types import Claim, CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 #: Added to the prediction of an endpoint with stale metrics (seconds).
@@ -129,6 +150,11 @@ LIFETIME_EWMA = 0.1
 REUSE_DECAY = 0.005
 #: Responses' worth of full hits the prefix-hit fraction starts from (module docstring).
 REUSE_PRIOR_RESPONSES = 8.0
+#: Request note holding the (endpoint, :class:`Claim`) of a pick until the request ends.
+CLAIM_NOTE = "latency.claim"
+#: Picks this recent (seconds) have not reached their engine's next step: a request placed
+#: now on the same engine joins that step (in-progress hits, module docstring).
+SAME_STEP_S = 0.005
 
 
 class PredictedLatencyParams(BaseModel):
@@ -162,6 +188,13 @@ class PredictedLatencyParams(BaseModel):
         description="Read an endpoint's learned prefill cost as the candidates' median cost "
         "when it is within this fraction of it (fit noise on identical engines); 0 keeps "
         "every endpoint's own fit.",
+    )
+    prefillChunkTokens: int = Field(
+        2048,
+        ge=1,
+        description="The engines' prefill token budget per step (vLLM's "
+        "max_num_batched_tokens): at most this much of a prefix another request is still "
+        "computing is computed again by a request that hits it (burst accounting).",
     )
     secondsPerToken: float | None = Field(
         None, gt=0, description="Pin the prefill cost per uncached token instead of learning it."
@@ -234,11 +267,19 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         copying = room and self.p.duplicationPenalty > 0 and bool(cached)
         fullness = prefix.occupancy(endpoints) if copying else 0.0
         # The two largest holders: what endpoint e would copy is the best one but itself.
-        top = [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
+        top = (
+            [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
+        )
         costs = self._pooled_costs(endpoints, prompt)
+        hashes: bytes = cycle.get("prefix.hashes") or b""
+        matches: dict[str, int] = cycle.get("prefix.matches") or {}
         for e, free, cost in zip(endpoints, frees, costs, strict=True):
             here = cached.get(e.key, 0.0)
             ttft, uncached = self._predict_one(e, cost, now, prompt, here, output)
+            if e.claimed_requests and matches.get(e.key):
+                ttft += self._in_progress_seconds(
+                    e, cost, now, hashes, matches[e.key], prefix, model
+                )
             overflow = max(0.0, uncached - free) if free is not None else 0.0
             per_token = cost.per_token
             if self.p.evictionPenalty > 0:
@@ -282,6 +323,42 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
         return ttft + batch * self.p.decodeSecondsPerRequest, uncached
 
+    def _in_progress_seconds(
+        self,
+        e: EndpointState,
+        cost: PrefillCost,
+        now: float,
+        hashes: bytes,
+        matched: int,
+        prefix: Any,
+        model: str,
+    ) -> float:
+        """What hitting a prefix that ``e`` is still computing costs (module docstring,
+        "in-progress hits"): ``(1 + interferencePenalty) × per_token × min(pending,
+        prefillChunkTokens)``, ``pending`` the tokens of the ``matched`` leading blocks that
+        a pick of this same instant (the last ``SAME_STEP_S``) placed on ``e``.
+
+        A claim placed them if its prompt has this prompt's last matched block at the same
+        position (the hashes chain, so the whole matched prefix is then equal); of those,
+        the blocks past what ``e`` held at that pick are not computed yet, and both
+        requests will wait for the same step. A pick older than that has reached its
+        engine, whose step computing it is under way: this request waits for it (the
+        prefill clock) and hits what it computed. Only this instant's claims are read,
+        newest first."""
+        at = (matched - 1) * 8
+        last = hashes[at : at + 8]
+        pending = 0
+        since = now - SAME_STEP_S
+        for claim in reversed(e.claims):  # newest first: only this instant's picks count
+            if claim.picked_at < since:
+                break
+            if claim.live and claim.hashes[at : at + 8] == last:
+                pending = max(pending, matched - claim.cached_blocks)
+        if pending <= 0 or prefix is None:
+            return 0.0
+        tokens = min(prefix.tokens_for_blocks(model, pending), float(self.p.prefillChunkTokens))
+        return tokens * cost.per_token * (1.0 + self.p.interferencePenalty)
+
     def _cost(self, e: EndpointState) -> PrefillCost:
         """The endpoint's learned cost, or the pinned one when the config pins it."""
         if self._pinned is None:
@@ -319,17 +396,32 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
     def pre_request(
         self, cycle: CycleState, request: InferenceRequest, result: SchedulingResult
     ) -> None:
-        """Add the request's prefill work to the chosen endpoint's virtual clock."""
+        """Add the request's prefill work to the chosen endpoint's virtual clock, and its
+        claim (KV tokens, slot, prefill, prompt blocks) to the endpoint's state, so the
+        next request of the same burst sees it (module docstring, "burst accounting")."""
         primary = result.primary
-        if primary is None or result.remote_prefill:
-            return  # another endpoint prefills (P/D): no prefill work lands here
+        if primary is None:
+            return
         uncached = (cycle.get("latency.uncached") or {}).get(primary.key)
         if uncached is None:
             return
         now = self.clock()
-        work = self._cost(primary).per_token * uncached
-        primary.prefill_busy_until = max(primary.prefill_busy_until, now) + work
-        primary.note_prefill(uncached)
+        output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
+        if result.remote_prefill:  # another endpoint prefills (P/D): only the KV lands here
+            claim = Claim(now, uncached + output, 0.0)
+        else:
+            work = self._cost(primary).per_token * uncached
+            primary.prefill_busy_until = max(primary.prefill_busy_until, now) + work
+            matches: dict[str, int] = cycle.get("prefix.matches") or {}
+            claim = Claim(
+                now,
+                uncached + output,
+                uncached,
+                cycle.get("prefix.hashes") or b"",
+                matches.get(primary.key, 0),
+            )
+        primary.claim(claim)
+        request.notes[CLAIM_NOTE] = (primary, claim)
         request.notes["latency.predicted_ttft"] = (cycle.get("latency.predicted") or {}).get(
             primary.key
         )
@@ -338,7 +430,11 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
     def response_complete(
         self, request: InferenceRequest, result: SchedulingResult, response: ResponseInfo
     ) -> None:
-        """Learn ``T(e)`` (routing to completion of a successful request) and ``reuse``."""
+        """Release the request's claim; learn ``T(e)`` (routing to completion of a successful
+        request) and ``reuse``."""
+        placed: tuple[EndpointState, Claim] | None = request.notes.pop(CLAIM_NOTE, None)
+        if placed is not None:
+            placed[0].release(placed[1])
         routed_at = request.notes.get("latency.routed_at")
         primary = result.primary
         if routed_at is None or primary is None or not 200 <= response.status < 300:
@@ -365,17 +461,23 @@ def queue_seconds(e: EndpointState, need_tokens: float, lifetime: float) -> floa
     ``(waiting + k) × T ÷ n`` (module docstring): ``n`` requests on ``e`` complete at
     ``n ÷ T`` per second; the request waits for the ``waiting`` ahead of it, then for the
     ``k`` completions that free the cache it needs (``k`` is 0 when the engine reports no
-    cache size or runs nothing). Zero when nothing is queued and the cache has room."""
+    cache size or runs nothing). Zero when nothing is queued and the cache has room.
+
+    The report's cache and batch are taken with this EPP's unreported picks on top
+    (burst accounting): ``used = capacity × kv_usage + Σ claim.kv_tokens``, ``running =
+    running + claims``, ``free = capacity − used``, ``held = used ÷ running``."""
     m = e.metrics
     n = endpoint_load(e)
     if n == 0:
         return 0.0
     k = 0.0
     capacity = m.capacity_tokens
-    if capacity > 0 and m.running > 0:
-        free = capacity * (1.0 - m.kv_usage)
+    running = m.running + e.claimed_requests  # this EPP's picks the report does not show
+    if capacity > 0 and running > 0:
+        used = capacity * m.kv_usage + e.claimed_kv_tokens
+        free = capacity - used
         if need_tokens > free:
-            held = capacity * m.kv_usage / m.running
+            held = used / running
             k = math.ceil((need_tokens - free) / max(held, 1.0))
     if m.waiting == 0 and k == 0:
         return 0.0
