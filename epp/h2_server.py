@@ -98,7 +98,9 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, server: H2Server) -> None:
         self.server = server
-        # Streams past --max-streams get the EPP's own 503, so HTTP/2 allows more.
+        # Streams past --max-streams get the EPP's own 503, so HTTP/2 allows more. The
+        # reset limits follow from this number (native/grpc_h2, `Limits`): Envoy resetting
+        # the streams of clients that went away never closes the connection under others.
         self.native = native.GrpcConnection(
             max_concurrent_streams=server.max_streams + 1000,
             max_message=server.max_message,

@@ -54,6 +54,76 @@ const COMPRESSED: u8 = 5;
 struct Buffers {
     inbound: VecDeque<Bytes>,
     outbound: Vec<u8>,
+    /// Bytes the connection may still read before the streams it opened are accepted
+    /// (`Inner::drive` renews it each round; see `Limits`).
+    budget: usize,
+}
+
+impl Buffers {
+    /// Input is waiting that this round's budget did not let the connection read.
+    fn held_back(&self) -> bool {
+        self.budget == 0 && !self.inbound.is_empty()
+    }
+}
+
+/// The fewest bytes a peer can open a stream and reset it with: a HEADERS frame (9 bytes
+/// of frame header, 3 of HPACK when `:method`, `:scheme` and `:path` are indexed) and a
+/// RST_STREAM frame (9 + 4).
+const MIN_OPEN_AND_RESET: usize = 25;
+
+/// The HTTP/2 limits, all derived from one number: the streams Envoy may hold open on
+/// the connection (`concurrency`, our SETTINGS_MAX_CONCURRENT_STREAMS; Envoy's own cap,
+/// `grpc_protocol_options` in infergate/envoy/bootstrap.py, is higher).
+///
+/// Envoy is a trusted multiplexer: each ext-proc stream is one client request, and a
+/// client that goes away makes Envoy reset its stream (RST_STREAM CANCEL), often in the
+/// same read as the stream's HEADERS. The `h2` crate's defaults are for untrusted peers:
+/// more than 20 streams reset before the server accepted them, or 1024 streams the
+/// server reset for a peer's error over the connection's life, and it sends GOAWAY
+/// ENHANCE_YOUR_CALM, failing every stream on the connection, other clients' included
+/// (200 client aborts in a burst did it). So:
+///
+/// * `pending_accept_resets = concurrency`, and the connection reads at most
+///   `read_slice = (concurrency - 1) * MIN_OPEN_AND_RESET` bytes before `drive` accepts
+///   every stream it opened (accepting one takes it off h2's count). A round then holds
+///   at most `read_slice / MIN_OPEN_AND_RESET` complete openings plus one begun in the
+///   previous round: `concurrency`, never more than the limit, whatever the peer sends.
+///   The accept queue's memory stays bounded as h2 intends (one round's streams).
+/// * `local_error_resets = concurrency` (h2's default if larger): h2 never forgets
+///   this count, so it is a budget for the connection's life; every stream Envoy may
+///   hold open may earn one reset for a protocol error before the connection is judged
+///   broken (Envoy makes none in normal operation; it reconnects if it must).
+/// * `remembered_resets = concurrency`: streams reset on our side are remembered so that
+///   the frames Envoy had already sent on them are ignored, not taken for errors; all
+///   of Envoy's open streams may be reset at once.
+///
+/// With the EPP's default 10,000 streams (+1,000 for its own 503s) the read slice is
+/// about 275 KB, more than one socket read (uvloop reads up to 256 KiB): the rounds cost
+/// nothing in the common case.
+struct Limits {
+    concurrency: u32,
+    pending_accept_resets: usize,
+    local_error_resets: usize,
+    remembered_resets: usize,
+    read_slice: usize,
+}
+
+impl Limits {
+    fn for_concurrency(concurrency: u32) -> PyResult<Self> {
+        if concurrency < 2 {
+            return Err(PyValueError::new_err(
+                "max_concurrent_streams must be at least 2",
+            ));
+        }
+        let streams = concurrency as usize;
+        Ok(Self {
+            concurrency,
+            pending_accept_resets: streams,
+            local_error_resets: streams.max(1024),
+            remembered_resets: streams,
+            read_slice: (streams - 1) * MIN_OPEN_AND_RESET,
+        })
+    }
 }
 
 /// The connection's I/O: reads what Python handed in, writes what Python takes out.
@@ -66,15 +136,17 @@ impl AsyncRead for Io {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let mut buffers = self.0.lock().expect("buffers");
-        let Some(front) = buffers.inbound.front_mut() else {
-            return Poll::Pending; // the next `receive` polls again
+        let budget = buffers.budget;
+        let Some(front) = buffers.inbound.front_mut().filter(|_| budget > 0) else {
+            return Poll::Pending; // the next `receive`, or the drive's next round, polls again
         };
-        let n = buf.remaining().min(front.len());
+        let n = buf.remaining().min(front.len()).min(budget);
         buf.put_slice(&front[..n]);
         front.advance(n);
         if front.is_empty() {
             buffers.inbound.pop_front();
         }
+        buffers.budget -= n;
         Poll::Ready(Ok(()))
     }
 }
@@ -231,6 +303,8 @@ struct Inner {
     ready: Arc<Mutex<Vec<u32>>>,
     events: Vec<Event>,
     max_message: usize,
+    /// Bytes read per round of `drive` (`Limits::read_slice`).
+    read_slice: usize,
     /// A connection error found while sending, for the next `receive` to raise.
     failed: Option<String>,
 }
@@ -267,10 +341,13 @@ fn grpc_status(code: u32, message: &str) -> PyResult<HeaderMap> {
 
 impl Inner {
     /// Poll the connection until it waits for bytes, and the streams it woke, until
-    /// neither has anything new. Errors are the connection's (a protocol error).
+    /// neither has anything new. Each round lets the connection read at most the read
+    /// slice, then accepts every stream it opened (see `Limits`). Errors are the
+    /// connection's (a protocol error).
     fn drive(&mut self) -> Result<(), h2::Error> {
         let mut cx = Context::from_waker(Waker::noop());
         loop {
+            self.buffers.lock().expect("buffers").budget = self.read_slice;
             if let State::Handshaking(handshake) = &mut self.state {
                 match Pin::new(handshake).poll(&mut cx) {
                     Poll::Ready(Ok(connection)) => self.state = State::Open(connection),
@@ -278,7 +355,12 @@ impl Inner {
                         self.state = State::Closed;
                         return Err(error);
                     }
-                    Poll::Pending => return Ok(()),
+                    Poll::Pending => {
+                        if self.held_back() {
+                            continue;
+                        }
+                        return Ok(());
+                    }
                 }
             }
             let mut accepted = Vec::new();
@@ -306,13 +388,18 @@ impl Inner {
                 self.accept(id, request.into_body(), respond, path);
             }
             let woken = std::mem::take(&mut *self.ready.lock().expect("ready list"));
-            if woken.is_empty() {
+            for id in &woken {
+                self.poll_stream(*id);
+            }
+            let open = matches!(self.state, State::Open(_));
+            if woken.is_empty() && !(open && self.held_back()) {
                 return Ok(());
             }
-            for id in woken {
-                self.poll_stream(id);
-            }
         }
+    }
+
+    fn held_back(&self) -> bool {
+        self.buffers.lock().expect("buffers").held_back()
     }
 
     fn accept(&mut self, id: u32, recv: RecvStream, respond: SendResponse<Bytes>, path: Bytes) {
@@ -522,6 +609,7 @@ impl Inner {
 #[pymethods]
 impl GrpcConnection {
     /// A server connection; nothing is sent until the client's preface is received.
+    /// `max_concurrent_streams` (at least 2) also sets the reset limits (see `Limits`).
     #[new]
     #[pyo3(signature = (*, max_concurrent_streams, max_message, window, max_frame_size, max_header_list_size))]
     fn new(
@@ -530,24 +618,29 @@ impl GrpcConnection {
         window: u32,
         max_frame_size: u32,
         max_header_list_size: u32,
-    ) -> Self {
+    ) -> PyResult<Self> {
+        let limits = Limits::for_concurrency(max_concurrent_streams)?;
         let buffers = Arc::new(Mutex::new(Buffers::default()));
         let handshake = Builder::new()
-            .max_concurrent_streams(max_concurrent_streams)
+            .max_concurrent_streams(limits.concurrency)
+            .max_pending_accept_reset_streams(limits.pending_accept_resets)
+            .max_local_error_reset_streams(Some(limits.local_error_resets))
+            .max_concurrent_reset_streams(limits.remembered_resets)
             .initial_window_size(window)
             .initial_connection_window_size(window)
             .max_frame_size(max_frame_size)
             .max_header_list_size(max_header_list_size)
             .handshake(Io(buffers.clone()));
-        Self(Mutex::new(Inner {
+        Ok(Self(Mutex::new(Inner {
             buffers,
             state: State::Handshaking(handshake),
             streams: HashMap::new(),
             ready: Arc::new(Mutex::new(Vec::new())),
             events: Vec::new(),
             max_message,
+            read_slice: limits.read_slice,
             failed: None,
-        }))
+        })))
     }
 
     /// Feed bytes read from the socket; the events they complete, in order, as
