@@ -47,7 +47,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("infergate.epp")
 
-HEALTH_SERVICES = ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor")
+#: Readiness under every name a probe asks for: GIE's conformance manifests and chart probe
+#: "inference-extension", llm-d's the ext-proc service, GIE's HA chart "readiness".
+HEALTH_SERVICES = (
+    "",
+    "readiness",
+    "inference-extension",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+)
 GRPC_SERVERS = ("aio", "h2")
 
 
@@ -75,7 +82,7 @@ class Epp:
             sat.metricsStalenessThreshold or options.metrics_staleness_threshold,
         )
         self.metrics = EppMetrics(self.datastore, self.saturation, options.pool_name or "local")
-        self.objectives = ObjectiveStore(options.pool_name)
+        self.objectives = ObjectiveStore(options.pool_name, options.client_priority_max)
         if options.objectives_file is not None:
             self.objectives.replace(*load_objectives_file(options.objectives_file))
         context = PluginContext(self.datastore, self.saturation, {"metrics": self.metrics})
