@@ -136,6 +136,8 @@ class Epp:
             options.refresh_metrics_interval,
             options.metrics_timeout,
             self.metrics,
+            on_dead=self._endpoint_dead,
+            staleness=self.saturation.staleness,
         )
         self._grpc: grpc.aio.Server | None = None
         self._h2: H2Server | None = None  # --grpc-server h2: the same on the event loop
@@ -165,6 +167,11 @@ class Epp:
         if self.datastore.get(key) is None:  # gone, not relabelled: its records will not come
             self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
             self.load_reports.forget(key)
+
+    def _endpoint_dead(self, key: str) -> None:
+        """An endpoint known dead (the collector's verdict) sends no more completion
+        records: give up waiting for them, which clears its in-flight count now."""
+        self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
 
     async def _expire_records(self) -> None:
         loop = asyncio.get_running_loop()

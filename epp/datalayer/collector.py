@@ -13,6 +13,12 @@ means saturated — so a dead engine drops out of scheduling without a special c
 
 An endpoint that pushes load reports (:mod:`infergate.epp.datalayer.load_reports`) is
 not scraped while its reports keep arriving; when they stop, scraping resumes.
+
+An endpoint known dead — its metrics port refuses the connection, or its snapshot is
+older than the staleness threshold while scrapes fail — is reported to ``on_dead`` on
+each failed scrape (every ``interval``): the EPP then stops waiting for the completion
+records of the requests it sent there, which releases their in-flight counts at once
+rather than when the records' deadline passes (a SIGKILLed engine sends none).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import dialect_for, parse_metrics
@@ -41,12 +48,18 @@ class Collectors:
         timeout: float = 1.0,
         metrics: EppMetrics | None = None,
         path: str = "/metrics",
+        on_dead: Callable[[str], None] | None = None,
+        staleness: float = 2.0,
     ) -> None:
         self.datastore = datastore
         self.interval = interval
         self.timeout = timeout
         self.metrics = metrics
         self.path = path
+        #: Called with an endpoint's key on each failed scrape of an endpoint known dead
+        #: (:meth:`_Scraper.dead`); ``staleness`` is the snapshot age that counts as dead.
+        self.on_dead = on_dead
+        self.staleness = staleness
         self._tasks = EndpointTasks(datastore, self._loop, "collector")
         if metrics is not None:  # a departed endpoint's series go with it (bounded memory)
             self._tasks.removed_listeners.append(lambda e: metrics.forget_endpoint(e.key))
@@ -127,6 +140,18 @@ class _Scraper:
             if not self.failing:
                 log.warning("scraping %s failed: %s", self.url, error or type(error).__name__)
                 self.failing = True
+            if c.on_dead is not None and self.dead(error):
+                c.on_dead(self.endpoint.key)
+
+    def dead(self, error: Exception) -> bool:
+        """Whether a failed scrape shows the endpoint dead: its port refuses connections
+        (the engine's process is gone), or its last snapshot, pushed or scraped, is older
+        than the staleness threshold (a host that no longer answers at all). A timeout
+        or a dropped keep-alive alone is not enough: a busy engine is still serving."""
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        state = self.c.datastore.get(self.endpoint.key)
+        return state is not None and state.metrics.age() > self.c.staleness
 
     def _apply(self, text: bytes) -> bool:
         """Apply a page; False when it was the previous page again (nothing parsed)."""
