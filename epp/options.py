@@ -101,6 +101,15 @@ class EppOptions:
     )
     config: EndpointPickerConfig | None = None
     """A parsed config; wins over ``config_text`` and ``config_file``."""
+    client_priority_max: int | None = option(
+        "--client-priority-max",
+        default=None,
+        help="The pool owner's opt-in: clients may set their own priority (the body's "
+        "`priority` or the x-infergate-priority header, vLLM's convention: lower runs first) "
+        "up to this InferenceObjective priority (GIE's convention: higher is more important), "
+        "and lower it freely. Unset (the default): the InferenceObjective alone decides; a "
+        "client's body `priority` is removed and its header replaced.",
+    )
     objectives_file: Path | None = option(
         "--objectives-file",
         default=None,

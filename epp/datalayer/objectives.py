@@ -5,6 +5,8 @@ from the cluster (filtered by ``spec.poolRef.name``); in standalone mode from th
 given by ``--objectives-file``: a multi-document YAML (or a ``kind: List`` with
 ``items``) of those same objects. A request names its objective with the header
 ``x-gateway-inference-objective``; an unknown or absent objective means priority 0.
+The priority is the pool owner's: a client's own only counts where the EPP runs with
+``--client-priority-max`` (:attr:`ObjectiveStore.client_priority_max`), and then clamped.
 """
 
 from __future__ import annotations
@@ -91,8 +93,14 @@ class ObjectivesError(ValueError):
 class ObjectiveStore:
     """Current objectives and rewrites; replaced wholesale or per object."""
 
-    def __init__(self, pool_name: str | None = None) -> None:
+    def __init__(
+        self, pool_name: str | None = None, client_priority_max: int | None = None
+    ) -> None:
         self.pool_name = pool_name
+        #: The pool owner's opt-in (``--client-priority-max``): the highest priority a
+        #: client may ask for itself; None: clients' own priority is ignored
+        #: (epp/requestcontrol/priority.py).
+        self.client_priority_max = client_priority_max
         self.objectives: dict[str, InferenceObjective] = {}
         self.rewrites: dict[str, InferenceModelRewrite] = {}
 

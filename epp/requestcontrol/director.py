@@ -35,6 +35,7 @@ from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.framework.scheduling import SchedulingResult
 from infergate.epp.observability import EppMetrics
 from infergate.epp.requestcontrol.hooks import Hooks
+from infergate.epp.requestcontrol.priority import settle_priority
 from infergate.epp.requestcontrol.requests import BadRequest, parse_body
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import EndpointState, InferenceRequest
@@ -131,6 +132,24 @@ class Director:
             candidates = under or candidates
         return ticket, candidates
 
+    def _prepare(self, request: InferenceRequest, raw: bytes | None) -> tuple[bytes | None, bool]:
+        """Parse the body, apply the model rewrite and the pool owner's priority; the body
+        to send on and whether it changed (re-encoded once, only then)."""
+        body = parse_body(raw, request) if raw else None
+        changed = False
+        if body is not None:
+            forced = request.headers.get(MODEL_REWRITE_HEADER, "").strip()
+            target = forced or (self.objectives.rewrite(request.model) if request.model else "")
+            if target and target != request.model:
+                request.target_model = target
+                body["model"] = target
+                changed = True
+        request.objective = request.headers.get(OBJECTIVE_HEADER, "")
+        objective_priority = self.objectives.priority(request.objective)
+        ceiling = self.objectives.client_priority_max
+        changed |= settle_priority(request, body, objective_priority, ceiling)
+        return (compact_json(body) if changed and body is not None else raw), changed
+
     async def route(
         self,
         request: InferenceRequest,
@@ -139,22 +158,10 @@ class Director:
     ) -> Decision:
         started = time.perf_counter()
         arrived = time.monotonic()
-        body_out = raw_body
-        rewritten = False
-        if raw_body:
-            try:
-                body = parse_body(raw_body, request)
-            except BadRequest as error:
-                raise Rejected(400, str(error), error.param) from None
-            forced = request.headers.get(MODEL_REWRITE_HEADER, "").strip()
-            target = forced or (self.objectives.rewrite(request.model) if request.model else "")
-            if target and target != request.model:
-                request.target_model = target
-                body["model"] = target
-                body_out = compact_json(body)
-                rewritten = True
-        request.objective = request.headers.get(OBJECTIVE_HEADER, "")
-        request.priority = self.objectives.priority(request.objective)
+        try:
+            body_out, rewritten = self._prepare(request, raw_body)
+        except BadRequest as error:
+            raise Rejected(400, str(error), error.param) from None
 
         candidates = self._candidates(subset)
         ticket: Ticket | None = None

@@ -139,10 +139,12 @@ def test_refusal_is_a_usage_error_naming_the_flag(infergate_cli: list[str]) -> N
 
 
 def _health_answers(port: int) -> bool:
-    """The health port answers (NOT_SERVING counts: there is no engine behind it)."""
+    """The health port answers for the service GIE's probes name, "inference-extension"
+    (NOT_SERVING counts: there is no engine behind it; an unknown service is an error)."""
+    request = health_pb2.HealthCheckRequest(service="inference-extension")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            health_pb2_grpc.HealthStub(channel).Check(request, timeout=1)
     except grpc.RpcError:
         return False
     return True
