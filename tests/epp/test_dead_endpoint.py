@@ -28,9 +28,7 @@ async def test_a_dead_endpoints_in_flight_count_is_cleared(
     server = engine_metrics()
     server.set(0, 1, 0.1)  # the engine says one request runs: the record is not given up
     # Labelled as reporting completions, on a port where nothing publishes.
-    engine = Endpoint(
-        "127.0.0.1", server.port, ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),)
-    )
+    engine = Endpoint("127.0.0.1", server.port, ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),))
     epp = await epp_factory(static_endpoints=[engine])
     state = epp.datastore.get(engine.key)
     assert state is not None
