@@ -221,7 +221,14 @@ def _static_cluster(
 
 def grpc_protocol_options(streams_per_connection: int = 100000) -> dict[str, Any]:
     """HTTP/2 toward an EPP: one gRPC stream per HTTP request, so allow plenty per
-    connection, and keep idle connections alive."""
+    connection, and keep idle connections alive.
+
+    Envoy opens at most the smaller of ``streams_per_connection`` and the EPP's
+    SETTINGS_MAX_CONCURRENT_STREAMS (``--max-streams`` + 1,000, below this default) on a
+    connection, and resets the stream of each client that goes away. The EPP's HTTP/2
+    server sizes its reset limits from that same concurrency (native/grpc_h2, ``Limits``),
+    so a burst of client aborts never makes it close the connection under other streams.
+    """
     return {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _HTTP_OPTIONS,
