@@ -13,8 +13,6 @@ from infergate.options import command
 from infergate.stack.local import StackSpec
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from rich.console import Console
 
     from infergate.stack.local import LocalStack
@@ -105,22 +103,27 @@ def _print_ready(console: Console, stack: LocalStack) -> None:
 
 
 def _watch(stack: LocalStack) -> None:
-    """Block until the EPP or Envoy dies (then fail loudly) or the user stops us; a dead
-    engine is reported and restarted (:mod:`infergate.stack.supervise`)."""
+    """Block until Envoy dies (then fail loudly) or the user stops us; a dead engine or
+    EPP replica, a lone EPP included, is reported and restarted
+    (:mod:`infergate.stack.supervise`)."""
     from rich.console import Console
     from rich.text import Text
 
     from infergate.stack.local import StackError
-    from infergate.stack.supervise import EngineSupervisor
+    from infergate.stack.supervise import EngineSupervisor, EppSupervisor
 
     console = Console(stderr=True)
-    engines = EngineSupervisor(stack, lambda text: console.print(Text(text, style="yellow")))
+
+    def say(text: str) -> None:
+        console.print(Text(text, style="yellow"))
+
+    engines, epps = EngineSupervisor(stack, say), EppSupervisor(stack, say)
     while True:
         time.sleep(0.5)
         engines.check()
-        _restart_dead_replicas(stack, lambda text: console.print(Text(text, style="yellow")))
+        epps.check()
         for name, _, process in stack.components():
-            if name.startswith("engine-"):
+            if name.startswith(("engine-", "epp")):
                 continue
             if process is not None and not process.alive():
                 code = process.popen.returncode if process.popen else None
@@ -128,17 +131,3 @@ def _watch(stack: LocalStack) -> None:
                     f"{name} exited unexpectedly (code {code}); stopping the stack.\n"
                     f"--- last lines of {process.log_path} ---\n{process.log_tail()}"
                 )
-
-
-def _restart_dead_replicas(stack: LocalStack, say: Callable[[str], object]) -> None:
-    """With several EPP replicas, a dead one is reported and restarted while the others
-    route (Envoy ejects it); only when every replica is dead does the stack stop."""
-    replicas = stack.epps
-    if len(replicas) < 2 or not any(p is not None and p.alive() for p in replicas):
-        return
-    for index, process in enumerate(replicas):
-        if process is not None and not process.alive():
-            code = process.popen.returncode if process.popen else None
-            say(f"EPP replica {index} exited (code {code}); the others route; restarting it")
-            stack.stop_epp(index)
-            stack.start_epp(index)

@@ -1,28 +1,69 @@
-"""Keep ``infergate up``'s engines running: a dead engine is reported and restarted.
+"""Keep ``infergate up``'s engines and EPP replicas running: a dead one is reported and
+restarted.
 
-Only the engines are supervised. An engine dying is an ordinary event in a fleet (the EPP
-stops picking it when its metrics go stale and Envoy retries the next endpoint of the
-pick), so the rest of the stack keeps serving while it comes back. The EPP or Envoy
-dying stops the stack instead: without them nothing is served, and a silent restart
-would hide the bug. Restarts back off (1 s doubling to 30 s) so a crash loop cannot spin.
+An engine dying is an ordinary event in a fleet: the EPP stops picking it when its
+metrics go stale and Envoy retries the next endpoint of the pick, so the rest of the
+stack keeps serving while it comes back. An EPP replica dying is one too, a lone EPP
+included: a response already routed does not depend on the EPP (Envoy streams it from
+the engine; tests/e2e/test_epp_death.py), so the streams in flight complete. Until it
+is back, new requests go to another replica, or with a lone EPP get FailClose's 500
+(FailOpen: Envoy's fallback endpoints). Only Envoy dying stops the stack: without it
+nothing is served. Restarts back off (1 s doubling to 30 s) so a crash loop cannot
+spin, and an EPP that cannot start again stops the stack, saying why.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from infergate.procs import ManagedProcess
     from infergate.stack.local import LocalStack
 
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 HEALTHY_AFTER_S = 60.0
-"""An engine that stayed up this long has its backoff reset."""
+"""A process that stayed up this long has its backoff reset."""
+
+
+@dataclass
+class _Backoff:
+    """One supervised process's restart bookkeeping."""
+
+    started: float
+    delay: float = FIRST_BACKOFF_S
+    not_before: float = 0.0
+    restarts: int = 0
+
+    def due(self, alive: bool, now: float) -> bool:
+        """Whether to restart now: dead, and its backoff has passed."""
+        if alive:
+            if now - self.started > HEALTHY_AFTER_S:
+                self.delay = FIRST_BACKOFF_S
+            return False
+        return now >= self.not_before
+
+    def restarted(self, now: float) -> None:
+        self.restarts += 1
+        self.started = now
+        self.not_before = now + self.delay
+        self.delay = min(MAX_BACKOFF_S, self.delay * 2)
+
+
+def _exit_report(process: ManagedProcess, what: str) -> str:
+    code = process.popen.returncode if process.popen else None
+    return (
+        f"{what}\n--- last lines of {process.log_path} (exit code {code}) ---\n"
+        f"{process.log_tail(2000)}"
+    )
 
 
 class EngineSupervisor:
+    """Restarts dead engines (``check``, non-blocking)."""
+
     def __init__(
         self,
         stack: LocalStack,
@@ -32,31 +73,76 @@ class EngineSupervisor:
         self.stack = stack
         self.report = report
         self.clock = clock
-        self.restarts = [0] * len(stack.engines)
-        self._backoff = [FIRST_BACKOFF_S] * len(stack.engines)
-        self._not_before = [0.0] * len(stack.engines)
-        self._started = [clock()] * len(stack.engines)
+        self._backoff = [_Backoff(clock()) for _ in stack.engines]
+
+    @property
+    def restarts(self) -> list[int]:
+        return [backoff.restarts for backoff in self._backoff]
 
     def check(self) -> None:
         """Restart every dead engine whose backoff has passed (non-blocking)."""
         now = self.clock()
         ports = self.stack.spec.resolved_engine_ports()
         for index, process in enumerate(self.stack.engines):
-            if process.alive():
-                if now - self._started[index] > HEALTHY_AFTER_S:
-                    self._backoff[index] = FIRST_BACKOFF_S
+            backoff = self._backoff[index]
+            if not backoff.due(process.alive(), now):
                 continue
-            if now < self._not_before[index]:
-                continue
-            code = process.popen.returncode if process.popen else None
             self.report(
-                f"{process.name} exited (code {code}); restarting it, the rest keeps serving.\n"
-                f"--- last lines of {process.log_path} ---\n{process.log_tail(2000)}"
+                _exit_report(
+                    process, f"{process.name} exited; restarting it, the rest keeps serving."
+                )
             )
             if process in self.stack.group.processes:
                 self.stack.group.processes.remove(process)
             self.stack.engines[index] = self.stack._start_engine(index, ports[index])
-            self.restarts[index] += 1
-            self._started[index] = now
-            self._not_before[index] = now + self._backoff[index]
-            self._backoff[index] = min(MAX_BACKOFF_S, self._backoff[index] * 2)
+            backoff.restarted(now)
+
+
+class EppSupervisor:
+    """Restarts dead EPP replicas, a lone EPP as well as one of several (``check``).
+
+    A restart waits until the EPP serves (seconds); one that cannot start raises
+    :class:`~infergate.stack.local.StackError`.
+    """
+
+    def __init__(
+        self,
+        stack: LocalStack,
+        report: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stack = stack
+        self.report = report
+        self.clock = clock
+        self._backoff = [_Backoff(clock()) for _ in stack.epps]
+
+    @property
+    def restarts(self) -> list[int]:
+        return [backoff.restarts for backoff in self._backoff]
+
+    def check(self) -> None:
+        """Restart every dead replica whose backoff has passed."""
+        now = self.clock()
+        for index, process in enumerate(self.stack.epps):
+            backoff = self._backoff[index]
+            if process is None or not backoff.due(process.alive(), now):
+                continue
+            self.report(_exit_report(process, self._meanwhile(index)))
+            self.stack.stop_epp(index)
+            self.stack.start_epp(index)
+            backoff.restarted(now)
+
+    def _meanwhile(self, index: int) -> str:
+        """What the stack does while replica ``index`` comes back."""
+        replicas = self.stack.epps
+        name = f"EPP replica {index}" if len(replicas) > 1 else "The EPP"
+        if any(p is not None and p.alive() for i, p in enumerate(replicas) if i != index):
+            meanwhile = "the other replicas route new requests"
+        elif self.stack.spec.failure_mode_allow:
+            meanwhile = "new requests go to Envoy's fallback endpoints (FailOpen)"
+        else:
+            meanwhile = "new requests get 500 (FailClose)"
+        return (
+            f"{name} exited; restarting it. Responses in flight complete; until it is "
+            f"back, {meanwhile}."
+        )

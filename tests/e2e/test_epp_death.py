@@ -8,6 +8,10 @@ the response come from the engines' completion records (the default) or from an 
 filter in Envoy's observability mode, whose failures Envoy ignores (for engines that
 cannot report). The EPP still learns what it needs from responses (usage, completion,
 cached tokens): checked first.
+
+Under ``infergate up`` a lone EPP that dies is restarted, as replicas are (issue 45 item
+4: ``up`` used to stop the whole stack, cutting every stream): checked last, through
+``up`` itself.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infergate.stack.local import LocalStack, StackSpec
+from infergate.procs import ProcessGroup, free_port
+from infergate.stack.local import LocalStack, StackSpec, port_in_use
 
 STREAMS = 100
 TOKENS = 48
@@ -62,18 +67,21 @@ def _epp_metric(stack: LocalStack, name: str, label: str) -> float:
 
 
 def _stream(
-    stack: LocalStack, out: list[tuple[int, int, bool]], streaming: threading.Semaphore
+    base_url: str,
+    out: list[tuple[int, int, bool]],
+    streaming: threading.Semaphore,
+    tokens: int = TOKENS,
 ) -> None:
     """One long streamed generation; ``streaming`` is released at its first chunk."""
     chunks, done, status = 0, False, 0
     try:
         with httpx.stream(
             "POST",
-            f"{stack.base_url}/v1/completions",
+            f"{base_url}/v1/completions",
             json={
                 "model": "tiny",
                 "prompt": "tell me a long story",
-                "max_tokens": TOKENS,
+                "max_tokens": tokens,
                 "ignore_eos": True,
                 "stream": True,
             },
@@ -158,7 +166,7 @@ def test_sigkill_of_the_epp_truncates_no_stream_in_flight(stack: LocalStack) -> 
     results: list[tuple[int, int, bool]] = []
     streaming = threading.Semaphore(0)
     threads = [
-        threading.Thread(target=_stream, args=(stack, results, streaming))
+        threading.Thread(target=_stream, args=(stack.base_url, results, streaming))
         for _ in range(STREAMS)
     ]
     for thread in threads:
@@ -174,3 +182,86 @@ def test_sigkill_of_the_epp_truncates_no_stream_in_flight(stack: LocalStack) -> 
     assert len(results) == STREAMS
     broken = [r for r in results if not (r[0] == 200 and r[2] and r[1] >= TOKENS)]
     assert not broken, f"{len(broken)} of {STREAMS} streams cut: {broken[:5]}"
+
+
+UP_STREAMS = 24
+UP_TOKENS = 150  # 40 ms a step: about 6 s a stream, the EPP dies in the middle
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free ports (engines take ``port + i``)."""
+    while True:
+        first = free_port()
+        if not any(port_in_use(first + i) for i in range(count)):
+            return first
+
+
+def _pid_serving(grpc_port: int) -> int:
+    """The pid of the ``infergate epp`` whose ext-proc port is ``grpc_port``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"epp" in argv and str(grpc_port).encode() in argv and b"--grpc-port" in argv:
+            return int(entry.name)
+    raise AssertionError(f"no EPP serves :{grpc_port}")
+
+
+def _served(base_url: str) -> int:
+    try:
+        body = {"model": "tiny", "prompt": "back?", "max_tokens": 2}
+        return httpx.post(f"{base_url}/v1/completions", json=body, timeout=10).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_up_restarts_a_lone_epp_and_no_stream_in_flight_is_cut(
+    processes: ProcessGroup, infergate_cli: list[str], tiny_model: Path, tmp_path: Path
+) -> None:
+    ports = {flag: free_port() for flag in ("--port", "--admin-port", "--epp-grpc-port")}
+    ports |= {flag: free_port() for flag in ("--epp-health-port", "--epp-metrics-port")}
+    ports |= {"--engine-port": _free_ports(2), "--completion-events-port": _free_ports(2)}
+    argv = [*infergate_cli, "up", "--engines", "2", "--simulate", "--model", str(tiny_model)]
+    argv += ["--served-model-name", "tiny", "--workdir", str(tmp_path / "work")]
+    argv += ["--engine-arg=--sim-base-ms=40", "--engine-arg=--max-num-seqs=64"]
+    for flag, value in ports.items():
+        argv += [flag, str(value)]
+    log = tmp_path / "up.log"
+    up = processes.start(
+        "infergate-up",
+        argv,
+        env={**os.environ, "COLUMNS": "200"},
+        log_path=log,
+        ready=lambda: "infergate up: ready" in log.read_text(errors="replace"),
+        timeout=180,
+    )
+    base_url = f"http://127.0.0.1:{ports['--port']}"
+    victim = _pid_serving(ports["--epp-grpc-port"])
+    results: list[tuple[int, int, bool]] = []
+    streaming = threading.Semaphore(0)
+    threads = [
+        threading.Thread(target=_stream, args=(base_url, results, streaming, UP_TOKENS))
+        for _ in range(UP_STREAMS)
+    ]
+    for thread in threads:
+        thread.start()
+    for _ in range(UP_STREAMS):
+        assert streaming.acquire(timeout=60), "a stream never started"
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join(120)
+    broken = [r for r in results if not (r[0] == 200 and r[2] and r[1] >= UP_TOKENS)]
+    assert len(results) == UP_STREAMS and not broken, f"{len(broken)} streams cut: {broken[:5]}"
+    # `up` restarted the EPP; once it serves, every new request succeeds again.
+    deadline = time.monotonic() + 120
+    while _served(base_url) != 200:
+        assert up.alive(), log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, "the EPP did not come back"
+        time.sleep(0.5)
+    assert [_served(base_url) for _ in range(8)] == [200] * 8
+    assert _pid_serving(ports["--epp-grpc-port"]) != victim
+    assert "The EPP exited; restarting it" in log.read_text(errors="replace")
+    assert up.popen is not None
+    up.popen.send_signal(signal.SIGINT)
+    assert up.popen.wait(timeout=60) == 0

@@ -26,8 +26,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
-from infergate.stack.cli import _restart_dead_replicas
 from infergate.stack.local import LocalStack, StackSpec
+from infergate.stack.supervise import EppSupervisor
 
 from ..epp.conftest import Stream, body, headers, set_headers
 
@@ -124,7 +124,7 @@ def test_envoy_sends_to_a_live_replica_after_one_is_killed(stack: LocalStack) ->
     assert statuses == [200] * 20
     # `infergate up` restarts the dead replica while the other routes; it routes again.
     said: list[str] = []
-    _restart_dead_replicas(stack, said.append)
+    EppSupervisor(stack, said.append).check()
     assert said and "EPP replica 1 exited" in said[0]
     restarted = stack.epps[1]
     assert restarted is not None and restarted.alive() and restarted is not victim
