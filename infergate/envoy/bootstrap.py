@@ -173,13 +173,17 @@ def is_ip(address: str) -> bool:
 
 def circuit_breakers(max_requests: int) -> dict[str, Any]:
     # Envoy's defaults (1024 each) would throttle long streaming generations well below
-    # what an inference pool can hold in flight.
+    # what an inference pool can hold in flight. Retries too: Envoy allows 3 at once per
+    # cluster by default, and when an engine dies every request picked to it retries at
+    # the same moment; past 3 they failed with 503 (``UO``) instead of taking the
+    # fallback (issue 45). A retry is a request that failed, so it is bounded alike.
     return {
         "thresholds": [
             {
                 "max_connections": max_requests,
                 "max_pending_requests": max_requests,
                 "max_requests": max_requests,
+                "max_retries": max_requests,
             }
         ]
     }
@@ -510,11 +514,19 @@ def _original_dst_cluster(*, connect_timeout_s: float, max_requests: int) -> dic
 
 
 def fallback_retry_policy(retries: int) -> dict[str, Any]:
-    """Retries that walk the EPP's fallback list: only failures before any byte went
-    upstream, so a generation never runs twice; ``previous_hosts`` keeps the
-    least-request fallback off the hosts already tried."""
+    """Retries that walk the EPP's fallback list, for failures that leave no response.
+
+    ``reset`` and not only ``reset-before-request``: an engine SIGKILLed keeps its
+    sockets open while the kernel tears the process down, so a request written in that
+    window, on a pooled connection or a fresh one, is reset after its bytes went out,
+    which ``reset-before-request`` does not retry (Envoy counts the bytes as sent; 1 of
+    455 requests sent after a kill failed so, 503 ``UC``). An HTTP/1.1 engine resets a
+    request without answering only when its process dies, so the generation being
+    redone elsewhere is one that can no longer finish; no retry happens once a response
+    byte went downstream. ``previous_hosts`` keeps the least-request fallback off the
+    hosts already tried, so a request is tried on at most ``retries + 1`` engines."""
     return {
-        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "retry_on": "connect-failure,refused-stream,reset",
         "num_retries": retries,
         "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
         "retry_host_predicate": [
@@ -556,7 +568,8 @@ def _routes(
     }
     if fallback_retries > 0:
         # GIE: "if retry is configured, the proxy will go sequentially down the list".
-        # Only failures before any byte went upstream: a generation is never run twice.
+        # Failures that leave no response: a connect that fails, or a reset before any
+        # response byte (an engine that died; see fallback_retry_policy).
         # Once a retry has used up the EPP's list, override_host hands the choice to its
         # least-request fallback, which knows nothing of the failed tries: previous_hosts
         # keeps it off the hosts already tried (a SIGKILLed engine stays in EDS until the
