@@ -91,9 +91,9 @@ def engine_decode(
 ) -> float | None:
     """Output tokens/s through EngineCore (prefill included), or None if it is absent."""
     try:
-        from infergate.engine.core import EngineCore
-        from infergate.engine.request import Request
-        from infergate.engine.scheduler import SchedulerConfig
+        from infergate.engine.core.engine_core import EngineCore
+        from infergate.engine.core.request import Request
+        from infergate.engine.core.scheduler import SchedulerConfig
         from infergate.engine.tokenizer import Tokenizer
     except ImportError:
         return None

@@ -15,11 +15,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams, ScheduledBatch
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 
 
 def run(

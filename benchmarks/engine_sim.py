@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import httpx
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.serve import filler_token_ids
 from infergate.engine.sim_runner import SimulatedRunner, TimingModel
 from infergate.engine.tokenizer import Tokenizer

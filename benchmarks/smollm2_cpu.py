@@ -26,13 +26,13 @@ from pathlib import Path
 from statistics import mean
 
 import torch
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.fetch import fetch_model
 from infergate.engine.gguf_model import prepare_model_dir
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.tokenizer import Tokenizer
 
 QUESTIONS = [

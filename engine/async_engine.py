@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from infergate.engine.completion_events import CURRENT as CURRENT_USAGE
 from infergate.engine.completion_events import Usage
-from infergate.engine.core import EngineCore, RequestOutput
-from infergate.engine.request import Request
+from infergate.engine.core.engine_core import EngineCore, RequestOutput
+from infergate.engine.core.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infergate.engine.core.waiting_queue import POLICIES, SchedulingPolicy
 from infergate.engine.sim_runner import TimingModel
 from infergate.engine.tool_parsers import PARSERS
-from infergate.engine.waiting_queue import POLICIES, SchedulingPolicy
 
 from infergate.options import argument, option, options_group
 
@@ -359,10 +359,10 @@ def filler_token_ids(tokenizer: Any) -> list[int]:
 def build(opts: ServeOptions) -> Any:
     """Load tokenizer and runner, build core + async engine + FastAPI app; return the app."""
     from infergate.engine.async_engine import AsyncEngine
-    from infergate.engine.core import EngineCore
+    from infergate.engine.core.engine_core import EngineCore
+    from infergate.engine.core.scheduler import SchedulerConfig
     from infergate.engine.entrypoints.api_server import build_app
     from infergate.engine.entrypoints.config import ServerConfig
-    from infergate.engine.scheduler import SchedulerConfig
 
     check_vllm_flags(opts)
     lora_modules = _lora_modules(opts)

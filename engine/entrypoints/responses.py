@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from infergate.engine.core import RequestOutput
+from infergate.engine.core.engine_core import RequestOutput
 
 from .errors import APIError, error_body
 from .serving_engine import run_to_end

@@ -12,8 +12,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from infergate.engine.protocol import ChatMessage
-from infergate.engine.protocol_responses import (
+from infergate.engine.entrypoints.protocol import ChatMessage
+from infergate.engine.entrypoints.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     Item,

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from infergate.engine.core import RequestOutput
+from infergate.engine.core.engine_core import RequestOutput
 from infergate.engine.tool_parsers.stream import ToolCallState
 
 from .response_store import ResponseStore, StoredResponse

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from infergate.engine.entrypoints.protocol import _Sampling, unsupported
 from infergate.engine.interfaces import SamplingParams
-from infergate.engine.protocol import _Sampling, unsupported
 
 from .config import ServerConfig
 from .errors import APIError

@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from infergate.engine.core import RequestOutput
+from infergate.engine.core.engine_core import RequestOutput
+from infergate.engine.entrypoints.openai_logprobs import chat_content, prompt_logprobs
+from infergate.engine.entrypoints.protocol import ChatCompletionRequest
 from infergate.engine.interfaces import TokenLogprob
-from infergate.engine.openai_logprobs import chat_content, prompt_logprobs
-from infergate.engine.protocol import ChatCompletionRequest
 from infergate.engine.tool_parsers import ToolCall
 from infergate.engine.tool_parsers.choice import ToolChoiceError, plan_tools
 from infergate.engine.tool_parsers.stream import ToolCallState

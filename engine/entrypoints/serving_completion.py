@@ -10,14 +10,14 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
-from infergate.engine.core import RequestOutput
-from infergate.engine.openai_logprobs import (
+from infergate.engine.core.engine_core import RequestOutput
+from infergate.engine.core.request import Request as EngineRequest
+from infergate.engine.entrypoints.openai_logprobs import (
     CompletionLogprobs,
     merge_completion_blocks,
     prompt_logprobs,
 )
-from infergate.engine.protocol import CompletionRequest
-from infergate.engine.request import Request as EngineRequest
+from infergate.engine.entrypoints.protocol import CompletionRequest
 
 from .config import DEFAULT_COMPLETION_MAX_TOKENS
 from .errors import APIError

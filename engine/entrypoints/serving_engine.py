@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from infergate.engine.async_engine import AsyncEngine
+from infergate.engine.core.request import Request as EngineRequest
+from infergate.engine.entrypoints.protocol import ChatMessage, _Sampling
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.kv_transfer.service import (
     BadKVParams,
@@ -20,8 +22,6 @@ from infergate.engine.kv_transfer.service import (
     apply_kv_transfer,
 )
 from infergate.engine.metrics import EngineMetrics
-from infergate.engine.protocol import ChatMessage, _Sampling
-from infergate.engine.request import Request as EngineRequest
 from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, spec_from_request
 from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.structured_output.matcher import GrammarState

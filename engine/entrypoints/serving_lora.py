@@ -14,7 +14,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from infergate.engine.async_engine import AsyncEngine
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
 from infergate.engine.lora.errors import LoRAError
 from pydantic import BaseModel, ConfigDict
 

@@ -21,15 +21,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from infergate.engine.interfaces import SamplingParams
-from infergate.engine.protocol import ChatMessage, _Sampling
-from infergate.engine.protocol_responses import (
+from infergate.engine.entrypoints.protocol import ChatMessage, _Sampling
+from infergate.engine.entrypoints.protocol_responses import (
     Item,
     ItemError,
     ResponsesRequest,
     parse_items,
     unsupported_fields,
 )
+from infergate.engine.interfaces import SamplingParams
 from infergate.engine.tool_parsers.choice import ToolChoiceError, ToolPlan, plan_tools
 from infergate.engine.tool_parsers.stream import ToolCallState
 

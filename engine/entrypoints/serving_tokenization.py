@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import Request
-from infergate.engine.protocol import DetokenizeRequest, TokenizeRequest
+from infergate.engine.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
 
 from .errors import APIError
 from .serving_engine import OpenAIServing

@@ -33,14 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from infergate.engine.block_pool import Block
-from infergate.engine.kv_cache_manager import KVCacheManager
+from infergate.engine.core.block_pool import Block
+from infergate.engine.core.kv_cache_manager import KVCacheManager
+from infergate.engine.core.request import Request
 from infergate.engine.kv_transfer.connector import KVPayload
-from infergate.engine.request import Request
 
 if TYPE_CHECKING:
-    from infergate.engine.core import EngineCore
-    from infergate.engine.scheduler import Scheduler
+    from infergate.engine.core.engine_core import EngineCore
+    from infergate.engine.core.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

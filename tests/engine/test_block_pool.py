@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from infergate.engine.block_pool import Block, BlockPool
+from infergate.engine.core.block_pool import Block, BlockPool
 from infergate.engine.kv_events import BlockRemoved, BlockStored
 
 

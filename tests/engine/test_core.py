@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from infergate.engine.core import EngineCore, RequestOutput
+from infergate.engine.core.engine_core import EngineCore, RequestOutput
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams, ScheduledBatch
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.tokenizer import Tokenizer
 
 

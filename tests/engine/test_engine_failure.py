@@ -7,11 +7,11 @@ from pathlib import Path
 import httpx
 import pytest
 from infergate.engine.async_engine import AsyncEngine
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.entrypoints.api_server import build_app
 from infergate.engine.entrypoints.config import ServerConfig
 from infergate.engine.interfaces import ScheduledBatch
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.tokenizer import Tokenizer
 
 
@@ -50,8 +50,8 @@ async def test_runner_failure_is_reported_not_hung(tiny_model_dir: Path) -> None
 
 
 async def test_a_request_the_core_refuses_fails_alone(tiny_model_dir: Path) -> None:
+    from infergate.engine.core.request import Request
     from infergate.engine.interfaces import SamplingParams
-    from infergate.engine.request import Request
     from infergate.engine.serve import filler_token_ids
     from infergate.engine.sim_runner import SimulatedRunner
 

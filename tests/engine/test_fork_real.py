@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig, SchedulerOutput
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig, SchedulerOutput
 from infergate.engine.tokenizer import Tokenizer
 
 BS = 8

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import xgrammar as xgr
-from infergate.engine.protocol import ChatCompletionRequest, CompletionRequest
+from infergate.engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from infergate.engine.structured_output import GrammarSpec, GrammarSpecError, spec_from_request
 from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.tokenizer import Tokenizer

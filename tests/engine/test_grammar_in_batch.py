@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import jsonschema
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.structured_output import GrammarSpec
 from infergate.engine.structured_output.compiler import GrammarCompiler
 from infergate.engine.structured_output.matcher import GrammarState

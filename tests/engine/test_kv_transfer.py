@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from infergate.engine.core import EngineCore, RequestOutput
+from infergate.engine.core.engine_core import EngineCore, RequestOutput
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.kv_transfer.blocks import EngineHooks, KVTransfer
 from infergate.engine.kv_transfer.config import KVTransferConfig
 from infergate.engine.kv_transfer.connector import KVPayload, RemoteParams, TransferError
 from infergate.engine.kv_transfer.zmq_connector import ZmqConnector, transfer_seconds
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

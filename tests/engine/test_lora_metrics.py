@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.lora.manager import LoRAManager
 from infergate.engine.metrics import EngineMetrics
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.sim_runner import SimulatedRunner, TimingModel
 from infergate.epp.datalayer.dialects import VLLM, parse_metrics
 

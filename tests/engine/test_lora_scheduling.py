@@ -4,13 +4,13 @@ keyed by adapter, KV events naming the adapter, and the slot/CPU-pool LRU."""
 from __future__ import annotations
 
 import pytest
+from infergate.engine.core.kv_cache_manager import KVCacheManager
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import Scheduler, SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
-from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.kv_events import BlockStored
 from infergate.engine.lora.errors import LoRAError
 from infergate.engine.lora.manager import LoRAManager, LoRARequest, SlotTable
-from infergate.engine.request import Request
-from infergate.engine.scheduler import Scheduler, SchedulerConfig
 
 from infergate.wire.block_hash import block_hashes
 

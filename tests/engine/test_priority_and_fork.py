@@ -8,11 +8,11 @@ import collections
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from infergate.engine.core.kv_cache_manager import KVCacheManager
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from infergate.engine.core.waiting_queue import WaitingQueue
 from infergate.engine.interfaces import SamplingParams
-from infergate.engine.kv_cache_manager import KVCacheManager
-from infergate.engine.request import Request
-from infergate.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from infergate.engine.waiting_queue import WaitingQueue
 
 BS = 16
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.tokenizer import Tokenizer
 from transformers import AutoModelForCausalLM
 

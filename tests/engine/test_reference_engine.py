@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from infergate.engine.core import EngineCore, RequestOutput
+from infergate.engine.core.engine_core import EngineCore, RequestOutput
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from transformers import AutoModelForCausalLM
 
 NEW = 32

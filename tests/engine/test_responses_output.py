@@ -9,7 +9,7 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from infergate.engine.core import RequestOutput
+from infergate.engine.core.engine_core import RequestOutput
 from infergate.engine.entrypoints.response_store import ResponseStore, StoredResponse
 from infergate.engine.entrypoints.responses_run import ResponseRun
 from infergate.engine.tool_parsers import get_parser

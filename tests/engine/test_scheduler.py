@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from infergate.engine.core.kv_cache_manager import KVCacheManager
+from infergate.engine.core.request import Request, RequestStatus
+from infergate.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from infergate.engine.interfaces import SamplingParams
-from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.kv_events import BlockRemoved
-from infergate.engine.request import Request, RequestStatus
-from infergate.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 16
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.interfaces import SamplingParams, ScheduledBatch, ScheduledSeq
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.serve import filler_token_ids
 from infergate.engine.sim_runner import SimulatedRunner, TimingModel, default_num_blocks
 from infergate.engine.tokenizer import Tokenizer

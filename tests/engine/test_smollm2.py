@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 import torch
-from infergate.engine.core import EngineCore
+from infergate.engine.core.engine_core import EngineCore
+from infergate.engine.core.request import Request
+from infergate.engine.core.scheduler import SchedulerConfig
 from infergate.engine.gguf_model import prepare_model_dir
 from infergate.engine.interfaces import SamplingParams
 from infergate.engine.model_runner import TorchModelRunner
-from infergate.engine.request import Request
-from infergate.engine.scheduler import SchedulerConfig
 from infergate.engine.tokenizer import Tokenizer
 
 # Slow on a shared 2-core machine: transformers and the engine each run ~400 steps.

@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from infergate.engine.core.kv_cache_manager import KVCacheManager
+from infergate.engine.core.request import Request, RequestStatus
+from infergate.engine.core.waiting_queue import SchedulingPolicy, WaitingQueue, priority_key
 from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
-from infergate.engine.kv_cache_manager import KVCacheManager
-from infergate.engine.request import Request, RequestStatus
 from infergate.engine.sampler import bad_word_blocks
-from infergate.engine.waiting_queue import SchedulingPolicy, WaitingQueue, priority_key
 
 
 @dataclass(frozen=True)

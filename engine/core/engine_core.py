@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from infergate.engine.core.kv_cache_manager import KVCacheManager
+from infergate.engine.core.request import Request, RequestStatus
+from infergate.engine.core.scheduler import Scheduler, SchedulerConfig
 from infergate.engine.interfaces import ModelRunner, TokenLogprob
-from infergate.engine.kv_cache_manager import KVCacheManager
 from infergate.engine.kv_events import ZmqEventPublisher
 from infergate.engine.lora.errors import LoRAError
 from infergate.engine.lora.manager import LoRAManager, LoRARequest
 from infergate.engine.metrics import EngineMetrics
-from infergate.engine.request import Request, RequestStatus
-from infergate.engine.scheduler import Scheduler, SchedulerConfig
 from infergate.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 if TYPE_CHECKING:

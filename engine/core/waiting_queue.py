@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Literal
 
-from infergate.engine.request import Request
+from infergate.engine.core.request import Request
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infergate.engine.block_pool import Block, BlockPool
-from infergate.engine.request import Request
+from infergate.engine.core.block_pool import Block, BlockPool
+from infergate.engine.core.request import Request
 
 
 @dataclass
