@@ -14,7 +14,7 @@ from infergate.operator.settings import GatewaySettings
 from infergate.options import command
 
 HANDLERS_MODULE = "infergate.operator.handlers"
-GATEWAY_MODULE = "infergate.operator.gateway"
+GATEWAY_MODULE = "infergate.operator.gateway.controller"
 
 
 def kopf_argv(extra: list[str], gateway: bool = True) -> list[str]:

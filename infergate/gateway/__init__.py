@@ -12,6 +12,6 @@ The pieces, each importing only downward:
   ``conditions``, ``model`` (defensive reading of JSON bodies), ``options``; and
   ``static`` (a snapshot as a static bootstrap, for ``envoy --mode validate``).
 * :mod:`infergate.gateway.xds`: the ADS server Envoy pulls snapshots from.
-* :mod:`infergate.operator.gateway`: the kopf handlers that collect the objects, call
+* :mod:`infergate.operator.gateway.controller`: the kopf handlers that collect the objects, call
   the translator, publish snapshots and apply Deployments, Services and statuses.
 """

@@ -31,7 +31,7 @@ import yaml
 from infergate.gateway.bootstrap import ADMIN_CLUSTER
 from infergate.gateway.translate import SHADOWED
 from infergate.operator import constants as c
-from infergate.operator.gateway_objects import proxy_name
+from infergate.operator.gateway.objects import proxy_name
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
 from infergate.testing.controlplane import Cluster
 

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from infergate.gateway.types import GATEWAY_CONTROLLER_NAME, ROUTE_TYPE
-from infergate.operator.gateway import (
+from infergate.operator.gateway.controller import (
     INDEXES,
     GatewayController,
     collect,
@@ -15,8 +15,8 @@ from infergate.operator.gateway import (
     gw_services,
     reconcile_once,
 )
-from infergate.operator.gateway_sync import GatewaySync
-from infergate.operator.gateway_xds import XdsPublisher, proxy_config_factory
+from infergate.operator.gateway.sync import GatewaySync
+from infergate.operator.gateway.xds import XdsPublisher, proxy_config_factory
 from infergate.operator.settings import GatewaySettings, OperatorSettings
 
 from .test_gateway_objects import RecordingKube

@@ -10,8 +10,8 @@ import pytest
 
 from infergate.gateway.types import GATEWAY_CONTROLLER_NAME, ClusterObjects, Snapshot, Translation
 from infergate.operator import constants as c
-from infergate.operator import gateway_status as gs
-from infergate.operator.gateway_objects import (
+from infergate.operator.gateway import status as gs
+from infergate.operator.gateway.objects import (
     LABEL_GATEWAY,
     ProxyConfig,
     build_deployment,
@@ -23,7 +23,7 @@ from infergate.operator.gateway_objects import (
     proxy_name,
     service_type,
 )
-from infergate.operator.gateway_sync import GatewaySync
+from infergate.operator.gateway.sync import GatewaySync
 from infergate.operator.kube import KubeError
 from infergate.operator.settings import GatewaySettings, OperatorSettings
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from infergate.gateway.types import GATEWAY_GROUP, ClusterObjects, Key, Translation
 from infergate.operator import constants as c
-from infergate.operator import gateway_status as gs
-from infergate.operator.gateway_objects import (
+from infergate.operator.gateway import status as gs
+from infergate.operator.gateway.objects import (
     GATEWAY_KIND,
     PROXY_KINDS,
     ProxyConfig,

@@ -13,7 +13,7 @@ from typing import Any
 
 from infergate.gateway.types import Key, Obj, Snapshot, node_id
 from infergate.operator import constants as c
-from infergate.operator.gateway_objects import ProxyConfig, listener_ports
+from infergate.operator.gateway.objects import ProxyConfig, listener_ports
 from infergate.operator.settings import GatewaySettings, OperatorSettings
 
 log = logging.getLogger("infergate.operator.gateway")

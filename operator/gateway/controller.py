@@ -4,7 +4,7 @@ Thin on purpose. kopf indexes keep what the watches have seen of every kind the
 translator reads; any change to any of them only marks the world dirty. ONE debounced
 loop then rebuilds :class:`~infergate.gateway.types.ClusterObjects` from the indexes,
 calls the pure translator, publishes each Gateway's snapshot on the ADS server, and hands
-the rest to :class:`~infergate.operator.gateway_sync.GatewaySync` (proxy objects and
+the rest to :class:`~infergate.operator.gateway.sync.GatewaySync` (proxy objects and
 statuses, written only when they changed). One loop instead of a handler per object
 because a Gateway's config depends on routes, pools, Services, grants and namespaces
 at once: translating the whole world is the one way it is never half-updated, and a
@@ -32,15 +32,15 @@ import kopf
 
 from infergate.gateway.types import GATEWAY_CONTROLLER_NAME, GATEWAY_GROUP, ClusterObjects, node_id
 from infergate.operator import constants as c
-from infergate.operator import gateway_xds as gx
-from infergate.operator.gateway_objects import (
+from infergate.operator.gateway import xds as gx
+from infergate.operator.gateway.objects import (
     LABEL_GATEWAY,
     PROXY_COMPONENT,
     deployment_available,
     gateway_addresses,
     proxy_name,
 )
-from infergate.operator.gateway_sync import GatewayKube, GatewaySync, ProxyKey, key_of
+from infergate.operator.gateway.sync import GatewayKube, GatewaySync, ProxyKey, key_of
 from infergate.operator.kube import Kube, KubeError
 from infergate.operator.settings import GatewaySettings, OperatorSettings
 

@@ -1,7 +1,7 @@
 """Pure builders of what one Gateway runs on: an Envoy Deployment, its bootstrap in a
 ConfigMap and a Service exposing its listeners.
 
-No API calls here (the reconcile loop in :mod:`infergate.operator.gateway` applies the
+No API calls here (the reconcile loop in :mod:`infergate.operator.gateway.controller` applies the
 result). Every object is owned by its Gateway, so deleting the Gateway garbage-collects
 them, and carries the hash of its own content (like the pool builders) so a resync can
 tell "already applied" from "changed" without a write. The proxy learns listeners, routes
