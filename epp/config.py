@@ -140,6 +140,7 @@ plugins:
 - type: candidate-sampling-filter
 - type: bounded-load-filter
 - type: prefix-cache-scorer
+  parameters: {maxPrefixBlocksToMatch: 16384}
 - type: predicted-latency-scorer
 - type: lora-affinity-scorer
 - type: max-score-picker
@@ -185,8 +186,9 @@ flowControl:
 #: the calibrated approximate index covers the window before an event arrives; the
 #: predicted-latency scorer takes the larger cached estimate.
 PRECISE_PREFIX_CONFIG_YAML = DEFAULT_CONFIG_YAML.replace(
-    "- type: prefix-cache-scorer\n",
-    "- type: prefix-cache-scorer\n- type: precise-prefix-cache-scorer\n",
+    "- type: predicted-latency-scorer\n",
+    "- type: precise-prefix-cache-scorer\n  parameters: {maxPrefixBlocksToMatch: 8192}\n"
+    "- type: predicted-latency-scorer\n",
 )
 
 #: Prefill/decode disaggregation (docs/epp.md, "Prefill/decode disaggregation"): the

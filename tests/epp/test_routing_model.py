@@ -8,6 +8,7 @@ import time
 
 import pytest
 from infergate.engine.metrics import EngineMetrics
+from infergate.epp.config import DEFAULT_CONFIG_YAML, parse_config
 from infergate.epp.datalayer.calibration import TokenCalibration
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.dialects import VLLM, parse_metrics
@@ -265,8 +266,10 @@ async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloa
     group = "g" * 8000
     first, _, _ = await schedule(ctx, states, group + " q0", scorer)
     holder, other = states[first], states[1 - first]
-    # The holder's clock now carries the cold prefill: 2,001 tokens × 30 µs ≈ 60 ms.
-    assert holder.prefill_busy_until - now[0] == pytest.approx(2001 * PER_TOKEN, rel=0.02)
+    # The holder's clock now carries the cold prefill: 2,001 tokens × 30 µs ≈ 60 ms, plus
+    # their attention over a mean context of 1,000 tokens (attentionContextTokens 30k).
+    cold = 2001 * PER_TOKEN * (1 + 1000.5 / 30000)
+    assert holder.prefill_busy_until - now[0] == pytest.approx(cold, rel=0.005)
     now[0] += 1.0  # the work drained
     picked, scores, cycle = await schedule(ctx, states, group + " q1", scorer)
     assert states[picked] is holder and scores[first] == 1.0
@@ -392,7 +395,9 @@ async def test_a_prefill_another_replica_started_is_seen_from_the_engines_load_r
     assert predicted[busy.key] - predicted[idle.key] == pytest.approx(0.08 + interference, rel=0.05)
     # This replica's own pick counts on top of the report until the next report.
     assert idle.claimed_prefill_tokens == pytest.approx(1001, abs=2)
-    assert idle.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(1001 * PER_TOKEN, rel=0.01)
+    assert idle.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(
+        1001 * PER_TOKEN, rel=0.01
+    )
     # The next report shows the prefill done: the engine is idle again for everyone.
     busy.metrics = Metrics(
         block_size=16, num_gpu_blocks=10_000, running=1, counts_reported=True,
@@ -493,11 +498,12 @@ async def _sticky_and_cold(lifetime: float, sticky_load: tuple[int, int, float])
 async def test_a_saturated_sticky_engine_loses_when_its_queue_costs_more_than_the_hit() -> None:
     # The holder's cache is full (3 running, 2 waiting, 97 % used) and a request there
     # lives 0.5 s: it waits for the 2 queued ahead at 5 / 0.5 s = 10 completions per
-    # second, 0.2 s. The prefill it saves is 2,000 tokens × 30 µs = 60 ms: the idle cold
-    # engine wins, by 0.2 − 0.06 s. (A pure-affinity policy picks the holder here.)
+    # second, 0.2 s. The prefill it saves is 2,000 tokens × 30 µs, and their attention
+    # (× 1 + 1,000 / 30,000), 62 ms: the idle cold engine wins, by 0.2 − 0.062 s. (A
+    # pure-affinity policy picks the holder here.)
     stays, sticky, cold, predicted = await _sticky_and_cold(0.5, (3, 2, 0.97))
     assert not stays
-    assert predicted[sticky.key] - predicted[cold.key] == pytest.approx(0.2 - 0.06, abs=0.01)
+    assert predicted[sticky.key] - predicted[cold.key] == pytest.approx(0.2 - 0.062, abs=0.01)
 
 
 async def test_a_busier_sticky_engine_keeps_its_group_while_the_queue_is_cheaper() -> None:
@@ -655,3 +661,97 @@ async def test_an_endpoint_without_a_fit_is_predicted_with_its_peers_median() ->
     _, _, cycle = await schedule(ctx, states, "q" * 4000, scorer)
     predicted = cycle["latency.predicted"]
     assert predicted[new.key] == pytest.approx(predicted[states[0].key])
+
+
+# -- trace-length prompts: the index sees the whole prompt, prefill pays its attention --
+
+
+def _default_params(type_name: str) -> dict[str, object]:
+    """The built-in default profile's parameters for a plugin type."""
+    spec = next(p for p in parse_config(DEFAULT_CONFIG_YAML).plugins if p.type == type_name)
+    return dict(spec.parameters or {})
+
+
+def _long_fleet(blocks: int, **latency: object):
+    """Two endpoints of ``blocks`` × 16 tokens, the default profile's prefix index, a
+    predicted-latency scorer (``latency`` parameters), 4 characters per token."""
+    states = fleet(2, blocks=blocks)
+    pinned(states)
+    ctx = context(states)
+    plugin("prefix-cache-scorer", ctx, **_default_params("prefix-cache-scorer"))
+    scorer = plugin("predicted-latency-scorer", ctx, **latency)
+    now = [100.0]
+    scorer.clock = lambda: now[0]
+    for _ in range(30):
+        ctx.calibration.observe("m", 4000, 1000)
+    return states, ctx, scorer, now
+
+
+async def _place(ctx: PluginContext, state: EndpointState, text: str) -> None:
+    """Record ``text``'s blocks on ``state`` as a routed request does."""
+    prefix = ctx.extras["prefix_index"]
+    r = InferenceRequest("r", {}, prompt_text=text, model="m", target_model="m")
+    cycle = CycleState()
+    await prefix.prepare(cycle, r, [state])
+    prefix.pre_request(cycle, r, SchedulingResult("p", [state]))
+
+
+async def test_the_default_index_sees_a_shared_prefix_as_long_as_the_prompt() -> None:
+    """Traced prompts run to 190k tokens and share prefixes of 10-50k. Engine B holds a
+    40,000-token prefix S and engine A only S's first 5,000 tokens, then other text. A
+    request S + b finds 40,000 tokens cached on B and 5,000 on A, and goes to B. With
+    GIE's 256 index blocks (4,096 tokens at 4 characters a token), both engines matched
+    the same first 4,096 tokens, so the hit looked a tenth of its size and equal on both
+    (the trace window of docs/benchmarks.md predicted 234k cached tokens where the
+    engines had 750k)."""
+    states, ctx, scorer, _ = _long_fleet(28_000)
+    a, b = states
+    shared = "".join(f"{i:07d}|" for i in range(20_000))  # 160,000 characters
+    await _place(ctx, b, shared + " a")
+    await _place(ctx, a, shared[:20_000] + "x" * 100_000)
+    picked, _, cycle = await schedule(ctx, states, shared + " b", scorer)
+    cached = cycle["prefix.cached_tokens"]
+    assert cached[b.key] == pytest.approx(40_000, rel=0.01)
+    assert cached[a.key] == pytest.approx(5_000, rel=0.02)
+    assert states[picked] is b
+
+
+def test_prefill_work_pays_attention_over_the_context() -> None:
+    """``a·u·(1 + (c + u/2)/C)`` with ``a = per_token ÷ (1 + m̄/C)``: before any response
+    (m̄ = 0) a cold 60,000-token prompt costs twice its straight line at C = 30,000, and a
+    hit on 59,000 of its tokens saves ``a·(c + c²/2C)``; once the responses show a mix
+    whose mean context is C, the fit's per_token is read as twice ``a``."""
+    states, _, scorer, _ = _long_fleet(28_000)
+    cost = states[0].cost
+    assert scorer.prefill_work(cost, 60_000, 0) == pytest.approx(2 * 60_000 * PER_TOKEN)
+    saved = scorer.prefill_work(cost, 60_000, 0) - scorer.prefill_work(cost, 1_000, 59_000)
+    assert saved == pytest.approx(PER_TOKEN * (59_000 + 59_000**2 / 60_000))
+    response = ResponseInfo(status=200, complete=True, prompt_tokens=60_000, cached_tokens=0)
+    request = InferenceRequest("r", {}, prompt_text="x", model="m", target_model="m")
+    request.notes["latency.routed_at"] = 100.0
+    scorer.response_complete(request, SchedulingResult("p", [states[0]]), response)
+    assert scorer.mean_context == pytest.approx(30_000)
+    assert scorer.prefill_work(cost, 60_000, 0) == pytest.approx(60_000 * PER_TOKEN)
+    linear = plugin("predicted-latency-scorer", context(states), attentionContextTokens=0)
+    assert linear.prefill_work(cost, 60_000, 0) == pytest.approx(60_000 * PER_TOKEN)
+
+
+async def _long_holder_or_cold(**latency: object) -> str:
+    """B holds a 60,000-token prefix and has 2.6 s of prefill queued; A is idle and cold."""
+    states, ctx, scorer, now = _long_fleet(10_000, decodeSecondsPerRequest=0.0, **latency)
+    _a, b = states
+    group = "".join(f"{i:07d}|" for i in range(30_000))  # 240,000 characters
+    await schedule(ctx, [b], group + " q0", scorer)
+    now[0] += 60.0  # drained
+    b.prefill_busy_until = now[0] + 2.6
+    picked, _, _ = await schedule(ctx, states, group + " q1", scorer)
+    return "AB"[picked]
+
+
+async def test_a_long_prefix_is_worth_its_attention_to_its_holder() -> None:
+    """Recomputing 60,000 tokens on the idle engine costs 60k × 30 µs = 1.8 s on the
+    straight line, but 3.6 s with its attention (the simulator's 30 µs a token and 1 ns a
+    query-key pair give the same): waiting 2.6 s for the holder is the faster first
+    token, and the attention-aware cost waits; the straight line copies the prefix."""
+    assert await _long_holder_or_cold() == "B"
+    assert await _long_holder_or_cold(attentionContextTokens=0) == "A"

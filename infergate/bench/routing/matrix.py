@@ -18,6 +18,12 @@ is chosen for its worst and mean case rather than its best. The axes:
   engines with 4 adapter slots each.
 * ``engines`` — fleet size.
 
+The ``trace`` family (:class:`TraceCell`) adds production-shaped traffic at full scale on
+engines with an H100 timing profile: windows of the shipped Mooncake trace, each chosen
+by a seed, and *bursty* synthetic traces with the trace's shape — requests in bursts of
+6-18 at one instant, heavy-tailed prompt lengths, conversations whose every turn extends
+an earlier prompt and system prompts shared across conversations.
+
 Seeds are drawn when the lab runs (``--seed`` fixes one) and recorded with the results.
 """
 
@@ -27,8 +33,10 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from infergate.bench.datasets import SampleRequest, Tokens
+from infergate.bench.routing import traces
 from infergate.bench.routing.workloads import Workload
 from infergate.engine.sim_runner import TimingModel
 
@@ -202,8 +210,10 @@ def build_samples(cell: Cell, tokens: Tokens, n: int, seed: int) -> list[SampleR
     return samples
 
 
-def workload(cell: Cell) -> Workload:
+def workload(cell: Cell | TraceCell) -> Workload:
     """The cell as a lab workload: its fleet, its samples and its one rate."""
+    if isinstance(cell, TraceCell):
+        return cell.workload()
 
     def build(tokens: Tokens, n: int, seed: int) -> list[SampleRequest]:
         return build_samples(cell, tokens, n, seed)
@@ -223,6 +233,109 @@ def workload(cell: Cell) -> Workload:
         engines=cell.engines,
         engine_args=SIM_ARGS,
     )
+
+
+#: The shipped trace (``../shared/traces`` beside the repository; its README gives the format).
+SHIPPED_TRACE = (
+    Path(__file__).resolve().parents[3].parent / "shared/traces/mooncake-synthetic.jsonl"
+)
+#: Trace cells: seconds of arrivals, the engines' timing profile (full scale).
+TRACE_SECONDS = 60.0
+TRACE_PROFILE = "h100-llama3.1-8b"
+#: Bursty traces: requests per second, burst sizes, and the shape of their prompts. The
+#: medians and tails follow the shipped trace's windows (input p50 ~12k tokens, p90
+#: ~40k; outputs p50 ~20-170): new text per turn log-normal, median 6,000 tokens; a
+#: conversation's next turn carries its whole previous prompt; prompts stop at Llama-3.1's
+#: 128k context.
+BURST_RATE = 4.0
+BURST_SIZES = (6, 18)
+NEW_TOKENS_MEDIAN, NEW_TOKENS_SIGMA = 6000.0, 1.0
+OUTPUT_MEDIAN, OUTPUT_SIGMA, OUTPUT_MAX = 80.0, 1.0, 1024
+CONTINUE_SHARE = 0.5  # a request continues an earlier conversation
+SYSTEM_SHARE = 0.5  # a new conversation starts with one of the shared system prompts
+SYSTEM_PROMPTS, SYSTEM_BLOCKS = 8, (2, 8)
+CONTEXT_TOKENS = 131072
+
+
+@dataclass(frozen=True)
+class TraceCell:
+    """A trace-shaped cell: ``window`` (the shipped trace's window a seed picks) or
+    ``bursty`` (a synthetic trace of that seed, :func:`bursty_trace`)."""
+
+    kind: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"trace-{self.kind}-s{self.seed}"
+
+    def requests(self) -> tuple[list[traces.TraceRequest], traces.Window]:
+        if self.kind == "window":
+            trace = traces.read_trace(SHIPPED_TRACE)
+            return trace, traces.window_for_seed(trace, TRACE_SECONDS, self.seed)
+        if self.kind == "bursty":
+            return bursty_trace(self.seed), traces.Window(0.0, TRACE_SECONDS, self.seed)
+        raise ValueError(f"trace cell kind must be window or bursty, not {self.kind!r}")
+
+    def workload(self) -> Workload:
+        trace, window = self.requests()
+        return traces.window_workload(self.name, trace, window, traces.Replay(), TRACE_PROFILE)
+
+
+def _blocks(tokens: int) -> int:
+    return max(1, math.ceil(tokens / traces.TRACE_BLOCK_TOKENS))
+
+
+def bursty_trace(seed: int, seconds: float = TRACE_SECONDS) -> list[traces.TraceRequest]:
+    """A synthetic trace in Mooncake's format, shaped like the shipped one but in bursts.
+
+    Bursts come as a Poisson process at ``BURST_RATE ÷ mean burst size`` per second, each
+    of ``BURST_SIZES`` requests with one timestamp. A request continues an earlier
+    conversation (``CONTINUE_SHARE``: its blocks are that conversation's last prompt
+    plus new ones, as a chat turn resends its history) or starts one, half of them behind
+    one of ``SYSTEM_PROMPTS`` shared system prompts. New text per request is log-normal
+    (heavy-tailed, median ``NEW_TOKENS_MEDIAN``), outputs log-normal; a prompt that would
+    pass ``CONTEXT_TOKENS`` starts a new conversation instead."""
+    rng = random.Random(seed)
+    next_id = [0]
+
+    def fresh(n: int) -> list[int]:
+        first = next_id[0]
+        next_id[0] += n
+        return list(range(first, first + n))
+
+    systems = [fresh(rng.randint(*SYSTEM_BLOCKS)) for _ in range(SYSTEM_PROMPTS)]
+    conversations: list[list[int]] = []
+    out: list[traces.TraceRequest] = []
+    mean_burst = sum(BURST_SIZES) / 2
+    t = rng.expovariate(BURST_RATE / mean_burst)
+    while t < seconds:
+        for _ in range(rng.randint(*BURST_SIZES)):
+            new = round(rng.lognormvariate(math.log(NEW_TOKENS_MEDIAN), NEW_TOKENS_SIGMA))
+            new = min(max(new, 16), CONTEXT_TOKENS // 2)
+            head: list[int] = []
+            index = -1
+            if conversations and rng.random() < CONTINUE_SHARE:
+                index = rng.randrange(len(conversations))
+                head = conversations[index]
+            elif rng.random() < SYSTEM_SHARE:
+                head = rng.choice(systems)
+            if (len(head) + _blocks(new)) * traces.TRACE_BLOCK_TOKENS > CONTEXT_TOKENS:
+                head, index = [], -1
+            ids = head + fresh(_blocks(new))
+            length = len(head) * traces.TRACE_BLOCK_TOKENS + new
+            length = min(length, len(ids) * traces.TRACE_BLOCK_TOKENS)
+            output = round(rng.lognormvariate(math.log(OUTPUT_MEDIAN), OUTPUT_SIGMA))
+            out.append(
+                traces.TraceRequest(round(t * 1000.0, 3), length, min(max(output, 1), OUTPUT_MAX),
+                                    tuple(ids))
+            )  # fmt: skip
+            if index >= 0:
+                conversations[index] = ids
+            else:
+                conversations.append(ids)
+        t += rng.expovariate(BURST_RATE / mean_burst)
+    return out
 
 
 #: Working set × load on 4 engines (uniform popularity, fixed lengths, single turn).
@@ -246,16 +359,26 @@ EXTRA = (
     Cell(working_set=1.0, load=0.6, adapters=8),
     Cell(working_set=1.5, load=0.6, engines=8),
 )
-MATRICES: dict[str, Sequence[Cell]] = {
+#: Production-shaped cells at full scale: three windows of the shipped trace (seeds whose
+#: prefix-hit ceilings are about 7 %, 30 % and 52 %) and two bursty synthetic traces.
+TRACE = (
+    TraceCell("window", 7),
+    TraceCell("window", 46),
+    TraceCell("window", 2),
+    TraceCell("bursty", 1),
+    TraceCell("bursty", 2),
+)
+MATRICES: dict[str, Sequence[Cell | TraceCell]] = {
     "standard": FRACTION + EXTRA,
     "core": CORE,
     "extra": EXTRA,
     "all": CORE + EXTRA,
+    "trace": TRACE,
 }
 
 
-def select(matrix: str, only: str | None) -> list[Cell]:
-    """The cells of ``matrix`` (``standard``, ``core``, ``extra``, ``all``), or the 0-based indices in
+def select(matrix: str, only: str | None) -> list[Cell | TraceCell]:
+    """The cells of ``matrix`` (``standard``, ``core``, ``extra``, ``all``, ``trace``), or the 0-based indices in
     ``only`` (comma-separated, ranges as ``3-5``) of it, so a long matrix can be run in
     parts on a small machine."""
     if matrix not in MATRICES:
@@ -263,7 +386,7 @@ def select(matrix: str, only: str | None) -> list[Cell]:
     cells = list(MATRICES[matrix])
     if not only:
         return cells
-    chosen: list[Cell] = []
+    chosen: list[Cell | TraceCell] = []
     for part in only.split(","):
         low, _, high = part.strip().partition("-")
         try:
