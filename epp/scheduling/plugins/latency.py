@@ -3,8 +3,13 @@
 For every candidate endpoint ``e`` the scorer predicts this request's time to first
 token there (all times in seconds)::
 
-    ttft(e) = max(wait(e), queue(e)) + base(e) + per_token(e) × uncached(e) + evict(e)
+    ttft(e) = max(wait(e), queue(e)) + base(e) + work(e) + evict(e)
               + copy(e) + interfere(e) + busy(e)
+
+* ``work(e) = per_token(e) × uncached × (1 + (cached + uncached/2)/C) ÷ (1 + m̄/C)``: the
+  prefill of the uncached tokens with their attention over the context
+  (:meth:`PredictedLatencyScorer.prefill_work` derives it; ``C`` is
+  ``attentionContextTokens``, 0 for a straight line ``per_token × uncached``).
 
 * ``uncached(e) = prompt_tokens − cached(e)``: ``prompt_tokens`` is the prompt's length
   in characters over the learned characters-per-token; ``cached(e)`` is what the prefix
@@ -25,7 +30,7 @@ token there (all times in seconds)::
   routing lab's no-sharing workload); an engine really slower than τ keeps its own cost.
   The prefill clock below advances by the endpoint's own fit: it tracks that engine.
 * ``wait(e)``: prefill work already queued there. The EPP keeps a virtual clock per
-  endpoint: routing a request adds ``per_token × uncached`` seconds of work, and the work
+  endpoint: routing a request adds its ``work`` seconds, and the work
   drains at one second per second (an engine works through its prefills at its own pace),
   so ``wait = max(0, busy_until − now)``. Two floors cover work that did not come through
   this EPP (another replica's, or a client's sent around it): the engine's reported waiting
@@ -76,7 +81,7 @@ token there (all times in seconds)::
   capacity × (1 − kv_usage)`` and ``held`` the mean tokens a running request holds. So
   ``queue(e) = (waiting(e) + k) ÷ X``. This is what makes a sticky engine with a full
   cache lose to a cold idle one once the queue costs more than the prefill it saves.
-* ``interfere(e) = per_token(e) × uncached(e) × interferencePenalty`` while ``e`` is
+* ``interfere(e) = work(e) × interferencePenalty`` while ``e`` is
   still prefilling another request (its clock or its report shows prefill work left),
   else 0: the delay this request adds to *that* request's first token. An engine
   schedules prefill in chunks that share each step's token budget, so a second prompt
