@@ -60,17 +60,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from infergate.bench.gateway_rig import (
+from gateway_rig import (  # benchmarks/gateway_rig.py, beside this script
     RecordPublisher,
     body_of_size,
     closed_loop,
-    direct_twin,
     open_loop,
     process_cpu_seconds,
     static_upstream_config,
 )
+
 from infergate.bench.routing import external
+from infergate.bench.routing.routers import direct_twin
 from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
 from infergate.procs import ProcessGroup, free_port

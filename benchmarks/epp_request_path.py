@@ -26,10 +26,9 @@ from types import ModuleType
 import infergate.epp.server as current
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from gateway_rig import body_of_size
 from infergate.epp.app import Epp, EppOptions
 from infergate.epp.types import Endpoint
-
-from infergate.bench.gateway_rig import body_of_size
 
 ENVOY_CHUNK = 16 << 10
 

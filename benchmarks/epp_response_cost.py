@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+from gateway_rig import MODEL, Rig, process_cpu_seconds, start_rig
 
-from infergate.bench.gateway_rig import MODEL, Rig, process_cpu_seconds, start_rig
 from infergate.bench.metrics import arrival_times
 from infergate.procs import ProcessGroup
 

@@ -19,7 +19,8 @@ import platform
 import tempfile
 from pathlib import Path
 
-from infergate.bench.gateway_rig import body_of_size, closed_loop, process_cpu_seconds, start_rig
+from gateway_rig import body_of_size, closed_loop, process_cpu_seconds, start_rig
+
 from infergate.procs import ProcessGroup
 
 

@@ -1,6 +1,6 @@
 """EPP cost and freshness against fleet size, on a fake fleet (issue 21).
 
-For each case a fake fleet (:mod:`infergate.bench.fake_fleet`: one process, N loopback
+For each case a fake fleet (:mod:`tests.support.fake_fleet`: one process, N loopback
 engines with a real ~30 KB vLLM-names metrics page, optionally pushing load reports) and
 a real ``infergate epp`` process (``--endpoints FILE``, default 50 ms interval) run side
 by side. Measured, per case:
@@ -41,6 +41,9 @@ from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 sys.path.insert(0, str(Path(__file__).parent))
 from epp_decision import _cpu_seconds, run_stream
+
+#: The fake fleet (tests/support/fake_fleet.py), run as a script in its own process.
+FAKE_FLEET = Path(__file__).resolve().parents[1] / "tests" / "support" / "fake_fleet.py"
 
 
 def _age_histogram(metrics_port: int) -> dict[str, dict[float, float]]:
@@ -121,7 +124,7 @@ def run_case(python: str, case: str, args: argparse.Namespace) -> dict[str, Any]
         file, stats = Path(tmp) / "fleet.yaml", Path(tmp) / "stats.json"
         fleet = group.start(
             "fleet",
-            [sys.executable, "-m", "infergate.bench.fake_fleet", "--endpoints", n,
+            [sys.executable, str(FAKE_FLEET), "--endpoints", n,
              "--file", str(file), "--stats", str(stats), *flags],
             ready=file.exists, timeout=300,
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Rig for the EPP overhead and throughput benchmarks (benchmarks/epp_*.py).
+"""Rig for the EPP overhead and throughput benchmarks (benchmarks/epp_*.py import it as
+``gateway_rig``: a script's own folder is first on its path).
 
 Two real Envoys in front of the same upstream: the gateway (ext_proc to a real
 ``infergate epp``, the pool cluster on its pick) and a direct twin with the identical listener
@@ -25,11 +26,12 @@ import aiohttp
 import msgspec
 import numpy as np
 import yaml
+from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 
 from infergate.bench.metrics import arrival_times
-from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, EnvoyConfig, build_envoy_config
+from infergate.bench.routing.routers import direct_twin
+from infergate.envoy.bootstrap import EnvoyConfig, build_envoy_config
 from infergate.envoy.process import start_envoy
-from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.procs import ProcessGroup, free_port, http_ready
 from infergate.stack.local import (
     LOOPBACK,
@@ -136,27 +138,6 @@ def static_upstream_config(ports: Sequence[int], admin_port: int) -> dict[str, A
         "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
         "static_resources": {"listeners": listeners},
     }
-
-
-def direct_twin(config: dict[str, Any]) -> dict[str, Any]:
-    """The gateway config minus ext_proc and the EPP-fed pool cluster: every request takes
-    the no-pick route to the fallback cluster (the same upstreams), through the same
-    listener and router."""
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    filters = hcm["typed_config"]["http_filters"]
-    hcm["typed_config"]["http_filters"] = [  # the routing filter and the observer
-        f for f in filters if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
-    ]
-    for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
-        host["routes"] = [
-            r for r in host["routes"] if r.get("route", {}).get("cluster") != POOL_CLUSTER
-        ]
-    config["static_resources"]["clusters"] = [
-        c
-        for c in config["static_resources"]["clusters"]
-        if c["name"] not in (EPP_CLUSTER, POOL_CLUSTER)
-    ]
-    return config
 
 
 @dataclass

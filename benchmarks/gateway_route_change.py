@@ -41,14 +41,17 @@ import httpx
 import yaml
 
 from infergate.gateway.xds import AdsServer
-from infergate.gateway.xds_harness import (
+
+# The test harness (tests/support/) is a folder of this checkout, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from infergate.procs import ProcessGroup, free_port
+from tests.support.xds_harness import (
     BackgroundLoop,
     SseBackend,
     check_sse,
     route_snapshot,
     start_gateway_envoy,
 )
-from infergate.procs import ProcessGroup, free_port
 
 if TYPE_CHECKING:
     from conformance.drivers.controlplane import ControlPlaneDriver
@@ -241,11 +244,9 @@ class OperatorRig:
 
 def _controlplane_driver() -> tuple[type[ControlPlaneDriver], Path]:
     """The conformance suite's control-plane driver class and the binaries it needs.
-    ``conformance`` is a folder of this checkout, not an installed package: the repo
-    root goes on the path only for this mode."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    ``conformance`` is a folder of this checkout (the repo root is on the path)."""
     from conformance.drivers.controlplane import ControlPlaneDriver
-    from infergate.testing.controlplane import binaries_dir, missing_binaries
+    from tests.support.controlplane import binaries_dir, missing_binaries
 
     bin_dir = binaries_dir()
     missing = missing_binaries(bin_dir)

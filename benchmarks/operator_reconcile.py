@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,10 @@ import yaml
 from infergate.operator.kube import Kube
 from infergate.operator.reconcile import reconcile
 from infergate.operator.settings import OperatorSettings
-from infergate.testing.controlplane import Cluster, binaries_dir, running_control_plane
+
+# The test harness (tests/support/) is a folder of this checkout, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.controlplane import Cluster, binaries_dir, running_control_plane
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "default"

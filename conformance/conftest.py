@@ -86,7 +86,7 @@ def secondary_address(driver: Driver) -> str:
 def _bin_dir() -> Path:
     """The control-plane binaries; without them (and outside CI) the suite skips, as the
     ``cluster`` tier does: `make controlplane` builds them (needs Go)."""
-    from infergate.testing.controlplane import ControlPlaneError, binaries_dir, missing_binaries
+    from tests.support.controlplane import ControlPlaneError, binaries_dir, missing_binaries
 
     try:
         directory = binaries_dir()

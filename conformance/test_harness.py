@@ -17,9 +17,10 @@ import pytest
 
 from conformance.drivers.runtime import ECHO_SERVER, container_kind, redirect_ads
 from conformance.report import FAILED, GIE_TESTS, PASSED, SKIPPED, build_report
-from infergate.gateway.xds_harness import check_sse
 from infergate.procs import ProcessGroup, free_port, tcp_ready
-from infergate.testing.pods import container_env, expand
+from tests.support import xds_harness
+from tests.support.pods import container_env, expand
+from tests.support.xds_harness import check_sse
 
 KIND_SH = Path(__file__).resolve().parent / "kind.sh"
 
@@ -114,7 +115,7 @@ def test_sse_backend_process_names_itself_and_streams(processes: ProcessGroup) -
     """What the runtime runs for an ``sse-backend`` image (the route-change benchmark's
     backends): ``/who`` names the backend, ``/sse`` streams complete events."""
     port = free_port()
-    argv = [sys.executable, "-m", "infergate.gateway.xds_harness", "--name", "b",
+    argv = [sys.executable, xds_harness.__file__, "--name", "b",
             "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
     processes.start("sse", argv, ready=tcp_ready("127.0.0.1", port))
     with httpx.Client() as client:

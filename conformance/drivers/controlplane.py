@@ -1,7 +1,7 @@
 """The control-plane driver: infergate as the Gateway API implementation, on the real
 control plane the cluster tier builds, with processes standing in for containers.
 
-* **The API server** is the real one (:class:`infergate.testing.controlplane.ControlPlane`:
+* **The API server** is the real one (:class:`tests.support.controlplane.ControlPlane`:
   etcd, kube-apiserver with RBAC, controller-manager, scheduler, kwok).
 * **infergate** is installed with the real ``helm`` (``charts/infergate``: CRDs, the
   Gateway API CRDs, GatewayClass ``infergate``, RBAC) and its operator runs from this
@@ -36,7 +36,7 @@ from conformance.drivers.base import STOP_PODS, Driver, Pod, Reply, Request
 from conformance.drivers.runtime import PodRuntime
 from conformance.kube import KubeApi, api_client_for, wait_for
 from infergate.procs import ProcessGroup, free_port, http_ready, tcp_ready
-from infergate.testing.controlplane import Cluster, ControlPlane
+from tests.support.controlplane import Cluster, ControlPlane
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NS = "infergate-system"

@@ -4,12 +4,12 @@ kwok gives every pod a phase, a Ready condition and an IP in the control plane's
 ``127.X.Y.0/24`` (Linux routes all of 127/8 to ``lo``), but runs nothing. This runtime is
 the kubelet's other half for the suite's namespaces: it watches their pods and, for each
 running pod, starts one process per container whose image it knows, through the
-project's pod harness (:mod:`infergate.testing.pods`: ConfigMap volumes written locally,
+project's pod harness (:mod:`tests.support.pods`: ConfigMap volumes written locally,
 in-pod addresses made the pod's IP, the ServiceAccount's token as a kubeconfig), with
 the container's ``env`` and ``$(VAR)``-expanded args:
 
 * ``…conformance-echo…`` → ``conformance/echo/server.py`` on the pod's IP;
-* ``…sse-backend…`` → :mod:`infergate.gateway.xds_harness`'s streaming backend on the
+* ``…sse-backend…`` → :mod:`tests.support.xds_harness`'s streaming backend on the
   pod's IP (the route-change benchmark's backends: ``GET /sse`` streams events);
 * ``…/epp…`` → ``infergate`` from this checkout;
 * ``…envoy…`` → the real Envoy on the bootstrap from the Gateway's ConfigMap. One thing
@@ -38,8 +38,9 @@ import yaml
 from conformance.kube import KubeApi
 from infergate.envoy.binary import find_envoy
 from infergate.procs import ManagedProcess, ProcessGroup
-from infergate.testing.controlplane import Cluster, ControlPlaneError
-from infergate.testing.pods import (
+from tests.support import xds_harness
+from tests.support.controlplane import Cluster, ControlPlaneError
+from tests.support.pods import (
     container_env,
     expand,
     materialize_config_maps,
@@ -205,7 +206,7 @@ class PodRuntime:
             )
             return [*argv, "--host", ip], {**_base_env(), **env}
         if kind == "sse":
-            entry = [sys.executable, "-m", "infergate.gateway.xds_harness"]
+            entry = [sys.executable, xds_harness.__file__]
             argv = pod_argv(pod, {**expanded, "command": []}, entry, mounts)
             return [*argv, "--host", ip], {**_base_env(), **env}
         if kind == "epp":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from infergate.bench.gateway_rig import direct_twin
+from infergate.bench.routing.routers import direct_twin
 from infergate.envoy.bootstrap import FALLBACK_CLUSTER, EnvoyConfig, build_envoy_config
 from infergate.envoy.process import validate_config
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from infergate.stack.local import LocalStack, StackSpec
-from infergate.stack.probes import metric_sum
+from tests.support.probes import metric_sum
 
 OBJECTIVES = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha2

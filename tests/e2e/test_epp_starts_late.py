@@ -16,7 +16,7 @@ import httpx
 from infergate.envoy.bootstrap import POOL_CLUSTER
 from infergate.envoy.process import start_envoy
 from infergate.stack.local import LocalStack, StackSpec
-from infergate.stack.probes import envoy_cluster_hosts, wait_for
+from tests.support.probes import envoy_cluster_hosts, wait_for
 
 #: How long Envoy runs alone: long enough for the default backoff to reach ~8-16 s.
 ALONE_S = 12.0

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from infergate.stack.local import LocalStack, StackSpec
-from infergate.stack.probes import engines_idle, metric_sum, wait_for
+from tests.support.probes import engines_idle, metric_sum, wait_for
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"

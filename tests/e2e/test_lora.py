@@ -17,7 +17,7 @@ import pytest
 
 from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
 from infergate.stack.local import LocalStack, StackSpec
-from infergate.stack.probes import scrape, wait_for
+from tests.support.probes import scrape, wait_for
 
 from .conftest import _STACKS
 

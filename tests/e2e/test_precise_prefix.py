@@ -13,7 +13,7 @@ import pytest
 from infergate.envoy.bootstrap import UPSTREAM_HOST_HEADER
 from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec
-from infergate.stack.probes import metric_sum, wait_for
+from tests.support.probes import metric_sum, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from infergate.envoy.bootstrap import (
 from infergate.envoy.process import start_envoy
 from infergate.procs import free_port
 from infergate.stack.local import LocalStack
-from infergate.stack.probes import engines_idle, envoy_cluster_healthy, metric_sum, wait_for
+from tests.support.probes import engines_idle, envoy_cluster_healthy, metric_sum, wait_for
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 SHEDDABLE = "batch-sheddable"  # priority -1 in the stack's objectives file (conftest)

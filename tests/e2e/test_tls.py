@@ -29,7 +29,7 @@ from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, EppMutualTls
 from infergate.envoy.process import start_envoy
 from infergate.procs import free_port
 from infergate.stack.local import LocalStack, StackSpec
-from infergate.stack.probes import envoy_cluster_healthy
+from tests.support.probes import envoy_cluster_healthy
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ async def test_a_scrape_asks_for_the_samples_it_reads_and_parses_them_the_same(
     the same query the same way. The EPP scraping that engine receives small pages."""
     from infergate.epp.datalayer.dialects import VLLM, parse_metrics
 
-    from infergate.bench.fake_fleet import FakeFleet
+    from tests.support.fake_fleet import FakeFleet
 
     _, port, _ = _engine(processes, tiny_model, "engine")
     url = f"http://127.0.0.1:{port}/metrics"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from infergate.epp.datalayer.discovery.kube import READ_TIMEOUT, pool_endpoints
 
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 from .conftest import eventually
 

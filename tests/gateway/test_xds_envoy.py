@@ -22,7 +22,8 @@ import pytest
 
 from infergate.gateway.types import ROUTE_TYPE, Snapshot
 from infergate.gateway.xds import AdsServer
-from infergate.gateway.xds_harness import (
+from infergate.procs import ManagedProcess, ProcessGroup, free_port
+from tests.support.xds_harness import (
     BackgroundLoop,
     SseBackend,
     assignment,
@@ -34,7 +35,6 @@ from infergate.gateway.xds_harness import (
     snapshot,
     start_gateway_envoy,
 )
-from infergate.procs import ManagedProcess, ProcessGroup, free_port
 
 NODE = "default/gw"
 EVENTS = 5

@@ -32,7 +32,7 @@ from infergate.gateway.types import (
     Snapshot,
 )
 from infergate.gateway.xds import BIND_ADDRESS_KEY, AdsServer
-from infergate.gateway.xds_harness import (
+from tests.support.xds_harness import (
     assignment,
     eds_cluster,
     http_listener,

@@ -36,7 +36,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from infergate.procs import ProcessGroup, free_port, http_ready
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 from .oci import (
     Image,

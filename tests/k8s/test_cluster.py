@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 from .validation import VALUE_SETS, is_custom
 

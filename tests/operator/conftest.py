@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 

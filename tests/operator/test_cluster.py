@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
-from infergate.testing.controlplane import Cluster, audit_writes
+from tests.support.controlplane import Cluster, audit_writes
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """The EPP in pool mode on a real API server, with its own ServiceAccount token.
 
 The operator (chart's token) deploys a standalone-Envoy EPP for a pool; kwok runs the EPP
-pod and two engine pods with loopback (127.X.Y.Z) IPs, and the harness (``infergate.testing.pods``)
+pod and two engine pods with loopback (127.X.Y.Z) IPs, and the harness (``tests.support.pods``)
 backs each with the real process its container describes, bound to the pod's IP: the
 simulated engine, the EPP (whose only credential is a TokenRequest token for the
 ServiceAccount the operator made for it) and the real Envoy with the operator's
@@ -22,8 +22,8 @@ import pytest
 
 from infergate.operator.constants import ENVOY_ADMIN_PORT
 from infergate.procs import ProcessGroup, http_ready, tcp_ready
-from infergate.testing.controlplane import Cluster
-from infergate.testing.pods import materialize_config_maps, pod_argv, pod_env
+from tests.support.controlplane import Cluster
+from tests.support.pods import materialize_config_maps, pod_argv, pod_env
 
 from .test_cluster import run_operator, wait_for
 
@@ -103,7 +103,7 @@ def _ready_pods(metrics_url: str) -> float | None:
 def _envoy_pool_hosts(admin: str) -> int | None:
     """How many hosts the sidecar Envoy's pool cluster has: what the EPP sent over EDS."""
     from infergate.envoy.bootstrap import POOL_CLUSTER
-    from infergate.stack.probes import envoy_cluster_hosts
+    from tests.support.probes import envoy_cluster_hosts
 
     try:
         return len(envoy_cluster_hosts(admin, POOL_CLUSTER))

@@ -33,7 +33,7 @@ from infergate.gateway.translate import SHADOWED
 from infergate.operator import constants as c
 from infergate.operator.gateway.objects import proxy_name
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 from .test_cluster import wait_for
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from infergate.procs import ProcessGroup, free_port, http_ready
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 from .test_cluster import wait_for
 

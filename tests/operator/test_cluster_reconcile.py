@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from infergate.procs import ProcessGroup
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 from .test_cluster import run_operator, wait_for
 

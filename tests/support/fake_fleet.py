@@ -17,7 +17,7 @@ side is a plain asyncio protocol with prebuilt responses, so the fleet's own cos
 small next to the EPP it feeds. ``write_endpoints_file`` writes the EPP's ``--endpoints``
 file, with the completion-events port label for pushing engines.
 
-    python -m infergate.bench.fake_fleet --endpoints 1000 --push --file /tmp/fleet.yaml
+    python tests/support/fake_fleet.py --endpoints 1000 --push --file /tmp/fleet.yaml
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infergate.testing.controlplane import Cluster
+from tests.support.controlplane import Cluster
 
 _LOCAL_ADDRESS = re.compile(r"\b(0\.0\.0\.0|127\.0\.0\.1|localhost)\b")
 

@@ -1,7 +1,7 @@
 """Small probes of a running stack: Prometheus scrapes and polling with a deadline.
 
-Shared by the end-to-end tests and the benchmarks, which must see the same figures the
-EPP scores on (parsed with prometheus_client's own parser, never by regex).
+Used by the end-to-end tests, which must see the same figures the EPP scores on
+(parsed with prometheus_client's own parser, never by regex).
 """
 
 from __future__ import annotations

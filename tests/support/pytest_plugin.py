@@ -1,6 +1,6 @@
 """pytest plugin: real processes on free loopback ports, always stopped.
 
-Loaded for every suite in this repository (``-p infergate.testing.pytest_plugin`` in
+Loaded for every suite in this repository (``-p tests.support.pytest_plugin`` in
 pyproject's addopts), so tests/ and conformance/ share it: ``processes`` starts any child with a readiness check and a
 deadline, attaches the logs of every child to a failing test's report, and stops them
 all at teardown (and at interpreter exit, and if pytest itself is killed).
@@ -20,7 +20,7 @@ import pytest
 
 from infergate.envoy import EnvoyNotFound, find_envoy
 from infergate.procs import ProcessGroup, free_port
-from infergate.testing.controlplane import (
+from tests.support.controlplane import (
     Cluster,
     ControlPlane,
     ControlPlaneError,

@@ -25,14 +25,36 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from infergate.bench.gateway_rig import direct_twin
 from infergate.bench.routing import external
+from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER
 from infergate.envoy.process import start_envoy
 from infergate.procs import free_port, http_ready
 from infergate.stack.local import LOOPBACK, LocalStack, grpc_serving
+
+
+def direct_twin(config: dict[str, Any]) -> dict[str, Any]:
+    """The gateway config minus ext_proc and the EPP-fed pool cluster: every request takes
+    the no-pick route to the fallback cluster (the same upstreams), through the same
+    listener and router. The Envoy-only routers (round-robin, least-request) run it."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    hcm["typed_config"]["http_filters"] = [  # the routing filter and the observer
+        f for f in filters if not f["typed_config"]["@type"].endswith(".ExternalProcessor")
+    ]
+    for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
+        host["routes"] = [
+            r for r in host["routes"] if r.get("route", {}).get("cluster") != POOL_CLUSTER
+        ]
+    config["static_resources"]["clusters"] = [
+        c
+        for c in config["static_resources"]["clusters"]
+        if c["name"] not in (EPP_CLUSTER, POOL_CLUSTER)
+    ]
+    return config
 
 
 class RouterUnavailable(RuntimeError):
