@@ -117,14 +117,3 @@ class ModelRunner(Protocol):
     def release(self, request_id: str) -> None:
         """Forget per-request state (e.g. a seeded generator) once a request ends."""
         ...
-
-
-class LogprobsRunner(ModelRunner, Protocol):
-    """A runner that also reports logprobs (the real one; the simulator has no logits)."""
-
-    def take_logprobs(
-        self,
-    ) -> tuple[dict[str, TokenLogprob], dict[str, tuple[int, list[TokenLogprob]]]]:
-        """The last step's (sampled-token logprobs, (first position, prompt logprobs))
-        per request id, for requests that asked for them; clears them."""
-        ...

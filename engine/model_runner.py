@@ -185,7 +185,9 @@ class TorchModelRunner:
     def take_logprobs(
         self,
     ) -> tuple[dict[str, TokenLogprob], dict[str, tuple[int, list[TokenLogprob]]]]:
-        """The last step's logprobs (see `interfaces.LogprobsRunner`); clears them."""
+        """The last step's (sampled-token logprobs, (first position, prompt logprobs)) per
+        request id, for requests that asked; clears them. Optional for a runner: the core
+        looks it up by name, and the simulator, with no logits, has none."""
         out = (self._logprobs, self._prompt_logprobs)
         self._logprobs, self._prompt_logprobs = {}, {}
         return out

@@ -33,9 +33,5 @@ class APIError(Exception):
         return JSONResponse(error_body(self.status, self.message, self.param), self.status)
 
 
-def bad_request(param: str, message: str) -> APIError:
-    return APIError(400, message, param)
-
-
 class ClientGone(Exception):
     """The client went away before its request body was complete (already logged)."""

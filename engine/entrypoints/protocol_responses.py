@@ -86,11 +86,6 @@ def unsupported_fields(req: ResponsesRequest) -> tuple[str, str] | None:
 # -- input items ----------------------------------------------------------------------
 
 
-class InputText(_Open):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
 class MessageItem(_Open):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]

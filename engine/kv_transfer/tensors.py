@@ -15,11 +15,6 @@ from typing import Any
 import torch
 
 
-def block_bytes(kv_caches: Sequence[torch.Tensor]) -> int:
-    """Bytes of one block across all layers (keys and values)."""
-    return sum(c[0].numel() * c.element_size() for c in kv_caches)
-
-
 def read_blocks(
     kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]
 ) -> tuple[dict[str, Any], bytes]:

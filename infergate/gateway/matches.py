@@ -52,14 +52,6 @@ class Match:
     prefix: str | None  # the PathPrefix value, for ReplacePrefixMatch rewrites
 
 
-def compile_matches(raw: Any) -> list[Match]:
-    """A rule's matches (default: PathPrefix ``/``); raises :class:`Invalid`."""
-    matches = as_list(raw)
-    if not matches:
-        matches = [{}]
-    return [compile_match(as_dict(m)) for m in matches]
-
-
 def compile_match(match: dict[str, Any]) -> Match:
     path = as_dict(match.get("path"))
     kind = as_str(path.get("type"), "PathPrefix")

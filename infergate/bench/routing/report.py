@@ -67,15 +67,6 @@ def table(results: Sequence[RunResult]) -> Table:
     return t
 
 
-def markdown(results: Sequence[RunResult]) -> str:
-    """The same table as GitHub markdown (for docs/benchmarks.md)."""
-    head = "| " + " | ".join(title for _, title in COLUMNS) + " |"
-    rule = "|" + "|".join("---" if t in ("workload", "router") else "---:" for _, t in COLUMNS)
-    lines = [head, rule + "|"]
-    lines += ["| " + " | ".join(row_cells(r)) + " |" for r in results]
-    return "\n".join(lines)
-
-
 def print_summary(results: Sequence[RunResult], console: Console | None = None) -> None:
     console = console or Console()
     console.print(table(results))
