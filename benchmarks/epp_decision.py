@@ -155,11 +155,15 @@ async def extproc(requests: int, endpoints: int) -> None:
     from infergate.procs import ProcessGroup, free_port, tcp_ready
 
     port = free_port()
-    argv = [sys.executable, "-m", "infergate.cli", "epp", "--host", "127.0.0.1", "--grpc-port", str(port),
-            "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port()),
-            "--refresh-metrics-interval", "3600", "--log-level", "error"]  # fmt: skip
-    for i in range(endpoints):
-        argv += ["--endpoint", f"127.0.0.1:{20000 + i}"]
+    from infergate.epp.options import EPP_PORTS, EppOptions
+    from infergate.epp.types import Endpoint
+
+    options = EppOptions(
+        static_endpoints=[Endpoint("127.0.0.1", 20000 + i) for i in range(endpoints)],
+        host="127.0.0.1", grpc_port=port, grpc_health_port=free_port(),
+        metrics_port=free_port(), refresh_metrics_interval=3600, log_level="error",
+    )  # fmt: skip
+    argv = [sys.executable, "-m", "infergate.cli", *options.argv(always=EPP_PORTS)]
     with ProcessGroup() as group:
         epp = group.start("epp", argv, ready=tcp_ready("127.0.0.1", port), timeout=60)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

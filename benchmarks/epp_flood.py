@@ -32,6 +32,8 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from infergate.epp.options import EPP_PORTS, EppOptions
+from infergate.epp.types import Endpoint
 
 from infergate.procs import free_port
 
@@ -152,9 +154,11 @@ async def main() -> None:
         return
     port, health, metrics = free_port(), free_port(), free_port()
     infergate = str(Path(sys.executable).with_name("infergate"))
-    argv = [infergate, "epp", "--endpoint", "127.0.0.1:1"]
-    argv += ["--host", "127.0.0.1", "--grpc-port", str(port), "--grpc-health-port", str(health)]
-    argv += ["--metrics-port", str(metrics), "--log-level", "warning", *args.epp_arg]
+    options = EppOptions(
+        static_endpoints=[Endpoint("127.0.0.1", 1)], host="127.0.0.1", grpc_port=port,
+        grpc_health_port=health, metrics_port=metrics, log_level="warning",
+    )  # fmt: skip
+    argv = [infergate, *options.argv(always=EPP_PORTS), *args.epp_arg]
     epp = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         await asyncio.sleep(4.0)

@@ -68,6 +68,7 @@ from gateway_rig import (  # benchmarks/gateway_rig.py, beside this script
     process_cpu_seconds,
     static_upstream_config,
 )
+from infergate.epp.options import EPP_PORTS, EppOptions
 
 from infergate.bench.routing import external
 from infergate.bench.routing.routers import direct_twin
@@ -224,9 +225,11 @@ class Run:
         name, env, flags = parse_variant(text)
         self.envoy_overrides[name], flags = envoy_overrides(flags)
         grpc, health, metrics = free_port(), free_port(), free_port()
-        argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
-        argv += ["--endpoints", str(self.endpoints_file), "--grpc-port", str(grpc)]
-        argv += ["--grpc-health-port", str(health), "--metrics-port", str(metrics), *flags]
+        options = EppOptions(
+            endpoints_file=self.endpoints_file, host=LOOPBACK, log_level="warning",
+            grpc_port=grpc, grpc_health_port=health, metrics_port=metrics,
+        )  # fmt: skip
+        argv = [*infergate_argv(), *options.argv(always=EPP_PORTS), *flags]
         process = self.group.start(
             f"epp-{name}",
             argv,

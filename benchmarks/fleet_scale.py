@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infergate.epp.options import EPP_PORTS, EppOptions
+
 from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -129,11 +131,13 @@ def run_case(python: str, case: str, args: argparse.Namespace) -> dict[str, Any]
             ready=file.exists, timeout=300,
         )  # fmt: skip
         grpc_port, metrics_port = free_port(), free_port()
+        options = EppOptions(
+            endpoints_file=file, host="127.0.0.1", grpc_port=grpc_port,
+            grpc_health_port=free_port(), metrics_port=metrics_port, log_level="error",
+        )  # fmt: skip
         epp = group.start(
             "epp",
-            [python, "-m", "infergate.cli", "epp", "--endpoints", str(file), "--host", "127.0.0.1",
-             "--grpc-port", str(grpc_port), "--grpc-health-port", str(free_port()),
-             "--metrics-port", str(metrics_port), "--log-level", "error"],
+            [python, "-m", "infergate.cli", *options.argv(always=EPP_PORTS)],
             ready=tcp_ready("127.0.0.1", grpc_port), timeout=300,
         )  # fmt: skip
         time.sleep(args.warmup + int(n) / 200)

@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 import yaml
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
+from infergate.epp.options import EPP_PORTS, EppOptions
 
 from infergate.bench.metrics import arrival_times
 from infergate.bench.routing.routers import direct_twin
@@ -206,7 +207,6 @@ def start_rig(
     else:
         raise ValueError(f"--upstream must be static or engine, not {upstream!r}")
 
-    argv = [*infergate_argv(), "epp", "--host", LOOPBACK, "--log-level", "warning"]
     endpoints_file = workdir / "endpoints.yaml"
     endpoints_file.write_text(
         yaml.safe_dump(
@@ -222,16 +222,16 @@ def start_rig(
             }
         )
     )
-    argv += ["--endpoints", str(endpoints_file), *epp_args]
     replicas = []  # (process, gRPC port, metrics port): several replicas behind one cluster
     for index in range(epp_replicas):
         grpc, health, metrics = free_port(), free_port(), free_port()
-        ports_argv = ["--grpc-port", str(grpc), "--grpc-health-port", str(health)]
-        ports_argv += ["--metrics-port", str(metrics)]
+        options = EppOptions(
+            endpoints_file=endpoints_file, host=LOOPBACK, log_level="warning",
+            grpc_port=grpc, grpc_health_port=health, metrics_port=metrics,
+        )  # fmt: skip
+        argv = [*infergate_argv(), *options.argv(always=EPP_PORTS), *epp_args]
         name = f"epp-{index}" if index else "epp"
-        process = group.start(
-            name, [*argv, *ports_argv], ready=grpc_serving(LOOPBACK, health), timeout=120
-        )
+        process = group.start(name, argv, ready=grpc_serving(LOOPBACK, health), timeout=120)
         replicas.append((process, grpc, metrics))
     epp, grpc, metrics = replicas[0]
 

@@ -1,12 +1,15 @@
 """``infergate epp``'s options: each field of :class:`EppOptions` is one flag.
 
 Adding a flag is adding a field with :func:`infergate.options.option`; ``epp/cli.py``
-generates the command from these fields. Fields without one (``config``) are for callers
-that build an EPP in process (tests, benchmarks).
+generates the command from these fields, and :meth:`EppOptions.argv` writes the command
+line back from them for whoever starts an EPP process (``infergate up``, the operator's
+Deployment, the bench rigs). Fields without one (``config``) are for callers that build
+an EPP in process (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,13 +17,17 @@ from typing import TYPE_CHECKING, Any
 from infergate.epp.datalayer.discovery.static import parse_endpoint
 from infergate.epp.types import Endpoint
 
-from infergate.options import option
+from infergate.options import option, to_argv
 from infergate.wire.names import MAX_REQUEST_BODY_BYTES
 
 if TYPE_CHECKING:
     from infergate.epp.config import EndpointPickerConfig
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0}
+
+#: The port fields: whoever starts an EPP writes them even at their defaults
+#: (``EppOptions.argv(always=EPP_PORTS)``), so its command line names its ports.
+EPP_PORTS = ("grpc_port", "grpc_health_port", "metrics_port")
 
 #: The environment variable that gives the EPP the engines' ``--api-key`` (never a flag:
 #: a command line is visible to every process on the host). The precise-prefix scorer
@@ -59,6 +66,11 @@ def _seconds_or_none(text: str | float) -> float | None:
     return None if str(text).strip() in ("0", "0s", "0.0") else seconds(text)
 
 
+def _seconds_text(value: float | None) -> str:
+    """``--body-timeout``'s text for a value: 0 for none."""
+    return "0" if value is None else str(value)
+
+
 def _duration_option(flag: str, default: float, help: str) -> Any:
     """An option in seconds that also takes Go-style durations (``50ms``, ``2s``)."""
     return option(flag, default=default, cli_type=str, convert=seconds, help=help)
@@ -66,6 +78,14 @@ def _duration_option(flag: str, default: float, help: str) -> Any:
 
 def _endpoints(texts: list[str]) -> list[Endpoint]:
     return [parse_endpoint(text) for text in texts]
+
+
+def _endpoint_texts(endpoints: list[Endpoint]) -> list[str]:
+    """``--endpoint``'s texts: HOST:PORT carries no labels (an endpoints file does)."""
+    labelled = [e.key for e in endpoints if e.labels]
+    if labelled:
+        raise ValueError(f"--endpoint cannot carry labels ({', '.join(labelled)}): use --endpoints")
+    return [e.key for e in endpoints]
 
 
 @dataclass
@@ -86,6 +106,7 @@ class EppOptions:
         default_factory=list,
         cli_type=list[str],
         convert=_endpoints,
+        render=_endpoint_texts,
         help="Static endpoint HOST:PORT; may repeat.",
     )
     config_file: Path | None = option(
@@ -157,6 +178,7 @@ class EppOptions:
         default=20.0,
         cli_type=str,
         convert=_seconds_or_none,
+        render=_seconds_text,
         help="A request body must arrive within this (after its headers), else 408; 0 = none.",
     )
     completion_events_port: int | None = option(
@@ -211,3 +233,9 @@ class EppOptions:
         "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
     )
     """Bind the gRPC ports with SO_REUSEPORT (``--workers``: several EPPs, one port)."""
+
+    def argv(self, *, always: Collection[str] = ()) -> list[str]:
+        """``infergate``'s arguments that run this EPP: ``epp`` and each flag whose value is
+        not its default (and those in ``always``). The one place an EPP command line is
+        built; ``ValueError`` for what no flag carries (``config``: write it to a file)."""
+        return ["epp", *to_argv(self, always=always)]

@@ -13,20 +13,35 @@ made with :func:`options_group` holds a nested dataclass whose own option fields
 command (``engine serve``'s ``--sim-*`` options build its :class:`TimingModel`), and
 :func:`inherit` restates another dataclass's option under a new flag or default (``up``
 passes several EPP and engine options through).
+
+:func:`to_argv` goes the other way: the arguments that parse back into a given dataclass
+(a field with ``convert`` names its inverse as ``render``). Whoever starts a process of
+ours (``up`` its EPP, the operator its Deployment, the bench rigs) builds the options and
+asks for the argv, so a flag's spelling lives only on its field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import MISSING, dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import typer
 
-__all__ = ["CliSpec", "argument", "cli_fields", "command", "inherit", "option", "options_group"]
+__all__ = [
+    "CliSpec",
+    "argument",
+    "cli_fields",
+    "command",
+    "inherit",
+    "option",
+    "options_group",
+    "to_argv",
+]
 
 _KEY = "infergate.cli"
 T = TypeVar("T")
@@ -51,6 +66,9 @@ class CliSpec:
     cli_default: Any = field(default_factory=lambda: MISSING)
     """The command line's default when it is not the field's (``up`` serves TLS by
     default; a :class:`StackSpec` built in code does not)."""
+    render: Callable[[Any], Any] | None = None
+    """Field value → command-line text (or a list, one flag each): ``convert``'s inverse,
+    for :func:`to_argv`; ``ValueError`` for a value the command line cannot carry."""
 
     @property
     def is_argument(self) -> bool:
@@ -65,10 +83,11 @@ def option(
     cli_type: Any = None,
     convert: Callable[[Any], Any] | None = None,
     cli_default: Any = MISSING,
+    render: Callable[[Any], Any] | None = None,
     **settings: Any,
 ) -> Any:
     """A dataclass field that is also the option ``decls``."""
-    spec = CliSpec(decls, help, settings, cli_type, convert, cli_default=cli_default)
+    spec = CliSpec(decls, help, settings, cli_type, convert, cli_default=cli_default, render=render)
     return field(default=default, default_factory=default_factory, metadata={_KEY: spec})
 
 
@@ -98,6 +117,7 @@ def inherit(source: type, name: str, *decls: str, help: str | None = None, **cha
         "cli_type": spec.cli_type,
         "convert": spec.convert,
         "cli_default": spec.cli_default,
+        "render": spec.render,
         **spec.settings,
     }
     if "default" in changes:
@@ -121,19 +141,25 @@ def _field_type(cls: type, f: dataclasses.Field[Any]) -> Any:
     return eval(f.type, vars(sys.modules[cls.__module__]))  # our own annotations
 
 
+def _cli_default(f: dataclasses.Field[Any], spec: CliSpec | None) -> Any:
+    """What the command line fills in when the flag is absent (``MISSING``: required)."""
+    if spec is not None and spec.cli_default is not MISSING:
+        return spec.cli_default
+    if f.default is not MISSING:
+        return f.default
+    if callable(f.default_factory):
+        return f.default_factory()
+    return MISSING
+
+
 def _parameters(cls: type, prefix: str = "") -> list[inspect.Parameter]:
     params = []
     for f, spec in cli_fields(cls):
         if spec.group is not None:
             params += _parameters(spec.group, f"{prefix}{f.name}__")
             continue
-        if spec.cli_default is not MISSING:
-            default = spec.cli_default
-        elif f.default is not MISSING:
-            default = f.default
-        elif callable(f.default_factory):
-            default = f.default_factory()
-        else:
+        default = _cli_default(f, spec)
+        if default is MISSING:
             default = inspect.Parameter.empty
         info = (
             typer.Argument(help=spec.help, **spec.settings)
@@ -186,3 +212,60 @@ def command(cls: type[T]) -> Callable[[Callable[[T], R]], Callable[..., R]]:
         return cli
 
     return wrap
+
+
+def to_argv(options: Any, *, always: Collection[str] = ()) -> list[str]:
+    """The arguments that :func:`command` parses back into ``options`` (:func:`build`'s
+    inverse): its arguments, then, in field order, each option whose value is not the
+    command line's default, or whose field is named in ``always`` (an operator's pod spec
+    names its ports). ``ValueError`` names a value no flag can carry (a field without a
+    flag set in code, ``False`` for a flag without a ``--no-`` form)."""
+    positional: list[str] = []
+    flags: list[str] = []
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        spec: CliSpec | None = f.metadata.get(_KEY)
+        if spec is not None and spec.group is not None:
+            flags += to_argv(value, always=always)
+        elif spec is None:
+            if value != _cli_default(f, None):
+                raise ValueError(f"{type(options).__name__}.{f.name} has no command-line flag")
+        elif spec.is_argument:
+            positional += _texts(spec, value)
+        elif value != _parsed_default(f, spec) or f.name in always:
+            flags += _flag_argv(spec, value)
+    return [*positional, *flags]
+
+
+def _parsed_default(f: dataclasses.Field[Any], spec: CliSpec) -> Any:
+    """The field value the command line builds when the flag is absent."""
+    default = _cli_default(f, spec)
+    if spec.convert is None or default is MISSING:
+        return default
+    try:
+        return spec.convert(default)
+    except ValueError:
+        return default
+
+
+def _flag_argv(spec: CliSpec, value: Any) -> list[str]:
+    """One option's arguments: ``--flag VALUE`` (once per item of a list), or the bare
+    flag (or its ``--no-`` form) for a boolean."""
+    flag, _, off = spec.decls[0].partition("/")
+    if isinstance(value, bool) and spec.render is None:
+        if value or off:
+            return [flag if value else off]
+        raise ValueError(f"{flag} has no form that sets it false")
+    return [arg for text in _texts(spec, value) for arg in (flag, text)]
+
+
+def _texts(spec: CliSpec, value: Any) -> list[str]:
+    """A value as command-line text: rendered, one text per list item."""
+    rendered = spec.render(value) if spec.render is not None else value
+    items = rendered if isinstance(rendered, list | tuple) else [rendered]
+    texts = []
+    for item in items:
+        if item is None:
+            raise ValueError(f"{'/'.join(spec.decls) or 'argument'}: None has no text")
+        texts.append(str(item.value if isinstance(item, enum.Enum) else item))
+    return texts

@@ -12,9 +12,11 @@ import base64
 import copy
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import yaml
+from infergate.epp.options import EPP_PORTS, EppOptions
 
 from infergate.operator import constants as c
 from infergate.operator.pool import PoolSpec
@@ -109,17 +111,31 @@ def build_tls_secret(pool: PoolSpec, tls_data: dict[str, str]) -> Obj:
     }
 
 
-def _tls_args(pool: PoolSpec, tls: bool) -> list[str]:
-    """With the pool's TLS Secret the EPP serves its certificate, and requires the
-    standalone Envoy's client certificate (mutual TLS); without, a self-signed one."""
-    if not tls:
-        return []
+def epp_options(pool: PoolSpec, tls: bool = False) -> EppOptions:
+    """The pool's EPP: its pool, the mounted config, the fixed ports the probes and
+    Services name, TLS on (GIE's default: gateways, Istio's sidecar included, reach
+    ext-proc over TLS). With the pool's TLS Secret the EPP serves its certificate and
+    requires the standalone Envoy's client certificate (mutual TLS); without, a
+    self-signed one."""
     from infergate.epp.tls import CA_CERT
 
-    args = ["--cert-path", c.EPP_TLS_DIR]
-    if pool.standalone_envoy:
-        args += ["--client-ca-file", f"{c.EPP_TLS_DIR}/{CA_CERT}"]
-    return args
+    tls_dir = Path(c.EPP_TLS_DIR)
+    return EppOptions(
+        pool_name=pool.name,
+        pool_namespace=pool.namespace,
+        config_file=Path(f"{c.EPP_CONFIG_DIR}/{c.EPP_CONFIG_KEY}"),
+        grpc_port=c.EPP_GRPC_PORT,
+        grpc_health_port=c.EPP_HEALTH_PORT,
+        metrics_port=c.EPP_METRICS_PORT,
+        completion_events_port=pool.completion_events_port,
+        secure_serving=True,
+        cert_path=tls_dir if tls else None,
+        client_ca_file=tls_dir / CA_CERT if tls and pool.standalone_envoy else None,
+    )
+
+
+#: Written even at their defaults: a pod spec names its pool namespace and its ports.
+_EPP_ALWAYS = ("pool_namespace", *EPP_PORTS)
 
 
 def build_config_map(pool: PoolSpec, epp_config: str) -> Obj:
@@ -185,24 +201,7 @@ def _restricted_security_context() -> Obj:
 
 
 def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = False) -> Obj:
-    args = [
-        "epp",
-        "--pool-name", pool.name,
-        "--pool-namespace", pool.namespace,
-        "--config-file", f"{c.EPP_CONFIG_DIR}/{c.EPP_CONFIG_KEY}",
-        "--grpc-port", str(c.EPP_GRPC_PORT),
-        "--grpc-health-port", str(c.EPP_HEALTH_PORT),
-        "--metrics-port", str(c.EPP_METRICS_PORT),
-        # GIE's default: gateways (Istio, the sidecar below) reach ext-proc over TLS.
-        "--secure-serving",
-        *_tls_args(pool, tls),
-        *(
-            ["--completion-events-port", str(pool.completion_events_port)]
-            if pool.completion_events_port is not None
-            else []
-        ),
-        *settings.extra_epp_args,
-    ]  # fmt: skip
+    args = [*epp_options(pool, tls).argv(always=_EPP_ALWAYS), *settings.extra_epp_args]
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
     # and "liveness" (SERVING while the process works): a pool without ready model
     # servers makes the EPP unready, never restarts it.

