@@ -39,6 +39,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 from infergate.epp.framework.requestcontrol import ResponseInfo
+from infergate.epp.heap import TRIM_THRESHOLD, trim_heap
 from infergate.epp.requestcontrol.director import Decision, Director, Rejected
 from infergate.epp.requestcontrol.requests import openai_error
 from infergate.epp.types import InferenceRequest
@@ -97,6 +98,15 @@ class Limits:
     body_timeout_s: float | None = 20.0
     """From request headers to the body's last chunk; past it 408. Under Envoy's
     ext-proc ``message_timeout`` (30 s in our bootstrap) so the client gets our answer."""
+
+
+#: A burst that held this many body bytes at once has its freed memory given back once
+#: it is over (``ExtProcServer._settled``): glibc's own trim threshold (``heap``).
+TRIM_AFTER_BYTES = TRIM_THRESHOLD
+#: Held bytes counted as none: what the transport's write buffer may hold unseen.
+SETTLED_BYTES = 1 << 20
+#: The most often memory is given back (each trim walks the heap: milliseconds).
+TRIM_INTERVAL_S = 5.0
 
 
 class Phase(enum.Enum):
@@ -274,6 +284,8 @@ class StreamState:
         # echoed back as they are when routing did not change the body).
         self.chunks: list[bytes] = []
         self.size = 0
+        #: A routed request's body bytes, still reserved while it is in flight (_route).
+        self.retained = 0
         self.subset: list[str] | None = None
         self.decision: Decision | None = None
         self.response = ResponseInfo()
@@ -429,9 +441,10 @@ class StreamState:
         return None
 
     def _release_body(self) -> None:
-        self.server.release(self.size)
+        self.server.release(self.size + self.retained)
         self.chunks = []
         self.size = 0
+        self.retained = 0
 
     def timed_out(self) -> list[pb.ProcessingResponse]:
         """The body did not arrive within ``Limits.body_timeout_s``."""
@@ -469,12 +482,19 @@ class StreamState:
         held = self.size
         self.chunks = []
         self.size = 0
+        routed = False
         try:  # the bytes stay reserved while they are parsed and routed
             decision = await self.server.director.route(self.request, raw or None, self.subset)
+            routed = True
         except Rejected as rejection:
             return self._reject(rejection)
         finally:
-            self.server.release(held)
+            # Routed, the request keeps its parsed body (the prompt, the messages) for
+            # plugins until it is over: its bytes stay reserved until then (close).
+            if routed:
+                self.retained = held
+            else:
+                self.server.release(held)
         self.decision = decision
         self.phase = Phase.ROUTED
         self.server.count("routed")
@@ -514,11 +534,14 @@ class StreamState:
         if buffered:
             if decision.body_rewritten:
                 common.body_mutation.body = decision.body or b""
+            decision.body = None  # copied into the answer: not kept for the request's life
             return [answer]
         if not with_body or raw is None:
             return [answer]
         if decision.body_rewritten:
-            return [answer, *_body_chunks(decision.body or b"", end_of_stream, True)]
+            body, decision.body = decision.body or b"", None  # not kept: see above
+            return [answer, *_body_chunks(body, end_of_stream, True)]
+        decision.body = None
         # Unchanged: what Envoy sent goes back as it came, without joining or copying.
         return [answer, *_echo_chunks(chunks, end_of_stream)]
 
@@ -733,6 +756,15 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.scores_header = scores_header
         self.active_streams = 0
         self.buffered_bytes = 0
+        #: Body bytes the HTTP/2 transport holds beyond the streams' sight (partial
+        #: messages; echoed bodies queued until Envoy's windows take them, which left
+        #: ``buffered_bytes`` when they were routed): charged to the same budget.
+        self.transport_bytes = 0
+        #: Times a burst's freed memory was given back to the kernel (:meth:`_settled`).
+        self.trims = 0
+        self._burst_peak = 0  # the most held since the last trim
+        self._last_trim = -TRIM_INTERVAL_S
+        self._trim_timer: asyncio.TimerHandle | None = None
         self.metrics = director.metrics
         self.routed: dict[str, StreamState] = {}  # REQUEST_ID_HEADER -> its routing stream
         # Routed requests' keys: random per server, then counted (a uuid4 per request
@@ -838,14 +870,59 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.metrics.requests.labels(outcome).inc()
 
     def reserve(self, size: int) -> bool:
-        """Take ``size`` bytes of the shared body budget; False when it would overflow."""
-        if self.buffered_bytes + size > self.limits.max_buffered_bytes:
+        """Take ``size`` bytes of the shared body budget; False when it would overflow.
+        What the transport holds (``transport_bytes``) counts against it too."""
+        held = self.buffered_bytes + self.transport_bytes + size
+        if held > self.limits.max_buffered_bytes:
             return False
         self.buffered_bytes += size
+        self._burst_peak = max(self._burst_peak, held)
         return True
 
     def release(self, size: int) -> None:
         self.buffered_bytes = max(0, self.buffered_bytes - size)
+        self._settled()
+
+    def hold_in_transport(self, delta: int) -> None:
+        """The transport holds ``delta`` more body bytes (fewer when negative)."""
+        self.transport_bytes = max(0, self.transport_bytes + delta)
+        if delta > 0:
+            self._burst_peak = max(self._burst_peak, self.buffered_bytes + self.transport_bytes)
+        else:
+            self._settled()
+
+    def _settled(self) -> None:
+        """After a burst (``TRIM_AFTER_BYTES`` held at once), once almost nothing is held,
+        give the freed memory back (:func:`~infergate.epp.heap.trim_heap`), at most
+        every ``TRIM_INTERVAL_S`` (later, on a timer, if the last was too recent).
+
+        Why: the burst's buffers are freed all over malloc's heap, which keeps them
+        (measured 534 MiB of RSS, 43 MiB in use, after 100 bodies of 8 MiB). A small
+        residue (``SETTLED_BYTES``) counts as settled: the transport's write buffer is
+        read only when it writes, so a few KiB may be left over from its last write.
+        """
+        if self._burst_peak < TRIM_AFTER_BYTES or self._trim_timer is not None:
+            return
+        if self.buffered_bytes + self.transport_bytes > SETTLED_BYTES:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop (a test driving streams by hand): no timer
+            loop = None
+        now = loop.time() if loop is not None else self._last_trim + TRIM_INTERVAL_S
+        wait = self._last_trim + TRIM_INTERVAL_S - now
+        if wait > 0 and loop is not None:
+            self._trim_timer = loop.call_later(wait, self._trim_later)
+            return
+        self._burst_peak = 0
+        self._last_trim = now
+        if trim_heap():
+            self.trims += 1
+            log.debug("burst over: freed memory given back to the kernel")
+
+    def _trim_later(self) -> None:
+        self._trim_timer = None
+        self._settled()
 
     async def Process(
         self,

@@ -24,7 +24,15 @@ EPP_DIR = Path(__file__).resolve().parents[2] / "epp"
 #: Lowest first. Entries are module names or packages (a package covers its submodules).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("wire", ("infergate.wire", "infergate.options")),
-    ("types", ("infergate.epp.types", "infergate.epp.prefill_cost", "infergate.epp.compact_json")),
+    (
+        "types",
+        (
+            "infergate.epp.types",
+            "infergate.epp.prefill_cost",
+            "infergate.epp.compact_json",
+            "infergate.epp.heap",  # the process's malloc: set by app, trimmed by server
+        ),
+    ),
     ("observability", ("infergate.epp.observability", "infergate.epp.loop_histogram")),
     ("datalayer", ("infergate.epp.datalayer",)),
     ("flowcontrol", ("infergate.epp.flowcontrol",)),
@@ -42,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "infergate.epp.tls",
         ),
     ),
-    ("app", ("infergate.epp.app", "infergate.epp.workers", "infergate.epp.heap")),
+    ("app", ("infergate.epp.app", "infergate.epp.workers")),
     ("cli", ("infergate.epp.cli", "infergate.epp.gie_flags")),
 ]
 

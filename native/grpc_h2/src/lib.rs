@@ -19,12 +19,16 @@
 //! `grpc-status` / `grpc-message`, and trailers-only answers for a stream that ends before
 //! any message. Flow control: every received byte is released at once (the EPP's own
 //! limits bound what a stream may hold); sends are buffered by `h2` until the peer's
-//! windows allow them.
+//! windows allow them. What the connection holds beyond Python's sight, partial messages
+//! received and answers queued to send, is counted (`buffered`): the EPP charges it to
+//! its body budget, since an echoed body leaves that budget when it is routed but stays
+//! in memory until the peer's windows let it out.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 
@@ -174,6 +178,47 @@ impl AsyncWrite for Io {
     }
 }
 
+/// An answer's bytes queued in `h2`, counted until written out (or dropped with a reset
+/// stream): `queued` is what the connection still holds to send. Why: `h2` buffers a
+/// send whole until the peer's windows take it, and Envoy's windows on an echoed body
+/// open only as fast as its upstream reads; uncounted, 70 bodies of 8 MiB sat there
+/// (docs/benchmarks.md, "Issue 45: memory").
+struct Counted {
+    bytes: Bytes,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Counted {
+    fn new(bytes: Bytes, queued: &Arc<AtomicUsize>) -> Self {
+        queued.fetch_add(bytes.len(), Ordering::Relaxed);
+        Self {
+            bytes,
+            queued: queued.clone(),
+        }
+    }
+}
+
+impl Buf for Counted {
+    fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    fn advance(&mut self, cnt: usize) {
+        self.bytes.advance(cnt);
+        self.queued.fetch_sub(cnt, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.queued.fetch_sub(self.bytes.len(), Ordering::Relaxed);
+    }
+}
+
 /// A stream's waker: records the stream's id, so the next drive polls it.
 struct StreamWake {
     id: u32,
@@ -194,8 +239,8 @@ impl Wake for StreamWake {
 
 struct Stream {
     recv: Option<RecvStream>,
-    respond: SendResponse<Bytes>,
-    send: Option<SendStream<Bytes>>,
+    respond: SendResponse<Counted>,
+    send: Option<SendStream<Counted>>,
     received: Pieces,
     waker: Waker,
     /// Our side has ended (trailers queued); what the peer still sends is dropped.
@@ -205,8 +250,8 @@ struct Stream {
 }
 
 enum State {
-    Handshaking(Handshake<Io, Bytes>),
-    Open(Connection<Io, Bytes>),
+    Handshaking(Handshake<Io, Counted>),
+    Open(Connection<Io, Counted>),
     Closed,
 }
 
@@ -307,6 +352,10 @@ struct Inner {
     read_slice: usize,
     /// A connection error found while sending, for the next `receive` to raise.
     failed: Option<String>,
+    /// Bytes of partial messages the streams hold (`Pieces::len`, summed).
+    partial: usize,
+    /// Bytes of answers queued in `h2`, not yet written out (`Counted`).
+    queued: Arc<AtomicUsize>,
 }
 
 fn grpc_frame(payloads: &[PyBackedBytes]) -> Bytes {
@@ -402,7 +451,7 @@ impl Inner {
         self.buffers.lock().expect("buffers").held_back()
     }
 
-    fn accept(&mut self, id: u32, recv: RecvStream, respond: SendResponse<Bytes>, path: Bytes) {
+    fn accept(&mut self, id: u32, recv: RecvStream, respond: SendResponse<Counted>, path: Bytes) {
         let waker = Waker::from(Arc::new(StreamWake {
             id,
             ready: self.ready.clone(),
@@ -431,6 +480,7 @@ impl Inner {
         let waker = stream.waker.clone();
         let mut cx = Context::from_waker(&waker);
         let mut gone = false;
+        let before = stream.received.len;
         while let Some(recv) = stream.recv.as_mut() {
             match recv.poll_data(&mut cx) {
                 Poll::Ready(Some(Ok(chunk))) => {
@@ -453,6 +503,7 @@ impl Inner {
                 Poll::Pending => break,
             }
         }
+        self.partial = self.partial + stream.received.len - before;
         if !gone && stream.recv.is_none() {
             // The peer has half-closed: only a reset can still come, on the send side.
             let reset = match stream.send.as_mut() {
@@ -462,11 +513,23 @@ impl Inner {
             gone = stream.finished || reset.is_ready();
         }
         if gone {
-            let finished = self.streams.remove(&id).is_some_and(|s| s.finished);
+            let finished = self.remove(id).is_some_and(|s| s.finished);
             if !finished {
                 self.events.push((CLOSED, id, None));
             }
         }
+    }
+
+    /// Stream `id` leaves the table, its partial message uncounted with it.
+    fn remove(&mut self, id: u32) -> Option<Stream> {
+        let stream = self.streams.remove(&id)?;
+        self.partial -= stream.received.len;
+        Some(stream)
+    }
+
+    /// Bytes held beyond Python's sight: partial messages and answers queued to send.
+    fn buffered(&self) -> usize {
+        self.partial + self.queued.load(Ordering::Relaxed)
     }
 
     fn open(&mut self, id: u32) -> Option<&mut Stream> {
@@ -475,7 +538,7 @@ impl Inner {
 
     /// The stream failed under us (the peer reset it meanwhile): Python hears of it.
     fn lost(&mut self, id: u32) {
-        if self.streams.remove(&id).is_some() {
+        if self.remove(id).is_some() {
             self.events.push((CLOSED, id, None));
         }
     }
@@ -545,6 +608,7 @@ impl Inner {
     }
 
     fn send(&mut self, id: u32, payloads: Vec<PyBackedBytes>) {
+        let queued = self.queued.clone();
         let Some(stream) = self.open(id) else {
             return;
         };
@@ -558,7 +622,7 @@ impl Inner {
         let sent = stream
             .send
             .as_mut()
-            .map(|s| s.send_data(grpc_frame(&payloads), false));
+            .map(|s| s.send_data(Counted::new(grpc_frame(&payloads), &queued), false));
         if !matches!(sent, Some(Ok(()))) {
             self.lost(id);
         }
@@ -581,7 +645,12 @@ impl Inner {
         };
         stream.finished = true;
         stream.send = None;
-        if stream.recv.is_none() {
+        // What the peer still sends is dropped: so is its partial message.
+        let dropped = stream.received.len;
+        stream.received.clear();
+        let ended = stream.recv.is_none();
+        self.partial -= dropped;
+        if ended {
             self.streams.remove(&id);
         }
         Ok(())
@@ -640,6 +709,8 @@ impl GrpcConnection {
             max_message,
             read_slice: limits.read_slice,
             failed: None,
+            partial: 0,
+            queued: Arc::new(AtomicUsize::new(0)),
         })))
     }
 
@@ -681,6 +752,12 @@ impl GrpcConnection {
     /// Streams not yet ended on both sides.
     fn __len__(&self) -> usize {
         self.inner().len()
+    }
+
+    /// Bytes the connection holds that Python has not seen or has let go of: partial
+    /// messages received, and answers queued until the peer's windows take them.
+    fn buffered(&self) -> usize {
+        self.inner().buffered()
     }
 }
 
