@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -28,6 +30,37 @@ stream = client.chat.completions.create(
     messages=[{{"role": "user", "content": "Hello!"}}])
 for chunk in stream:
     print(chunk.choices[0].delta.content or "", end="", flush=True)"""
+
+#: ``bench serve`` arguments for a real model on CPU, per engine 8 requests at 0.5 req/s:
+#: 28 s for SmolLM2-135M on two engines sharing two busy cores (docs/local-stack.md). The
+#: defaults (100 requests at once, 1,024-token prefixes) suit simulated engines and a GPU,
+#: and take over half an hour on CPU.
+CPU_BENCH = (
+    "--num-prompts {prompts} --request-rate {rate:g} --num-prefix-groups 2 "
+    "--prefix-len 256 --input-len 64 --output-len 32"
+)
+
+
+def bench_hint(base_url: str, model: str, *, real_on_cpu: bool, engines: int) -> str:
+    """The ``bench serve`` command ``up`` suggests, sized so it ends in about a minute:
+    the defaults for simulated engines or a GPU, far less work for a real model on CPU."""
+    hint = f"infergate bench serve --base-url {base_url} --model {model} --dataset shared-prefix"
+    if real_on_cpu:
+        hint += " " + CPU_BENCH.format(prompts=8 * engines, rate=0.5 * engines)
+    return hint
+
+
+def engines_on_cpu(engine_args: Sequence[str]) -> bool:
+    """Whether real engines run on CPU: ``--device cpu`` among ``--engine-arg``, or (their
+    ``--device auto``) no NVIDIA driver on this machine. Read without importing torch,
+    which would cost ``up`` seconds to print a hint."""
+    args = list(engine_args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--device="):
+            return arg.partition("=")[2] == "cpu"
+        if arg == "--device" and i + 1 < len(args):
+            return args[i + 1] == "cpu"
+    return not Path("/dev/nvidiactl").exists()
 
 
 class _Stop(Exception):
@@ -93,12 +126,13 @@ def _print_ready(console: Console, stack: LocalStack) -> None:
     console.print(_CURL.format(**example), markup=False, highlight=False, soft_wrap=True)
     console.print("\n[bold]Or with the openai client:[/bold]")
     console.print(_OPENAI.format(**example), markup=False, highlight=False, soft_wrap=True)
-    console.print(
-        f"\n[bold]Benchmark it:[/bold] infergate bench serve --base-url {stack.base_url} "
-        f"--model {stack.model_name} --dataset shared-prefix",
-        highlight=False,
-        soft_wrap=True,
+    hint = bench_hint(
+        stack.base_url,
+        stack.model_name,
+        real_on_cpu=not stack.spec.simulate and engines_on_cpu(stack.spec.engine_args),
+        engines=stack.spec.engines,
     )
+    console.print(f"\n[bold]Benchmark it:[/bold] {hint}", highlight=False, soft_wrap=True)
     console.print(f"\ninfergate up: ready on {stack.base_url} (Ctrl-C stops everything)")
 
 
