@@ -350,6 +350,13 @@ check_clusterip() {
     echo "--- endpointslice"; $KUBECTL get endpointslices -l kubernetes.io/service-name=probe-httpd
     echo "--- runc (containers of containerd's k8s.io namespace)"
     runc --root "$W/containerd/runc/k8s.io" list
+    echo "--- the pod's container process: cgroups (v1, under --cgroup-root), uid, oom_score_adj"
+    local id pid
+    id="$($KUBECTL get pod probe-httpd -o jsonpath='{.status.containerStatuses[0].containerID}')"
+    pid="$(runc --root "$W/containerd/runc/k8s.io" state "${id#containerd://}" |
+      sed -n 's/^ *"pid": \([0-9]*\),$/\1/p')"
+    grep -E ':(memory|pids):' "/proc/$pid/cgroup"; grep '^Uid:' "/proc/$pid/status"
+    echo "oom_score_adj $(cat "/proc/$pid/oom_score_adj")"
     echo "--- kube-proxy's DNAT for the Service"
     inns iptables -t nat -S | grep -F 'default/probe-httpd' || true
     echo "--- GET http://$cip/ from the namespace"; echo "$body"
