@@ -5,18 +5,19 @@ from pathlib import Path
 import typer
 from infergate.engine.serve import ServeOptions
 
-from infergate.options import command
+from infergate.options import SeveralValues, command
 
 app = typer.Typer(help="The vLLM-compatible inference engine.", no_args_is_help=True)
 
 
-@app.command("serve")
+@app.command("serve", cls=SeveralValues)
 @command(ServeOptions)
 def serve(opts: ServeOptions) -> None:
     """Serve MODEL_DIR with an OpenAI-compatible API, like `vllm serve` (GGUF included).
 
     Every option is a field of ServeOptions (engine/serve.py). vLLM's spellings work too:
-    --model, unique prefixes (--max-num-seq), several --lora-modules values after one flag.
+    --model, unique prefixes (--max-num-seq), several values after one flag
+    (--served-model-name a b, --lora-modules x=/x y=/y).
     """
     from infergate.engine.serve import ServeError
     from infergate.engine.serve import serve as run

@@ -42,7 +42,8 @@ class ServeOptions:
     served_model_name: list[str] = option(
         "--served-model-name",
         default_factory=list,
-        help="Name(s) clients use; default: MODEL_DIR.",
+        several=True,
+        help="Name(s) clients use, several after one flag (vLLM's form); default: MODEL_DIR.",
     )
     block_size: int = option("--block-size", default=16, min=1, help="Tokens per KV block.")
     max_num_seqs: int = option(
@@ -204,6 +205,7 @@ class ServeOptions:
     lora_modules: list[str] = option(
         "--lora-modules",
         default_factory=list,
+        several=True,
         help='Adapters to serve: name=path, or JSON {"name": ..., "path": ..., '
         '"base_model_name": ...}; repeatable, or several after one flag.',
     )

@@ -1,11 +1,13 @@
 """``vllm serve``'s command line, as GIE's and llm-d's manifests write it, for ``engine serve``.
 
-vLLM parses its flags with argparse, so manifests rely on three things click (typer) does
-not do: a unique prefix of a long option names it (``--max-num-seq``), ``--lora-modules``
-takes several values after one flag, and the model may be given as ``--model``. A few
-flags also have no meaning here and are accepted so a manifest runs unchanged. This module
-rewrites such an argument list into the one ``engine serve`` declares; the option names
-come from the command itself, so nothing is declared twice.
+vLLM parses its flags with argparse, so manifests rely on things click (typer) does not
+do: a unique prefix of a long option names it (``--max-num-seq``), and the model may be
+given as ``--model``. A few flags also have no meaning here and are accepted so a manifest
+runs unchanged. This module rewrites such an argument list into the one ``engine serve``
+declares; the option names come from the command itself, so nothing is declared twice.
+Several values after one flag (``--served-model-name a b``, ``--lora-modules x=/x
+y=/y``) the command parses itself (:class:`infergate.options.SeveralValues`), so they work
+from any caller, not only through this rewrite.
 """
 
 from __future__ import annotations
@@ -65,14 +67,6 @@ def normalize(args: Sequence[str], options: Mapping[str, bool]) -> tuple[list[st
             notes.append(f"{name} accepted and ignored: {why}")
             continue
         name = _expand(name, options)
-        if name == "--lora-modules" and not eq:
-            values = []
-            while i < len(args) and not args[i].startswith("--"):
-                values.append(args[i])
-                i += 1
-            for value in values or [""]:
-                out += [name, value] if value else [name]
-            continue
         out.append(f"{name}={inline}" if eq else name)
     if model is not None:
         out.insert(0, model)

@@ -68,8 +68,8 @@ def main() -> None:
 
 
 def _vllm_serve_args(args: list[str]) -> list[str]:
-    """``vllm serve``'s spellings (--model, prefixes, several --lora-modules values, flags
-    with no meaning here) rewritten for ``engine serve`` (engine/vllm_args.py)."""
+    """``vllm serve``'s spellings (--model, prefixes, flags with no meaning here) rewritten
+    for ``engine serve`` (engine/vllm_args.py)."""
     from infergate.engine.vllm_args import VllmArgsError, normalize, serve_options
 
     try:

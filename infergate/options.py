@@ -26,14 +26,16 @@ import dataclasses
 import enum
 import inspect
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import MISSING, dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import typer
+from typer.core import TyperCommand
 
 __all__ = [
     "CliSpec",
+    "SeveralValues",
     "argument",
     "cli_fields",
     "command",
@@ -69,6 +71,10 @@ class CliSpec:
     render: Callable[[Any], Any] | None = None
     """Field value → command-line text (or a list, one flag each): ``convert``'s inverse,
     for :func:`to_argv`; ``ValueError`` for a value the command line cannot carry."""
+    several: bool = False
+    """One flag takes every value up to the next option, as argparse's ``nargs='+'``
+    (vLLM's ``--served-model-name a b``); the flag may repeat too. A list field, in a
+    command registered with ``cls=SeveralValues``."""
 
     @property
     def is_argument(self) -> bool:
@@ -84,10 +90,14 @@ def option(
     convert: Callable[[Any], Any] | None = None,
     cli_default: Any = MISSING,
     render: Callable[[Any], Any] | None = None,
+    several: bool = False,
     **settings: Any,
 ) -> Any:
     """A dataclass field that is also the option ``decls``."""
-    spec = CliSpec(decls, help, settings, cli_type, convert, cli_default=cli_default, render=render)
+    spec = CliSpec(
+        decls, help, settings, cli_type, convert, cli_default=cli_default, render=render,
+        several=several,
+    )  # fmt: skip
     return field(default=default, default_factory=default_factory, metadata={_KEY: spec})
 
 
@@ -118,6 +128,7 @@ def inherit(source: type, name: str, *decls: str, help: str | None = None, **cha
         "convert": spec.convert,
         "cli_default": spec.cli_default,
         "render": spec.render,
+        "several": spec.several,
         **spec.settings,
     }
     if "default" in changes:
@@ -209,9 +220,85 @@ def command(cls: type[T]) -> Callable[[Callable[[T], R]], Callable[..., R]]:
         cli.__annotations__ = {p.name: p.annotation for p in params}
         cli.__name__, cli.__qualname__ = run.__name__, run.__qualname__
         cli.__doc__, cli.__module__ = run.__doc__, run.__module__
+        cli.several = frozenset(_several(cls))  # type: ignore[attr-defined]
         return cli
 
     return wrap
+
+
+def _several(cls: type, prefix: str = "") -> list[str]:
+    """The parameter names (as :func:`command` names them) of ``cls``'s ``several`` options."""
+    names = []
+    for f, spec in cli_fields(cls):
+        if spec.group is not None:
+            names += _several(spec.group, f"{prefix}{f.name}__")
+        elif spec.several:
+            names.append(prefix + f.name)
+    return names
+
+
+class SeveralValues(TyperCommand):
+    """A command whose ``several`` options take each value up to the next option, as
+    argparse's ``nargs='+'`` does (click takes one value per flag): ``--goodput ttft:200
+    tpot:50`` parses as ``--goodput ttft:200 --goodput tpot:50``. Register a command made
+    by :func:`command` with ``app.command(name, cls=SeveralValues)``."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        names: frozenset[str] = getattr(self.callback, "several", frozenset())  # command()
+        return super().parse_args(ctx, spread_values(args, self.params, names))
+
+
+def spread_values(
+    args: Sequence[str], params: Sequence[Any], several: Collection[str]
+) -> list[str]:
+    """``args`` with each run of values after a ``several`` flag given one flag each.
+
+    A run ends at the next token that starts with ``-``. If the command's required
+    arguments would then go short, the runs give their last values back (one value each
+    at least stays), so ``--served-model-name a MODEL_DIR`` still names ``MODEL_DIR``.
+    ``params`` are the command's click parameters (typer's vendored click, hence ``Any``).
+    """
+    flags = {o for p in params if p.name in several for o in p.opts}
+    options = [p for p in params if p.param_type_name == "option"]
+    takes_value = {o for p in options if not p.is_flag and not p.count for o in p.opts}
+    required = sum(p.nargs for p in params if p.param_type_name == "argument" and p.required)
+    parts: list[list[str]] = []  # a run is [flag, value, ...]; any other part, plain tokens
+    runs: list[list[str]] = []
+    positional, i = 0, 0
+    while i < len(args):
+        token, i = args[i], i + 1
+        if token == "--":
+            parts.append(list(args[i - 1 :]))
+            positional += len(args) - i
+            break
+        if token in flags:
+            run = [token]
+            while i < len(args) and not args[i].startswith("-"):
+                run.append(args[i])
+                i += 1
+            if len(run) == 1:  # click would take the next option as the value
+                raise typer.BadParameter("needs at least one value", param_hint=f"'{token}'")
+            parts.append(run)
+            runs.append(run)
+        elif token in takes_value and i < len(args):
+            parts.append([token, args[i]])
+            i += 1
+        else:
+            parts.append([token])
+            positional += not token.startswith("-")
+    back = {id(run): 0 for run in runs}
+    for run in reversed(runs):  # the last run gives back first
+        while positional < required and len(run) - back[id(run)] > 2:
+            back[id(run)] += 1
+            positional += 1
+    out: list[str] = []
+    for part in parts:
+        if id(part) not in back:
+            out += part
+            continue
+        kept = len(part) - back[id(part)]
+        out += [a for value in part[1:kept] for a in (part[0], value)] + part[kept:]
+    return out
 
 
 def to_argv(options: Any, *, always: Collection[str] = ()) -> list[str]:

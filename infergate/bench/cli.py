@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from infergate.bench.options import BenchServeOptions, RoutingLabOptions
-from infergate.options import command
+from infergate.options import SeveralValues, command
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Benchmarks that print numbers (never timed tests).", no_args_is_help=True)
 
 
-@app.command("serve")
+@app.command("serve", cls=SeveralValues)
 @command(BenchServeOptions)
 def serve(options: BenchServeOptions) -> None:
     """Load an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E and throughput.

@@ -150,7 +150,8 @@ class BenchServeOptions:
         cli_type=list[str],
         cli_default=[],
         convert=_goodput,
-        help="SLOs for goodput, e.g. 'ttft:200 tpot:50' (ms); may repeat.",
+        several=True,
+        help="SLOs for goodput in ms, several after one flag: ttft:200 tpot:50 (vLLM's form).",
     )
     headers: dict[str, str] = option(
         "--header",

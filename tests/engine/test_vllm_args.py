@@ -24,9 +24,10 @@ def test_vllm_spellings_become_engine_serve_flags() -> None:
          "--uvicorn-log-level=debug", "--kv-cache-dtype", "auto", "--port=9"],
         options,
     )  # fmt: skip
+    # Several values after one flag stay: the command parses them (tests/test_several_values.py).
     assert args == [
-        "/m", "--max-num-seqs", "4", "--lora-modules", "a=/a", "--lora-modules",
-        '{"name": "b"}', "--log-level=debug", "--port=9",
+        "/m", "--max-num-seqs", "4", "--lora-modules", "a=/a", '{"name": "b"}',
+        "--log-level=debug", "--port=9",
     ]  # fmt: skip
     assert [n.split()[0] for n in notes] == ["--enforce-eager", "--compilation-config"]
     # An ambiguous prefix stays as given, so the command names it in its error.
@@ -47,7 +48,7 @@ def test_a_manifest_style_command_line_serves(
     port = free_port()
     argv = [
         *infergate_cli, "engine", "serve", "--model", str(tiny_model_dir), "--simulate",
-        "--port", str(port), "--max-num-seq", "4", "--enforce-eager",
+        "--served-model-name", "tiny", "tiny-alias", "--port", str(port), "--max-num-seq", "4", "--enforce-eager",
         "--compilation-config", '{"cudagraph_mode": "NONE"}', "--enable-chunked-prefill",
         "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
         "--enable-lora", "--max-loras", "2", "--lora-modules", f"food-a={a}",
@@ -65,7 +66,7 @@ def test_a_manifest_style_command_line_serves(
             except httpx.HTTPError:
                 time.sleep(0.5)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
-        assert {"food-a", "food-b"} <= {m["id"] for m in models["data"]}
+        assert {"tiny", "tiny-alias", "food-a", "food-b"} <= {m["id"] for m in models["data"]}
         out = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": "food-b", "prompt": "hi", "max_tokens": 2},
