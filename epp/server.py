@@ -892,16 +892,18 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
             self._settled()
 
     def _settled(self) -> None:
-        """After a burst (``TRIM_AFTER_BYTES`` held at once), once almost nothing is held,
-        give the freed memory back (:func:`~infergate.epp.heap.trim_heap`), at most
-        every ``TRIM_INTERVAL_S`` (later, on a timer, if the last was too recent).
+        """After a burst (``TRIM_AFTER_BYTES`` held at once, or half the budget if less),
+        once almost nothing is held, give the freed memory back
+        (:func:`~infergate.epp.heap.trim_heap`), at most every ``TRIM_INTERVAL_S``
+        (later, on a timer, if the last was too recent).
 
         Why: the burst's buffers are freed all over malloc's heap, which keeps them
         (measured 534 MiB of RSS, 43 MiB in use, after 100 bodies of 8 MiB). A small
         residue (``SETTLED_BYTES``) counts as settled: the transport's write buffer is
         read only when it writes, so a few KiB may be left over from its last write.
         """
-        if self._burst_peak < TRIM_AFTER_BYTES or self._trim_timer is not None:
+        burst = min(TRIM_AFTER_BYTES, self.limits.max_buffered_bytes // 2)
+        if self._burst_peak < burst or self._trim_timer is not None:
             return
         if self.buffered_bytes + self.transport_bytes > SETTLED_BYTES:
             return
