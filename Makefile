@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster lint typecheck bench conformance conformance-controlplane images clean
+.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster test-node lint typecheck bench conformance conformance-controlplane images clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -60,6 +60,13 @@ test: install lmeval controlplane ## Run the test suite, the cluster tier and co
 
 test-cluster: install controlplane ## Only the cluster tier (the local control plane, or INFERGATE_TEST_KUBECONFIG)
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m cluster $(PYTEST_ARGS)
+
+# Root: a real node (tools/node/probe.sh up: containerd, runc, CNI, kubelet, kube-proxy in a
+# network namespace) for the tests marked `node`. Not in `test`/CI: it takes minutes and root.
+test-node: install controlplane ## Tests on a real node (root; builds kubelet/kube-proxy, cached; docs/kubernetes.md)
+	tools/node/build.sh
+	INFERGATE_NODE=1 INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) \
+		$(BIN)/pytest -m node tests/node -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: install typecheck ## ruff + mypy
 	$(BIN)/ruff check .

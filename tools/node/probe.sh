@@ -15,7 +15,12 @@
 # (and at the start, should a killed run have left anything). Exit 0 only if the page came
 # back through the ClusterIP.
 #
-# Usage: sudo tools/node/probe.sh          (logs kept in $INFERGATE_NODE_LOGS after exit)
+# Usage: sudo tools/node/probe.sh [probe|up|down]   (logs kept in $INFERGATE_NODE_LOGS after exit)
+#   probe (default)  all of the above, then tear down.
+#   up               bring the node up (no probe pod) and leave it running: writes
+#                    $INFERGATE_NODE_WORKDIR/node.env (what tests/support/node.py reads) and
+#                    bin/{kubectl,helm} there, which run the built tools inside the namespace.
+#   down             tear down what `up` (or a killed run) left.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -363,7 +368,31 @@ check_clusterip() {
   } >&2
 }
 
-main() {
+write_env() {  # what tests/support/node.py reads; tools that run inside the namespace
+  mkdir -p "$W/bin"
+  local tool
+  for tool in kubectl helm; do
+    printf '#!/bin/sh\nexec nsenter --net=/run/netns/%s -- %q "$@"\n' "$NS" "$CP_BIN/$tool" >"$W/bin/$tool"
+    chmod 755 "$W/bin/$tool"
+  done
+  cat >"$W/node.env.tmp" <<EOF
+NETNS=/run/netns/$NS
+NODE=$NODE
+NODE_IP=$NODE_IP
+POD_CIDR=$POD_CIDR
+KUBECONFIG=$W/admin.kubeconfig
+SERVER=$SERVER
+CONTAINERD_SOCKET=$W/containerd/containerd.sock
+CP_BIN=$CP_BIN
+NODE_BIN=$NODE_BIN
+TOOLS=$W/bin
+LOGS=$W/log
+PROBE_IMAGE=$IMAGE
+EOF
+  mv "$W/node.env.tmp" "$W/node.env"
+}
+
+prepare() {  # the steps `probe` and `up` share, up to a node with kube-proxy
   [[ $EUID -eq 0 ]] || { echo "tools/node/probe.sh: run as root" >&2; exit 2; }
   KUBECTL=":"
   teardown
@@ -378,11 +407,34 @@ main() {
   timed "import images (ctr)" import_images
   timed "kubelet: node Ready" start_kubelet
   timed "kube-proxy: healthy" start_kube_proxy
+}
+
+up() {
+  prepare
+  write_env
+  trap - EXIT INT TERM
+  printf '  %s\n' "${timings[@]}" >&2
+  log "node up in $((SECONDS - t0)) s: $W/node.env"
+}
+
+probe() {
+  prepare
   timed "pod Ready" run_pod
   timed "ClusterIP answers" check_clusterip
   log "PROBE PASSED: a pod from a local image, Ready, answered through its ClusterIP"
   printf '  %s\n' "${timings[@]}" >&2
   log "total before teardown: $((SECONDS - t0)) s"
+}
+
+main() {
+  case "${1:-probe}" in
+    probe) probe ;;
+    up) up ;;
+    down)
+      [[ $EUID -eq 0 ]] || { echo "tools/node/probe.sh: run as root" >&2; exit 2; }
+      KUBECTL=":"; teardown ;;
+    *) echo "usage: tools/node/probe.sh [probe|up|down]" >&2; exit 2 ;;
+  esac
 }
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then main "$@"; fi

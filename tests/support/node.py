@@ -1,0 +1,183 @@
+"""A real Kubernetes node for the ``node`` tests: kubelet, containerd, runc, CNI, kube-proxy.
+
+``tools/node/probe.sh up`` brings it up as root inside a network namespace it creates
+(``infergate-node``): the project's control plane (the cluster tier's, without kwok),
+Debian's containerd and runc with the CNI bridge on ``10.244.0.0/24``, and a kubelet and
+kube-proxy built from k8s.io/kubernetes at the control plane's version. Pods run for real:
+images are pulled from containerd's store (imported from OCI layouts, no registry), probes,
+volumes, securityContext and resource limits are the kubelet's, and Services are
+kube-proxy's iptables rules. ``tools/node/probe.sh down`` removes all of it. This module
+drives the two and gives tests what they need from inside the namespace: a
+:class:`~tests.support.controlplane.Cluster` whose ``kubectl``/``helm`` run there, HTTP
+requests from there (ClusterIPs and pod IPs route only there), and image imports.
+
+One node per machine at a time: the namespace, work folder and cgroup root have fixed
+names (a second ``up`` first tears the first down). docs/kubernetes.md, "A real node".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.controlplane import Cluster, ControlPlaneError
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_SCRIPT = ROOT / "tools" / "node" / "probe.sh"
+NODE_BUILD = ROOT / "tools" / "node" / "build.sh"
+CONTROLPLANE_BUILD = ROOT / "tools" / "controlplane" / "build.sh"
+WORKDIR = Path(os.environ.get("INFERGATE_NODE_WORKDIR", "/var/tmp/infergate-node"))
+# Debian's parts the node runs (probe.sh installs them with apt-get when missing).
+HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "nsenter", "buildah", "gcc", "curl")
+
+
+class NodeError(RuntimeError):
+    """The node could not be brought up, or a command on it failed; the message says why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why the node cannot run here, or ``None``: it needs root (namespaces, cgroups,
+    mounts), Go to build the kubelet (unless already built), and bash."""
+    if os.geteuid() != 0:
+        return "needs root (network namespace, cgroups, mounts): run `sudo make test-node`"
+    if shutil.which("bash") is None:
+        return "needs bash (tools/node/probe.sh)"
+    if shutil.which("go") is None and not _built():
+        return "needs Go to build kubelet, kube-proxy and the control plane (none built yet)"
+    return None
+
+
+def _built() -> bool:
+    """Whether the node's and the control plane's binaries are in their caches."""
+    for script, names in (
+        (NODE_BUILD, ("kubelet", "kube-proxy")),
+        (CONTROLPLANE_BUILD, ("kube-apiserver", "kubectl", "helm")),
+    ):
+        out = subprocess.run(
+            ["bash", str(script), "--print-dir"], capture_output=True, text=True, check=False
+        )
+        if out.returncode != 0:
+            return False
+        folder = Path(out.stdout.strip().splitlines()[-1])
+        if not all(os.access(folder / name, os.X_OK) for name in names):
+            return False
+    return True
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    """``KEY=value`` lines, as probe.sh's ``write_env`` writes them."""
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {key: value for key, value in pairs}
+
+
+@dataclass
+class Node:
+    """A running node; :meth:`start` brings it up, :meth:`stop` tears everything down."""
+
+    workdir: Path = WORKDIR
+    env: dict[str, str] = field(default_factory=dict)
+    cluster: Cluster | None = None
+
+    def start(self, timeout: float = 1800.0) -> Node:
+        """``probe.sh up``: builds (cached) and starts everything; raises :class:`NodeError`
+        with the script's output if the node did not come up (it tears itself down then)."""
+        result = self._script("up", timeout)
+        env_file = self.workdir / "node.env"
+        if result.returncode != 0 or not env_file.exists():
+            raise NodeError(
+                f"tools/node/probe.sh up exited {result.returncode}:\n{result.stderr[-6000:]}"
+            )
+        self.env = _read_env(env_file)
+        self.cluster = Cluster(
+            kubeconfig=Path(self.env["KUBECONFIG"]),
+            bin_dir=Path(self.env["TOOLS"]),
+            workdir=Path(tempfile.mkdtemp(prefix="infergate-node-tests-")),
+        )
+        return self
+
+    def stop(self) -> None:
+        """``probe.sh down``: stops every process, removes pods' containers, mounts,
+        cgroups, namespaces and the work folder, restores the host sysctls. Logs are kept
+        in ``/var/tmp/infergate-node-logs``."""
+        self._script("down", 300.0)
+        if self.cluster is not None:
+            shutil.rmtree(self.cluster.workdir, ignore_errors=True)
+
+    def _script(self, command: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ, INFERGATE_NODE_WORKDIR=str(self.workdir))
+        return subprocess.run(
+            ["bash", str(NODE_SCRIPT), command], capture_output=True, text=True, env=env,
+            timeout=timeout, check=False, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    # -- inside the namespace ---------------------------------------------------------
+
+    def run(
+        self, *argv: str, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in the node's network namespace, where ClusterIPs and pod IPs route."""
+        result = subprocess.run(
+            ["nsenter", f"--net={self.env['NETNS']}", "--", *argv], capture_output=True,
+            text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+        if check and result.returncode != 0:
+            raise NodeError(
+                f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout[-2000:]}\n"
+                f"{result.stderr[-2000:]}"
+            )
+        return result
+
+    def http_get(self, url: str, timeout: float = 5.0) -> tuple[int, str]:
+        """``GET url`` from the namespace: (status, body); status 0 if nothing answered."""
+        result = self.run(
+            "curl", "-s", "--max-time", str(timeout), "-w", "\n%{http_code}", url,
+            check=False, timeout=timeout + 10,
+        )  # fmt: skip
+        body, _, code = result.stdout.rpartition("\n")
+        return int(code or 0), body
+
+    # -- images -----------------------------------------------------------------------
+
+    def import_layout(self, layout: Path, repository: str) -> list[str]:
+        """Import an OCI image layout (``make images``' ``build/images/<name>``) into
+        containerd's ``k8s.io`` namespace as ``repository:<tag>``, where the kubelet finds
+        it without a registry; returns the names containerd now holds under ``repository``."""
+        if not (layout / "oci-layout").is_file():
+            raise NodeError(f"{layout} is not an OCI image layout (no oci-layout file)")
+        with tempfile.TemporaryDirectory(prefix="infergate-node-import-") as tmp:
+            archive = Path(tmp) / "image.tar"
+            with tarfile.open(archive, "w") as tar:
+                for entry in sorted(layout.iterdir()):
+                    tar.add(entry, arcname=entry.name)
+            self._ctr("images", "import", "--base-name", repository, str(archive))
+        names = self._ctr("images", "ls", "-q").stdout.split()
+        return [name for name in names if name.startswith(f"{repository}:")]
+
+    def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            ["ctr", "--address", self.env["CONTAINERD_SOCKET"], "-n", "k8s.io", *args],
+            capture_output=True, text=True, timeout=1200, check=False,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise NodeError(f"ctr {' '.join(args)} exited {result.returncode}: {result.stderr}")
+        return result
+
+    def log_tail(self, name: str, chars: int = 4000) -> str:
+        """The end of a node daemon's log (kubelet, containerd, kube-proxy, controlplane)."""
+        path = Path(self.env.get("LOGS", str(self.workdir / "log"))) / f"{name}.log"
+        try:
+            return path.read_text(errors="replace")[-chars:]
+        except OSError as error:
+            return f"(no log: {error})"
+
+
+def require_cluster(node: Node) -> Cluster:
+    """The node's cluster access; a started node always has one."""
+    if node.cluster is None:
+        raise ControlPlaneError("the node is not started")
+    return node.cluster
