@@ -42,8 +42,17 @@ from infergate.epp.server import ExtProcServer, ObserverState, Phase, StreamStat
 log = logging.getLogger("infergate.epp.h2_server")
 
 _END = object()
-#: Our receive windows and frame size: large, since every byte is acknowledged as it is
-#: read and the EPP's own limits (``Limits``) bound what a stream may hold.
+#: Our receive windows (per stream W and per connection C) and frame size: large, since
+#: every byte is acknowledged as it is read. So the windows do not bound memory (W and C
+#: are replenished at once); the body budget B (``--max-buffered-bytes``) does, charged
+#: with what the streams hold (bodies until routed, a routed request's until it ends) and
+#: what each connection holds (:meth:`Connection._account`: partial messages, answers
+#: queued for Envoy's windows, the transport's write buffer). Holding back the window
+#: until a message completes would bound partial messages by min(C, streams x W) but
+#: stall every stream once partial messages fill C (a message may be larger than C); so
+#: the one uncounted term is partial messages, each at most one ext-proc message: one
+#: chunk when Envoy streams the body (the default), up to the body cap when it buffers.
+#: Peak: idle + B + the copies of the bodies being parsed (docs/epp.md).
 _WINDOW = 16 << 20
 _FRAME = 1 << 20
 _MAX_HEADER_LIST = 64 << 10
