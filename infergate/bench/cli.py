@@ -30,6 +30,7 @@ def serve(options: BenchServeOptions) -> None:
     """Load an OpenAI-compatible server and report TTFT, TPOT, ITL, E2E and throughput.
 
     Metrics follow `vllm bench serve`'s definitions and key names, so results compare.
+    Ctrl-C prints the summary over the requests that finished, marked partial (exit 130).
     """
     import asyncio
     import json
@@ -37,11 +38,14 @@ def serve(options: BenchServeOptions) -> None:
     from rich.console import Console
 
     from infergate.bench.metrics import format_summary
-    from infergate.bench.runner import run_benchmark
+    from infergate.bench.runner import Interrupted, run_benchmark
 
     console = Console(stderr=True)
+    interrupted = False
     try:
         result = asyncio.run(run_benchmark(_bench_config(options)))
+    except Interrupted as stop:
+        result, interrupted = stop.result, True
     except (ValueError, RuntimeError, OSError) as error:
         console.print(
             f"bench serve: {error}", style="red", markup=False, highlight=False, soft_wrap=True
@@ -57,6 +61,8 @@ def serve(options: BenchServeOptions) -> None:
     if options.result_file is not None:
         options.result_file.write_text(json.dumps(result, indent=2))
         console.print(f"results written to {options.result_file}", markup=False, soft_wrap=True)
+    if interrupted:
+        raise typer.Exit(130)  # a shell's code for SIGINT, as an uncaught Ctrl-C gives
 
 
 def _bench_config(o: BenchServeOptions) -> BenchConfig:

@@ -150,9 +150,12 @@ def peak_concurrency(results: Iterable[RequestResult]) -> int:
 def format_summary(
     metrics: dict[str, float | int], *, percentiles: Sequence[float] = (50, 90, 99)
 ) -> str:
-    """A fixed-width text summary in the layout ``vllm bench serve`` users know."""
+    """A fixed-width text summary in the layout ``vllm bench serve`` users know; a run cut
+    short by Ctrl-C (``partial``) says so and counts the requests it did not finish."""
     width = 50
-    lines = [" Serving Benchmark Result ".center(width, "=")]
+    partial = bool(metrics.get("partial"))
+    title = " Serving Benchmark Result (partial) " if partial else " Serving Benchmark Result "
+    lines = [title.center(width, "=")]
 
     def row(label: str, value: float | int, fmt: str = ".2f") -> None:
         text = f"{value:{fmt}}" if isinstance(value, float) else str(value)
@@ -160,6 +163,9 @@ def format_summary(
 
     row("Successful requests:", int(metrics["completed"]))
     row("Failed requests:", int(metrics["failed"]))
+    if partial:
+        finished = int(metrics["completed"]) + int(metrics["failed"])
+        row("Unfinished requests (interrupted):", int(metrics["num_prompts"]) - finished)
     row("Benchmark duration (s):", float(metrics["duration"]))
     row("Total input tokens:", int(metrics["total_input_tokens"]))
     row("Total generated tokens:", int(metrics["total_output_tokens"]))

@@ -39,6 +39,16 @@ class BenchConfig:
     progress: bool = True
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_benchmark`'s requests. ``result`` is the run's result over
+    the requests that had finished (``"partial": True``), for a partial summary. A
+    ``KeyboardInterrupt``, so a caller that does not look for it stops as it always did."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        super().__init__("benchmark interrupted")
+        self.result = result
+
+
 async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     """The first model the server lists (``vllm bench serve``'s default)."""
     async with session.get(f"{base_url}/v1/models") as response:
@@ -107,16 +117,36 @@ async def run_benchmark(config: BenchConfig) -> dict[str, Any]:
             return result
 
         started = time.perf_counter()
-        tasks = []
-        for index, (sample, offset) in enumerate(zip(config.samples, offsets, strict=True)):
-            delay = started + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(index, sample)))
-        results = await asyncio.gather(*tasks)
+        tasks: list[asyncio.Task[RequestResult]] = []
+        try:
+            for index, (sample, offset) in enumerate(zip(config.samples, offsets, strict=True)):
+                delay = started + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(index, sample)))
+            results = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels us): what finished
+            bar.close()
+            done = [i for i, t in enumerate(tasks) if t.done() and not t.cancelled()]
+            finished = [tasks[i].result() for i in done if tasks[i].exception() is None]
+            lags = [send_lags[i] for i in done if tasks[i].exception() is None]
+            duration = time.perf_counter() - started
+            result = _result(config, base, model, finished, duration, lags)
+            raise Interrupted({**result, "partial": True}) from None
         duration = time.perf_counter() - started
         bar.close()
+    return _result(config, base, model, results, duration, send_lags)
 
+
+def _result(
+    config: BenchConfig,
+    base: str,
+    model: str,
+    results: Sequence[RequestResult],
+    duration: float,
+    send_lags: list[float],
+) -> dict[str, Any]:
+    """The run's metrics and per-request detail, in ``vllm bench serve``'s JSON keys."""
     metrics = compute_metrics(
         results,
         duration,
