@@ -6,7 +6,7 @@ what the table's lowest layer lists. Every import counts — module level, insid
 functions, and under ``TYPE_CHECKING`` — because a type-only reference up the layers is
 still a seam that goes the wrong way. A module of the component that the table does not
 place is named, so a new module has to be placed. (tests/epp/test_layering.py holds the
-EPP's table, with its own copy of this walk.)
+EPP's table and reads imports with this module's :func:`imported`.)
 """
 
 from __future__ import annotations

@@ -14,10 +14,11 @@ imported. A new EPP module must be placed in the table (the test names it otherw
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
+
+from tests.layering import imported  # the walk the engine and operator tables use
 
 EPP_DIR = Path(__file__).resolve().parents[2] / "epp"
 
@@ -72,24 +73,6 @@ def module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(["infergate", "epp", *parts])
-
-
-def imported(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, module) for every ``infergate`` import in ``source``, relative ones resolved."""
-    package = module if is_package else module.rpartition(".")[0]
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.extend((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join([*base, node.module] if node.module else base)
-            else:
-                target = node.module or ""
-            found.append((node.lineno, target))
-    return [(line, name) for line, name in found if name.split(".")[0] == "infergate"]
 
 
 def violations(source: str, module: str, is_package: bool = False) -> list[str]:
