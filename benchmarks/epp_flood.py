@@ -100,14 +100,21 @@ async def _rss_after(pid: int, seconds: float) -> float:
     return _rss_mib(pid)
 
 
-async def _stack_flood(streams: int, body_bytes: int, after_s: float) -> None:
-    """100 POSTs of ``body_bytes`` at once through ``infergate up``'s Envoy, full speed."""
+async def _stack_flood(streams: int, body_bytes: int, after_s: float, body_mode: str) -> None:
+    """100 POSTs of ``body_bytes`` at once through ``infergate up``'s Envoy, full speed;
+    ``body_mode`` is Envoy's ``--request-body-mode`` (streamed or buffered)."""
     import httpx
 
     from infergate.stack.local import LocalStack, StackSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="epp-flood-"))  # kept: the EPP's and Envoy's logs
-    spec = StackSpec.on_free_ports(engines=1, simulate=True, secure_serving=True, workdir=workdir)
+    spec = StackSpec.on_free_ports(
+        engines=1,
+        simulate=True,
+        secure_serving=True,
+        workdir=workdir,
+        request_body_mode=body_mode,
+    )
     print(f"logs in {workdir}")
     with LocalStack(spec) as stack:
         assert stack.epp is not None and stack.envoy is not None
@@ -148,9 +155,15 @@ async def main() -> None:
     parser.add_argument("--through-stack", action="store_true", help="flood `infergate up`")
     parser.add_argument("--after", type=float, default=0.0, help="seconds to watch RSS after")
     parser.add_argument("--epp-arg", action="append", default=[])
+    parser.add_argument(
+        "--body-mode",
+        choices=["streamed", "buffered"],
+        default="streamed",
+        help="with --through-stack: how Envoy hands bodies to the EPP",
+    )
     args = parser.parse_args()
     if args.through_stack:
-        await _stack_flood(args.streams, int(args.body_mib * 2**20), args.after)
+        await _stack_flood(args.streams, int(args.body_mib * 2**20), args.after, args.body_mode)
         return
     port, health, metrics = free_port(), free_port(), free_port()
     infergate = str(Path(sys.executable).with_name("infergate"))
