@@ -17,6 +17,7 @@ names (a second ``up`` first tears the first down). docs/kubernetes.md, "A real 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,8 +33,7 @@ NODE_SCRIPT = ROOT / "tools" / "node" / "probe.sh"
 NODE_BUILD = ROOT / "tools" / "node" / "build.sh"
 CONTROLPLANE_BUILD = ROOT / "tools" / "controlplane" / "build.sh"
 WORKDIR = Path(os.environ.get("INFERGATE_NODE_WORKDIR", "/var/tmp/infergate-node"))
-# Debian's parts the node runs (probe.sh installs them with apt-get when missing).
-HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "nsenter", "buildah", "gcc", "curl")
+REF_NAME = "org.opencontainers.image.ref.name"  # an OCI index entry's tag
 
 
 class NodeError(RuntimeError):
@@ -145,8 +145,8 @@ class Node:
 
     def import_layout(self, layout: Path, repository: str) -> list[str]:
         """Import an OCI image layout (``make images``' ``build/images/<name>``) into
-        containerd's ``k8s.io`` namespace as ``repository:<tag>``, where the kubelet finds
-        it without a registry; returns the names containerd now holds under ``repository``."""
+        containerd's ``k8s.io`` namespace as ``repository:<tag>`` (each tag the layout's
+        index names), where the kubelet finds it without a registry; returns those names."""
         if not (layout / "oci-layout").is_file():
             raise NodeError(f"{layout} is not an OCI image layout (no oci-layout file)")
         with tempfile.TemporaryDirectory(prefix="infergate-node-import-") as tmp:
@@ -155,8 +155,12 @@ class Node:
                 for entry in sorted(layout.iterdir()):
                     tar.add(entry, arcname=entry.name)
             self._ctr("images", "import", "--base-name", repository, str(archive))
-        names = self._ctr("images", "ls", "-q").stdout.split()
-        return [name for name in names if name.startswith(f"{repository}:")]
+        index = json.loads((layout / "index.json").read_text())
+        tags = [
+            (manifest.get("annotations") or {}).get(REF_NAME) for manifest in index["manifests"]
+        ]
+        held = set(self._ctr("images", "ls", "-q").stdout.split())
+        return [f"{repository}:{tag}" for tag in tags if tag and f"{repository}:{tag}" in held]
 
     def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(

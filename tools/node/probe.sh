@@ -180,7 +180,7 @@ build_images() {
 }
 
 start_controlplane() {
-  "${NSENTER[@]}" "$repo/.venv/bin/python" "$here/controlplane.py" "$W" >"$W/log/controlplane.log" 2>&1 &
+  "${NSENTER[@]}" "$repo/.venv/bin/python" "$here/controlplane.py" "$W" "$NODE_IP" >"$W/log/controlplane.log" 2>&1 &
   echo $! >"$W/pids/controlplane"
   for _ in $(seq 600); do
     [[ -f "$W/controlplane.env" ]] && break
