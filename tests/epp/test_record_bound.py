@@ -113,15 +113,38 @@ async def test_a_lost_record_is_bounded_by_the_engines_counts(
     assert lost._value.get() == lost_before + 3
 
 
+async def _countless_metrics_server() -> tuple[asyncio.Server, int]:
+    """A live /metrics that names none of the engine families (a server of a dialect the
+    EPP does not read): scrapes succeed, so the endpoint is alive, yet it has no counts."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                page = b"# nothing the EPP counts\nx 1\n"
+                head = f"HTTP/1.1 200 OK\r\ncontent-length: {len(page)}\r\n\r\n"
+                writer.write(head.encode() + page)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
 async def test_an_endpoint_without_counts_is_not_judged(epp_factory, channel_for) -> None:
-    """Never scraped (nothing serves its /metrics): no counts to bound by, so the awaited
-    response stays in flight (until the 330 s timeout or the endpoint leaving)."""
-    dark = Endpoint("127.0.0.1", free_port(), ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),))
-    epp = await epp_factory(static_endpoints=[dark])
-    state = epp.datastore.get(dark.key)
-    assert state is not None
-    key = await _awaited_response(epp, channel_for(epp))
-    for _ in range(35):  # three expiry sweeps or more
-        await asyncio.sleep(0.1)
-        assert key in epp.ext_proc.awaiting and state.in_flight_requests == 1
-    assert state.metrics.updated_at == 0.0
+    """Alive (its /metrics answers) but without running/waiting counts: nothing to bound
+    by, so the awaited response stays in flight (until the 330 s timeout or the endpoint
+    leaving). An endpoint whose port refuses is dead instead: tests/epp/test_dead_endpoint.py."""
+    server, port = await _countless_metrics_server()
+    async with server:
+        dark = Endpoint("127.0.0.1", port, ((COMPLETION_EVENTS_PORT_LABEL, str(free_port())),))
+        epp = await epp_factory(static_endpoints=[dark])
+        state = epp.datastore.get(dark.key)
+        assert state is not None
+        key = await _awaited_response(epp, channel_for(epp))
+        for _ in range(35):  # three expiry sweeps or more
+            await asyncio.sleep(0.1)
+            assert key in epp.ext_proc.awaiting and state.in_flight_requests == 1
+        assert state.metrics.running == 0 and state.metrics.waiting == 0
