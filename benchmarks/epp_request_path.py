@@ -1,4 +1,4 @@
-"""EPP CPU per request on its request path, in process: A/B of two ``epp/server.py`` versions.
+"""EPP CPU per request on its request path, in process: A/B of two ext-proc server versions.
 
 What the EPP does per routed request apart from gRPC transport: read the headers, buffer
 the body chunks, parse, schedule (the default profile over 4 endpoints), build the
@@ -9,7 +9,11 @@ versions run interleaved, ``--rounds`` times each, in one process, so the machin
 load (shared here) hits both alike; the figure is the median of rounds of process CPU
 time per request.
 
-    .venv/bin/python benchmarks/epp_request_path.py --baseline /tmp/server_before.py
+    git archive REV epp/server | tar -x -C /tmp/before
+    .venv/bin/python benchmarks/epp_request_path.py --baseline /tmp/before/epp/server
+
+The baseline is a copy of another version's ``epp/server/`` package, or of its single
+``epp/server.py`` (the trees before the package).
 """
 
 from __future__ import annotations
@@ -21,25 +25,38 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
-import infergate.epp.server as current
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gateway_rig import body_of_size
 from infergate.epp.app import Epp, EppOptions
+from infergate.epp.server import extproc, stream
 from infergate.epp.types import Endpoint
 
 ENVOY_CHUNK = 16 << 10
 
 
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("epp_server_baseline", path)
-    assert spec is not None and spec.loader is not None
+def _load(path: Path) -> SimpleNamespace:
+    """The baseline's ``ExtProcServer`` and ``StreamState``, from a ``server.py`` file or an
+    ``epp/server`` package directory (its modules import each other relatively, so the
+    copy's own modules are the ones loaded)."""
+    name = "epp_server_baseline"
+    package = path.is_dir()
+    location = path / "__init__.py" if package else path
+    search = [str(path)] if package else None
+    spec = importlib.util.spec_from_file_location(name, location, submodule_search_locations=search)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a server.py or an epp/server directory")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module
+    if not package:
+        return SimpleNamespace(ExtProcServer=module.ExtProcServer, StreamState=module.StreamState)
+    return SimpleNamespace(
+        ExtProcServer=importlib.import_module(f"{name}.extproc").ExtProcServer,
+        StreamState=importlib.import_module(f"{name}.stream").StreamState,
+    )
 
 
 def _messages(body: bytes) -> tuple[list[pb.ProcessingRequest], pb.ProcessingRequest]:
@@ -66,16 +83,19 @@ def _messages(body: bytes) -> tuple[list[pb.ProcessingRequest], pb.ProcessingReq
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", type=Path, required=True, help="the other server.py")
+    parser.add_argument(
+        "--baseline", type=Path, required=True, help="the other epp/server dir or server.py"
+    )
     parser.add_argument("--sizes", default="2048,225280")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    current = SimpleNamespace(ExtProcServer=extproc.ExtProcServer, StreamState=stream.StreamState)
     versions = {"baseline": _load(args.baseline), "current": current}
     endpoints = [Endpoint(f"10.0.0.{i}", 8000) for i in range(1, 5)]
     results: dict[tuple[str, int], list[float]] = {}
 
-    async def run(module: ModuleType, epp: Epp, body: bytes) -> float:
+    async def run(module: SimpleNamespace, epp: Epp, body: bytes) -> float:
         server = module.ExtProcServer(epp.director)
         request, response = _messages(body)
         for i in range(args.requests + 20):

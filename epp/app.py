@@ -29,7 +29,6 @@ from infergate.epp.datalayer.objectives import (
     ObjectiveStore,
     load_objectives_file,
 )
-from infergate.epp.eds import EndpointDiscovery
 from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.heap import freeze_heap, keep_freed_memory
@@ -38,12 +37,13 @@ from infergate.epp.options import EppOptions
 from infergate.epp.requestcontrol.director import Director
 from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
-from infergate.epp.server import ExtProcServer, Limits
+from infergate.epp.server.eds import EndpointDiscovery
+from infergate.epp.server.extproc import ExtProcServer, Limits
 from infergate.epp.types import Endpoint
 from prometheus_client import start_http_server
 
 if TYPE_CHECKING:
-    from infergate.epp.h2_server import H2Server
+    from infergate.epp.server.h2 import H2Server
 
 log = logging.getLogger("infergate.epp")
 
@@ -203,10 +203,10 @@ class Epp:
         return self._grpc
 
     def _h2_server(self) -> H2Server:
-        """ext-proc, EDS and health on the event loop's own HTTP/2 server (epp/h2_server.py)."""
+        """ext-proc, EDS and health on the event loop's own HTTP/2 server (epp/server/h2.py)."""
         from envoy.service.discovery.v3 import discovery_pb2
         from envoy.service.ext_proc.v3 import external_processor_pb2
-        from infergate.epp.h2_server import H2Server, Method
+        from infergate.epp.server.h2 import H2Server, Method
 
         health_request = health_pb2.HealthCheckRequest.FromString
         return H2Server(
@@ -230,7 +230,7 @@ class Epp:
         o = self.options
         context = None
         if o.secure_serving:
-            from infergate.epp.tls import server_ssl_context
+            from infergate.epp.server.tls import server_ssl_context
 
             context, self.certificate = server_ssl_context(o.cert_path, o.client_ca_file)
         self._h2 = self._h2_server()
@@ -244,7 +244,7 @@ class Epp:
         server = self._ext_proc_server()
         try:  # grpc raises RuntimeError (older versions return 0) on a busy port
             if o.secure_serving:
-                from infergate.epp.tls import server_credentials
+                from infergate.epp.server.tls import server_credentials
 
                 credentials, self.certificate = server_credentials(o.cert_path, o.client_ca_file)
                 self.grpc_port = server.add_secure_port(f"{o.host}:{o.grpc_port}", credentials)

@@ -93,7 +93,7 @@ def tls_server_names(pool: PoolSpec) -> list[str]:
 
 
 def encode_tls_bundle(bundle: dict[str, bytes]) -> dict[str, str]:
-    """A bundle of ``infergate.epp.tls.mutual_tls_bundle`` as a Secret's ``data``."""
+    """A bundle of ``infergate.epp.server.tls.mutual_tls_bundle`` as a Secret's ``data``."""
     return {name: base64.b64encode(value).decode() for name, value in sorted(bundle.items())}
 
 
@@ -117,7 +117,7 @@ def epp_options(pool: PoolSpec, tls: bool = False) -> EppOptions:
     ext-proc over TLS). With the pool's TLS Secret the EPP serves its certificate and
     requires the standalone Envoy's client certificate (mutual TLS); without, a
     self-signed one."""
-    from infergate.epp.tls import CA_CERT
+    from infergate.epp.server.tls import CA_CERT
 
     tls_dir = Path(c.EPP_TLS_DIR)
     return EppOptions(
@@ -425,7 +425,7 @@ def build_envoy_bootstrap(
     """Envoy's bootstrap for the sidecar: ext-proc and EDS from the EPP on loopback,
     over mutual TLS with the pool's Secret (``mutual_tls``), its heap bounded below the
     container's memory limit."""
-    from infergate.epp import tls
+    from infergate.epp.server import tls
 
     from infergate.envoy.bootstrap import EnvoyConfig, EppMutualTls, build_envoy_config
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infergate.epp.config import pd_config
-from infergate.epp.tls import mutual_tls_bundle
+from infergate.epp.server.tls import mutual_tls_bundle
 
 from infergate.operator import constants as c
 from infergate.operator import status as st

@@ -79,7 +79,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
     def reports_all(self) -> bool:
         """Whether every endpoint of the pool reports completions: then a request's end and
         status come from its record whichever endpoint it goes to, and the EPP may ask
-        Envoy not to send it the response headers (``StreamState`` in ``server.py``)."""
+        Envoy not to send it the response headers (``StreamState`` in ``server/stream.py``)."""
         return self._all_report
 
     def _endpoints_changed(self, _added: list[Endpoint], _removed: list[Endpoint]) -> None:

@@ -648,7 +648,7 @@ _CHOICES = {
 
 @dataclass(frozen=True)
 class EppMutualTls:
-    """Files Envoy reads for mutual TLS with the EPP (``infergate.epp.tls``'s bundle):
+    """Files Envoy reads for mutual TLS with the EPP (``infergate.epp.server.tls``'s bundle):
     the CA that signed the EPP's certificate, Envoy's client pair, and the name the EPP's
     certificate must carry."""
 

@@ -505,7 +505,7 @@ class LocalStack:
     def tls_dir(self) -> Path:
         """Mutual TLS between Envoy and the EPP (``--secure-serving``): one CA, the EPP's
         server pair and Envoy's client pair, issued once per work directory."""
-        from infergate.epp import tls
+        from infergate.epp.server import tls
 
         assert self.workdir is not None, "stack not started"
         directory = self.workdir / "tls"
@@ -515,7 +515,7 @@ class LocalStack:
 
     def _epp_mtls(self) -> EppMutualTls | None:
         """The files Envoy needs for :attr:`tls_dir`, or None without TLS."""
-        from infergate.epp import tls
+        from infergate.epp.server import tls
 
         if not self.spec.secure_serving:
             return None

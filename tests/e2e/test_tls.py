@@ -23,7 +23,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from infergate.epp import tls
+from infergate.epp.server import tls
 
 from infergate.envoy.bootstrap import EPP_CLUSTER, POOL_CLUSTER, EppMutualTls
 from infergate.envoy.process import start_envoy

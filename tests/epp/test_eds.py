@@ -12,7 +12,7 @@ import grpc
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.endpoint.v3 import eds_pb2_grpc
-from infergate.epp.eds import TYPE_URL
+from infergate.epp.server.eds import TYPE_URL
 from infergate.epp.types import Endpoint
 
 CLUSTER = "infergate_pool"

@@ -75,7 +75,7 @@ def test_the_epp_imports_no_engine_code_and_no_engine_dependency(
     assert isinstance(modules, list)
     # The walk really saw the EPP: the server, the app and the plugins.
     for name in (
-        "infergate.epp.server",
+        "infergate.epp.server.extproc",
         "infergate.epp.app",
         "infergate.epp.cli",
         "infergate.epp.scheduling.plugins.prefix",

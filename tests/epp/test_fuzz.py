@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from infergate.epp.app import Epp, EppOptions
-from infergate.epp.server import StreamState
+from infergate.epp.server.stream import StreamState
 from infergate.epp.types import Endpoint
 
 HEADER_NAMES = [

@@ -13,9 +13,9 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from infergate.epp import h2_server
 from infergate.epp.heap import freeze_heap
-from infergate.epp.server import StreamState
+from infergate.epp.server import h2 as h2_server
+from infergate.epp.server.stream import StreamState
 from infergate.epp.types import Endpoint
 
 from .conftest import Stream, body, headers, response_headers, set_headers

@@ -44,11 +44,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "servers",
         (
-            "infergate.epp.server",
-            "infergate.epp.h2_server",
-            "infergate.epp._grpc_h2",  # native (native/grpc_h2): HTTP/2 for h2_server
-            "infergate.epp.eds",
-            "infergate.epp.tls",
+            "infergate.epp.server",  # ext-proc and its stream phases, h2, EDS, TLS
+            "infergate.epp._grpc_h2",  # native (native/grpc_h2): HTTP/2 for server.h2
         ),
     ),
     ("app", ("infergate.epp.app", "infergate.epp.workers")),
@@ -116,17 +113,22 @@ def test_every_epp_import_goes_down_the_layers() -> None:
 
 def test_the_servers_reach_scheduling_only_through_the_director() -> None:
     """Header names come from infergate.wire, hook types from the framework: the ext-proc
-    and EDS servers import nothing of the scheduler or its plugins."""
-    for name in ("server.py", "eds.py"):
-        module = module_name(EPP_DIR / name)
-        for line, target in imported((EPP_DIR / name).read_text(), module, False):
+    and EDS servers (the whole ``server`` package) import nothing of the scheduler or its
+    plugins."""
+    paths = sorted((EPP_DIR / "server").glob("*.py"))
+    assert EPP_DIR / "server" / "stream.py" in paths
+    for path in paths:
+        module = module_name(path)
+        is_package = path.name == "__init__.py"
+        for line, target in imported(path.read_text(), module, is_package):
             assert not target.startswith("infergate.epp.scheduling"), f"{module}:{line} {target}"
 
 
 def test_the_walk_sees_the_whole_epp() -> None:
     names = {module_name(p) for p in epp_modules()}
     assert {
-        "infergate.epp.server",
+        "infergate.epp.server.extproc",
+        "infergate.epp.server.stream",
         "infergate.epp.requestcontrol.director",
         "infergate.epp.scheduling.scheduler",
         "infergate.epp.datalayer.discovery.kube",
@@ -154,7 +156,7 @@ def test_the_walk_sees_the_whole_epp() -> None:
             "(scheduling) imports infergate.epp.requestcontrol.hooks (requestcontrol)",
         ),
         (
-            "infergate.epp.server",
+            "infergate.epp.server.extproc",
             "from infergate.epp.app import Epp",
             "(servers) imports infergate.epp.app (app)",
         ),
@@ -170,7 +172,7 @@ def test_the_walk_sees_the_whole_epp() -> None:
             "imports infergate.engine.completion_events; outside itself the EPP imports only",
         ),
         (
-            "infergate.epp.server",
+            "infergate.epp.server.stream_route",
             "from infergate.envoy.names import DESTINATION_HEADER",
             "imports infergate.envoy.names; outside itself the EPP imports only",
         ),

@@ -8,7 +8,7 @@ import urllib.request
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from infergate.epp.config import parse_config
-from infergate.epp.server import UsageReader
+from infergate.epp.server.usage import UsageReader
 from infergate.epp.types import Endpoint
 from prometheus_client.parser import text_string_to_metric_families
 

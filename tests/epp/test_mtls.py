@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from infergate.epp import tls
+from infergate.epp.server import tls
 from infergate.epp.types import Endpoint
 
 from ..e2e.test_tls import eds_endpoints, ext_proc_answers

@@ -204,7 +204,7 @@ async def test_h2_garbage_closes_that_connection_only(epp_factory, channel_for) 
 async def test_a_handler_has_its_task_before_it_first_suspends() -> None:
     """What the precise prefix scorer's aiohttp timeouts need: ``step_in_place`` runs a
     coroutine's first step now, with the task that finishes it already current."""
-    from infergate.epp.h2_server import step_in_place
+    from infergate.epp.server.h2 import step_in_place
 
     seen: list[asyncio.Task[object] | None] = []
 

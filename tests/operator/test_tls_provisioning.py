@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 from cryptography import x509
-from infergate.epp import tls
+from infergate.epp.server import tls
 
 from infergate.operator import constants as c
 from infergate.operator.builders import (

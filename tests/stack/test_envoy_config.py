@@ -320,7 +320,7 @@ def test_overload_manager_bounds_the_heap_and_envoy_accepts_it(
 ) -> None:
     """Both generated bootstraps carry the heap bound, shrink near it and refuse new
     requests at it; Envoy 1.40 accepts them (the Gateway's too), mTLS files included."""
-    from infergate.epp import tls
+    from infergate.epp.server import tls
 
     from infergate.envoy.bootstrap import EppMutualTls
     from infergate.gateway.bootstrap import GatewayProxy, build_gateway_bootstrap

@@ -6,7 +6,7 @@ then resumes the stream's task: thread hops and loop iterations per message, mos
 EPP's CPU per request (docs/architecture.md, "The ext-proc transport"). Here the loop
 itself reads the HTTP/2 connection Envoy holds to the EPP: one socket read brings
 whatever frames arrived for every stream, each complete gRPC message is handed to its
-stream's :class:`~infergate.epp.server.StreamState` in place, and the answers of all
+stream's :class:`~infergate.epp.server.stream.StreamState` in place, and the answers of all
 streams go out in one socket write.
 
 What it implements of gRPC over HTTP/2 (the native module ``_grpc_h2``, built from
@@ -37,9 +37,14 @@ import grpc
 import infergate.epp._grpc_h2 as native
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
-from infergate.epp.server import ExtProcServer, ObserverState, Phase, StreamState, immediate
 
-log = logging.getLogger("infergate.epp.h2_server")
+from .extproc import ExtProcServer
+from .messages import immediate
+from .observer import ObserverState
+from .stream import StreamState
+from .stream_base import Phase
+
+log = logging.getLogger(__name__)
 
 _END = object()
 #: Our receive windows (per stream W and per connection C) and frame size: large, since

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.types import Endpoint
 
-log = logging.getLogger("infergate.epp.eds")
+log = logging.getLogger(__name__)
 
 TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
