@@ -32,6 +32,7 @@ from infergate.epp.datalayer.objectives import (
 from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.heap import freeze_heap, keep_freed_memory
+from infergate.epp.native import load_native
 from infergate.epp.observability import EppMetrics
 from infergate.epp.options import EppOptions
 from infergate.epp.requestcontrol.director import Director
@@ -353,17 +354,10 @@ class Epp:
 
 
 def _native_installed() -> bool:
-    """``--grpc-server h2`` needs the native module (``native/grpc_h2``), built by cargo at
-    install time; an install made without a Rust toolchain still serves, with grpc.aio."""
-    try:
-        import infergate.epp._grpc_h2  # noqa: F401
-    except ImportError:
-        log.warning(
-            "the native HTTP/2 module (native/grpc_h2) is not built: serving ext-proc with "
-            "grpc.aio; install cargo (Rust >= 1.85) and reinstall infergate to build it"
-        )
-        return False
-    return True
+    """``--grpc-server h2`` needs the native module (``native/grpc_h2``); without it the
+    EPP still serves, with grpc.aio (the policy: :mod:`infergate.epp.native`)."""
+    fallback = "serving ext-proc with grpc.aio (more CPU per request than --grpc-server h2)"
+    return load_native("infergate.epp._grpc_h2", fallback) is not None
 
 
 async def run(options: EppOptions) -> None:

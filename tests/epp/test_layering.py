@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "infergate.epp.prefill_cost",
             "infergate.epp.compact_json",
             "infergate.epp.heap",  # the process's malloc: set by app, trimmed by server
+            "infergate.epp.native",  # the native modules' loader: one fallback policy
         ),
     ),
     ("observability", ("infergate.epp.observability", "infergate.epp.loop_histogram")),

@@ -43,7 +43,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 from infergate.epp.compact_json import compact_json
@@ -54,6 +54,7 @@ from infergate.epp.framework.requestcontrol import (
     ResponseComplete,
     ResponseInfo,
 )
+from infergate.epp.native import load_native
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.types import (
     RENDERED_APIS,
@@ -67,10 +68,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from infergate.wire.completions import encode_prefix, is_packed_prefix, unpack_hashes
 from infergate.wire.names import PREFIX_HEADER
 
-try:  # native/prefix_index, built by `pip install` where cargo is (setup.py)
+if TYPE_CHECKING:
     from infergate.epp.scheduling import _prefix_index as native
-except ImportError:  # pragma: no cover - an install without cargo
-    native = None  # type: ignore[assignment]
+else:  # native/prefix_index, optional (setup.py); its absence is said once (epp/native.py)
+    native = load_native(
+        "infergate.epp.scheduling._prefix_index",
+        "the prefix scorer uses its Python index (same results, more CPU per request)",
+    )
 
 log = logging.getLogger("infergate.epp.prefix")
 
