@@ -244,7 +244,9 @@ class SeveralValues(TyperCommand):
     by :func:`command` with ``app.command(name, cls=SeveralValues)``."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        names: frozenset[str] = getattr(self.callback, "several", frozenset())  # command()
+        # command() sets it on the function; typer wraps that with functools.update_wrapper,
+        # which copies it over.
+        names: frozenset[str] = getattr(self.callback, "several", frozenset())
         return super().parse_args(ctx, spread_values(args, self.params, names))
 
 
