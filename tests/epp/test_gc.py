@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from infergate.epp.heap import freeze_heap
-from infergate.epp.server import h2 as h2_server
+from infergate.epp.server import h2
 from infergate.epp.server.stream import StreamState
 from infergate.epp.types import Endpoint
 
@@ -22,7 +22,7 @@ from .conftest import Stream, body, headers, response_headers, set_headers
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 A = Endpoint("127.0.0.1", 18001)
-OURS = (h2_server.Stream, h2_server.ExtProcCall, StreamState)
+OURS = (h2.Stream, h2.ExtProcCall, StreamState)
 
 
 @pytest.fixture
