@@ -179,6 +179,16 @@ class Node:
         except OSError as error:
             return f"(no log: {error})"
 
+    def container_logs(self, namespace: str, chars: int = 3000) -> str:
+        """The end of every container log of ``namespace``'s pods, as the kubelet wrote them
+        (``kubectl logs`` needs the API server to reach the kubelet, which this node lacks)."""
+        root = Path(self.env.get("LOGS", str(self.workdir / "log"))) / "pods"
+        parts = []
+        for path in sorted(root.glob(f"{namespace}_*/*/*.log")):
+            text = path.read_text(errors="replace")[-chars:]
+            parts.append(f"--- {path.relative_to(root)}\n{text}")
+        return "\n".join(parts) or f"(no container logs of {namespace} under {root})"
+
 
 def require_cluster(node: Node) -> Cluster:
     """The node's cluster access; a started node always has one."""

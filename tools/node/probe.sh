@@ -80,6 +80,7 @@ teardown() {
   fi
   stop_pidfile "$W/pids/kube-proxy"
   stop_pidfile "$W/pids/kubelet"
+  stop_pidfile "$W/pids/coredns"
   local runc_root="$W/containerd/runc/k8s.io" id pid
   if [[ -d "$runc_root" ]]; then
     for id in $(runc --root "$runc_root" list -q 2>/dev/null); do
@@ -134,6 +135,7 @@ install_packages() {
 build_binaries() {
   CP_BIN="$(GOMAXPROCS=1 GOFLAGS=-p=1 bash "$repo/tools/controlplane/build.sh" | tail -1)"
   NODE_BIN="$(bash "$here/build.sh" | tail -1)"
+  DNS_BIN="$(bash "$here/build.sh" --coredns | tail -1)"
   KUBECTL_BIN="$CP_BIN/kubectl"
 }
 
@@ -272,6 +274,36 @@ import_images() {
   ctr --address "$sock" -n k8s.io images ls -q >&2
 }
 
+start_coredns() {
+  # Cluster DNS: CoreDNS's kubernetes plugin answers <svc>.<ns>.svc.cluster.local from the
+  # API server (the admin kubeconfig). A node daemon on the node address, like the kubelet,
+  # rather than a pod; nothing is forwarded (no names exist outside the namespace).
+  mkdir -p "$W/coredns"
+  cat >"$W/coredns/Corefile" <<EOF
+.:53 {
+    bind $NODE_IP
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $W/admin.kubeconfig
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }
+    cache 5
+}
+EOF
+  echo "nameserver $NODE_IP" >"$W/coredns/resolv.conf"   # the kubelet's resolvConf
+  "${NSENTER[@]}" "$DNS_BIN/coredns" -conf "$W/coredns/Corefile" >"$W/log/coredns.log" 2>&1 &
+  echo $! >"$W/pids/coredns"
+  for _ in $(seq 120); do
+    inns busybox nslookup kubernetes.default.svc.cluster.local "$NODE_IP" 2>/dev/null |
+      grep -qF 10.96.0.1 && return 0
+    kill -0 "$(cat "$W/pids/coredns")" 2>/dev/null || break
+    sleep 0.5
+  done
+  tail -30 "$W/log/coredns.log" >&2
+  die "CoreDNS did not answer kubernetes.default.svc.cluster.local on $NODE_IP"
+}
+
 start_kubelet() {
   cat >"$W/kubelet/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
@@ -294,6 +326,12 @@ imageGCLowThresholdPercent: 99
 registerNode: true
 # The kubelet's own default is -999, which needs CAP_SYS_RESOURCE (see containerd's config).
 oomScoreAdj: 0
+# Container logs under the work folder (the default is the host's /var/log/pods); teardown
+# keeps them with the daemons' logs.
+podLogsDir: $W/log/pods
+clusterDNS: [$NODE_IP]
+clusterDomain: cluster.local
+resolvConf: $W/coredns/resolv.conf
 EOF
   "${NSENTER[@]}" "$NODE_BIN/kubelet" --config="$W/kubelet/config.yaml" \
     --kubeconfig="$W/admin.kubeconfig" --root-dir="$W/kubelet/root" --cert-dir="$W/kubelet/pki" \
@@ -404,6 +442,7 @@ SERVER=$SERVER
 CONTAINERD_SOCKET=$W/containerd/containerd.sock
 CP_BIN=$CP_BIN
 NODE_BIN=$NODE_BIN
+DNS_BIN=$DNS_BIN
 TOOLS=$W/bin
 LOGS=$W/log
 PROBE_IMAGE=$IMAGE
@@ -426,6 +465,7 @@ prepare() {  # the steps `probe` and `up` share, up to a node with kube-proxy
   timed "control plane" start_controlplane
   timed "containerd" start_containerd
   timed "import images (ctr)" import_images
+  timed "CoreDNS" start_coredns
   timed "kubelet: node Ready" start_kubelet
   timed "kube-proxy: healthy" start_kube_proxy
 }
