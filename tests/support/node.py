@@ -21,10 +21,10 @@ import json
 import os
 import shutil
 import subprocess
-import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from tests.support.controlplane import Cluster, ControlPlaneError
 
@@ -149,12 +149,14 @@ class Node:
         index names), where the kubelet finds it without a registry; returns those names."""
         if not (layout / "oci-layout").is_file():
             raise NodeError(f"{layout} is not an OCI image layout (no oci-layout file)")
-        with tempfile.TemporaryDirectory(prefix="infergate-node-import-") as tmp:
-            archive = Path(tmp) / "image.tar"
-            with tarfile.open(archive, "w") as tar:
-                for entry in sorted(layout.iterdir()):
-                    tar.add(entry, arcname=entry.name)
-            self._ctr("images", "import", "--base-name", repository, str(archive))
+        # The layout as a tar stream on ctr's stdin: an engine image is gigabytes.
+        tar = subprocess.Popen(["tar", "-C", str(layout), "-cf", "-", "."], stdout=subprocess.PIPE)
+        try:
+            self._ctr("images", "import", "--base-name", repository, "-", stdin=tar.stdout)
+        finally:
+            if tar.stdout is not None:
+                tar.stdout.close()
+            tar.wait()
         index = json.loads((layout / "index.json").read_text())
         tags = [
             (manifest.get("annotations") or {}).get(REF_NAME) for manifest in index["manifests"]
@@ -162,10 +164,10 @@ class Node:
         held = set(self._ctr("images", "ls", "-q").stdout.split())
         return [f"{repository}:{tag}" for tag in tags if tag and f"{repository}:{tag}" in held]
 
-    def _ctr(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def _ctr(self, *args: str, stdin: IO[bytes] | None = None) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
             ["ctr", "--address", self.env["CONTAINERD_SOCKET"], "-n", "k8s.io", *args],
-            capture_output=True, text=True, timeout=1200, check=False,
+            capture_output=True, text=True, timeout=1200, check=False, stdin=stdin,
         )  # fmt: skip
         if result.returncode != 0:
             raise NodeError(f"ctr {' '.join(args)} exited {result.returncode}: {result.stderr}")
