@@ -1,6 +1,6 @@
 //! gRPC over HTTP/2 for the EPP's event loop, without I/O of its own (sans-IO).
 //!
-//! Why native: the EPP serves ext-proc on its asyncio loop (`epp/h2_server.py`), and with
+//! Why native: the EPP serves ext-proc on its asyncio loop (`epp/server/h2.py`), and with
 //! the pure-Python `h2` state machine a third of its CPU per request was HTTP/2 framing,
 //! HPACK and frame objects (docs/architecture.md, "The ext-proc transport"). Here the `h2`
 //! crate does that work: Python hands in the bytes its transport read, gets back the gRPC
