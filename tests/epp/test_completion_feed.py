@@ -27,14 +27,18 @@ def _batch(*records: CompletionRecord) -> bytes:
 
 
 async def test_garbage_on_the_feed_is_dropped_and_records_still_end_requests(
-    epp_factory, channel_for, caplog
+    epp_factory, channel_for, engine_metrics, caplog
 ) -> None:
     caplog.set_level(logging.WARNING, logger="infergate.epp.datalayer.completions")
     context = zmq.Context()
     publisher = context.socket(zmq.PUB)
     port = publisher.bind_to_random_port("tcp://127.0.0.1")
     try:
-        endpoint = Endpoint("127.0.0.1", 18401, ((COMPLETION_EVENTS_PORT_LABEL, str(port)),))
+        # A live endpoint running one request, so neither the dead-endpoint rule (a port
+        # that refuses) nor the engine's counts give the awaited record up: only the feed.
+        metrics = engine_metrics()
+        metrics.set(0, 1, 0.0)
+        endpoint = Endpoint("127.0.0.1", metrics.port, ((COMPLETION_EVENTS_PORT_LABEL, str(port)),))
         epp = await epp_factory(static_endpoints=[endpoint])
         stream = Stream(channel_for(epp))
         _, key = await route_buffered(stream, POST, b'{"model":"m","prompt":"hi"}')
