@@ -18,7 +18,7 @@ fed by the EPP, gRPC health checks) for infergate's. EPPs under test:
   ``{peer_config_file}`` (llm-d-router's EndpointPickerConfig with file discovery) are
   filled in. ``--external NAME=@HOST:PORT`` uses one already running (no CPU figure).
 * ``--peer-binary PATH``: shorthand for llm-d-router's Go ``epp`` built by hand
-  (docs/benchmarks.md, "llm-d-router as a peer"), run at its defaults, tracing off.
+  (docs/routing-lab/peer/README.md), run at its defaults, tracing off.
 
 Per rate, ``--rounds`` rounds; each round loads every path once for ``--seconds`` with
 the same seeded Poisson arrivals, in an order rotated per round, so machine load hits

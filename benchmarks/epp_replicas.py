@@ -1,6 +1,6 @@
 """EPP replicas measured in a way 2 cores can show (issue 46, item 4).
 
-The earlier attempt (docs/benchmarks.md, "EPP replicas, active-active") compared TTFT and
+The earlier attempt (docs/benchmarks/scale.md, "Decisions a second") compared TTFT and
 decisions/s of 1 and 4 replicas on a machine whose 2 cores also ran the engines, Envoy
 and the client: 3 more processes slowed everything, whatever the routing did. This one
 measures what replication itself costs, with every replica set pinned by ``taskset`` to

@@ -97,7 +97,7 @@ class EndpointPickerConfig(BaseModel):
 #: 2, KV-cache utilisation 2, approximate prefix 3, with the peer's prefix blocks of 64
 #: tokens (4 bytes each) matched up to 2,048 blocks. No filter: the peer's saturation
 #: detector only gates admission of sheddable requests, as infergate's admission does.
-#: (docs/benchmarks.md, "llm-d-router as a peer", lists how the two were compared.)
+#: (docs/routing-lab/peer/README.md lists how the two were compared.)
 GIE_DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
@@ -119,7 +119,7 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
-#: infergate's default, chosen on the routing lab's workload matrix (docs/benchmarks.md,
+#: infergate's default, chosen on the routing lab's workload matrix (docs/benchmarks/routing.md,
 #: ``infergate bench routing --matrix standard``): the bounded-load filter keeps every endpoint
 #: within 1.25x its fair share of the requests in flight (+3); the predicted-latency scorer
 #: decides among the rest (the calibrated prefix index feeds it: it runs for its

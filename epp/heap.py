@@ -1,8 +1,8 @@
 """How the EPP process keeps its memory: malloc's thresholds and the garbage collector.
 
 Both are about time, not size: each is a cost the request path paid per request (page
-faults) or in pauses (full collections), measured in docs/benchmarks.md ("Issue 25: the
-heap").
+faults) or in pauses (full collections), measured in docs/benchmarks/epp-request-path.md
+("Where the CPU goes").
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def trim_heap() -> bool:
 
     Why: a burst of large bodies leaves its freed buffers spread through the heap, and
     glibc returns only free memory at the heap's top, above ``TRIM_THRESHOLD``: measured
-    534 MiB of RSS with 43 MiB in use after 100 bodies of 8 MiB (docs/benchmarks.md,
-    "Issue 45: memory"). ``malloc_trim`` also releases the free pages inside the heap.
+    534 MiB of RSS with 43 MiB in use after 100 bodies of 8 MiB (docs/benchmarks/resilience.md,
+    "Memory under a flood"). ``malloc_trim`` also releases the free pages inside the heap.
     The native HTTP/2 module allocates through the same malloc (no allocator of its
     own). It holds the caller for tens of milliseconds when hundreds of MiB are free
     (measured 72 ms for 240 MiB), so the caller rate-limits it. False where

@@ -159,7 +159,7 @@ class Connection(asyncio.Protocol):
         Why: an echoed body leaves the budget when it is routed, but stays in memory
         until Envoy's windows let it out, which they do only as fast as Envoy's upstream
         reads. Uncounted, the budget let 70 bodies of 8 MiB pile up there (EPP peak
-        574 MiB against a 128 MiB budget, docs/benchmarks.md "Issue 45: memory").
+        574 MiB against a 128 MiB budget; docs/benchmarks/resilience.md has today's).
         Counted, new bodies get the budget's 503 while the old ones drain.
         """
         held = self.native.buffered()

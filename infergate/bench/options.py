@@ -235,7 +235,7 @@ class RoutingLabOptions:
         "--cells",
         default=None,
         help="With --matrix: only these 0-based cell indices, e.g. 0-3,7 (run a long matrix "
-        "in parts; the list is in docs/benchmarks.md).",
+        "in parts; the cells are listed in infergate/bench/routing/matrix.py).",
     )
     output_dir: Path = option(
         "--output-dir",

@@ -385,7 +385,7 @@ UPSTREAM_IDLE_S = 4.0
 #: so an Envoy that came up before its EPP (a pod whose sidecar starts first, an EPP
 #: rollout) learnt the pool 10-21 s after the EPP was ready, serving 503 "no healthy
 #: upstream" meanwhile; with this, 0.5-1.0 s (Envoy started 18-31 s before its EPP; both
-#: measured, docs/benchmarks.md). A redial is one TCP connect to the EPP's port: cheap,
+#: measured, docs/benchmarks/resilience.md). A redial is one TCP connect to the EPP's port: cheap,
 #: even for many Envoys.
 #: (``GrpcService.retry_policy`` is not this: it retries the stream's opening call.)
 EDS_RECONNECT: dict[str, Any] = {

@@ -7,7 +7,7 @@ engine: Envoy's retry takes the next endpoint of the EPP's list), and the EPP's 
 count for the dead engine must drop to zero once it is known dead, not when its
 requests' completion records time out.
 
-Also the benchmark of docs/benchmarks.md ("Issue 45"): ``INFERGATE_KILL_REQUESTS=450``
+Also the benchmark of docs/benchmarks/resilience.md ("Engine SIGKILL under load"): ``INFERGATE_KILL_REQUESTS=450``
 sets how many requests are sent after the kill (default 120); the outcome is printed.
 """
 

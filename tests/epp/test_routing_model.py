@@ -702,7 +702,7 @@ async def test_the_default_index_sees_a_shared_prefix_as_long_as_the_prompt() ->
     request S + b finds 40,000 tokens cached on B and 5,000 on A, and goes to B. With
     GIE's 256 index blocks (4,096 tokens at 4 characters a token), both engines matched
     the same first 4,096 tokens, so the hit looked a tenth of its size and equal on both
-    (the trace window of docs/benchmarks.md predicted 234k cached tokens where the
+    (the trace window of docs/benchmarks/routing.md predicted 234k cached tokens where the
     engines had 750k)."""
     states, ctx, scorer, _ = _long_fleet(28_000)
     a, b = states

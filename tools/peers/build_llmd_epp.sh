@@ -14,7 +14,7 @@
 #   OUT       the binary to write (default ~/.cache/infergate/peers/llm-d-epp-<short commit>)
 # Options (before SNAPSHOT):
 #   --commit SHA  the commit to build (default: the snapshot every figure in
-#                 docs/benchmarks.md was measured on)
+#                 docs/benchmarks/ was measured on)
 #   --src DIR     where the source tree goes (default: OUT.src, removed and re-exported)
 #   --jobs N      GOMAXPROCS and `go build -p` (default 1: the machine is shared)
 #

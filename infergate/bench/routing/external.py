@@ -8,7 +8,7 @@ bodies streamed FULL_DUPLEX, as that reference config does. The peer scrapes the
 engines' vLLM metrics (``/metrics``) itself.
 
 Nothing here builds or ships the peer: the user points ``--external-epp`` at a binary
-built by hand (docs/benchmarks.md, "llm-d-router as a peer"). Without it the router is
+built by hand (docs/routing-lab/peer/README.md). Without it the router is
 skipped with a message that says how to build one.
 """
 
@@ -28,11 +28,10 @@ DISCOVERY_PLUGIN = "infergate-lab-endpoints"
 
 #: What ``--external-epp`` needs, said when it is missing.
 BUILD_HINT = (
-    "external-epp needs an Endpoint Picker binary: build llm-d-router's by hand "
-    "(in a checkout of the llm-d/llm-d-router repository: "
-    "go build -o ~/.cache/infergate/peers/llm-d-epp ./cmd/epp) and pass "
-    "--external-epp ~/.cache/infergate/peers/llm-d-epp (docs/benchmarks.md, "
-    "'llm-d-router as a peer')"
+    "external-epp needs an Endpoint Picker binary: build llm-d-router's from a snapshot "
+    "of the llm-d/llm-d-router repository with tools/peers/build_llmd_epp.sh SNAPSHOT "
+    "~/.cache/infergate/peers/llm-d-epp and pass "
+    "--external-epp ~/.cache/infergate/peers/llm-d-epp (docs/routing-lab/peer/README.md)"
 )
 
 #: llm-d-router's built-in default profile (what its EPP loads when given no config:

@@ -182,7 +182,7 @@ impl AsyncWrite for Io {
 /// stream): `queued` is what the connection still holds to send. Why: `h2` buffers a
 /// send whole until the peer's windows take it, and Envoy's windows on an echoed body
 /// open only as fast as its upstream reads; uncounted, 70 bodies of 8 MiB sat there
-/// (docs/benchmarks.md, "Issue 45: memory").
+/// (docs/benchmarks/resilience.md, "Memory under a flood").
 struct Counted {
     bytes: Bytes,
     queued: Arc<AtomicUsize>,

@@ -2,7 +2,7 @@
 //!
 //! Why native: at long prompts the scorer walks up to `maxPrefixBlocksToMatch` (256) block
 //! hashes three times per request (match, the last-use snapshot, add), and in Python that
-//! was a fifth of the EPP's CPU per 220 KB request (docs/benchmarks.md, issue 25). The
+//! was a fifth of the EPP's CPU per 220 KB request (measured with benchmarks/epp_overhead.py). The
 //! scorer itself, its parameters and its calibration stay Python
 //! (`epp/scheduling/plugins/prefix.py`); this module is its data structure only, with the
 //! same methods and results as the Python `PythonPrefixIndex` it replaces when built (a

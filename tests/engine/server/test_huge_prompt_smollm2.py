@@ -2,7 +2,7 @@
 
 The guard refuses a text longer than max_model_len x the vocabulary's longest token
 string before tokenizing it (SmolLM2: 8,192 x 81 = 663,552 characters). These tests
-assert the mechanism, never a time (docs/benchmarks.md has the time to the 400, from
+assert the mechanism, never a time (docs/benchmarks/engine.md has the time to the 400, from
 ``benchmarks/huge_prompt.py``):
 
 - the bound is sound on this tokenizer: no text tokenizes to fewer tokens than
