@@ -64,7 +64,7 @@ test-cluster: install controlplane ## Only the cluster tier (the local control p
 # Root: a real node (tools/node/probe.sh up: containerd, runc, CNI, kubelet, kube-proxy in a
 # network namespace) for the tests marked `node`. Not in `test`/CI: it takes minutes and root.
 test-node: install controlplane ## Tests on a real node (root; builds kubelet/kube-proxy, cached; docs/kubernetes.md)
-	tools/node/build.sh
+	tools/node/build.sh && tools/node/build.sh --coredns
 	INFERGATE_NODE=1 INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) \
 		$(BIN)/pytest -m node tests/node -p no:cacheprovider $(PYTEST_ARGS)
 

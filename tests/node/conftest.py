@@ -43,6 +43,7 @@ IMAGES_DIR = Path(os.environ.get("INFERGATE_IMAGES_OUT", str(ROOT / "build" / "i
 #: Where the chart looks for each image (values.yaml's repositories; tag = appVersion).
 REPOSITORY = {name: f"ghcr.io/infergate/{name}" for name in ("operator", "epp", "engine")}
 REPOSITORY["engine-cuda"] = "ghcr.io/infergate/engine"
+TAG_SUFFIX = {"engine-cuda": "-cuda"}  # the chart's gpu.imageTagSuffix
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +58,7 @@ def node_image(node: Node) -> Callable[[str], str]:
             layout = IMAGES_DIR / name
             if not (layout / "oci-layout").is_file():
                 pytest.skip(f"image {name} not built: `sudo make images IMAGES={name}`")
-            names = node.import_layout(layout, REPOSITORY[name])
+            names = node.import_layout(layout, REPOSITORY[name], TAG_SUFFIX.get(name, ""))
             if not names:
                 pytest.fail(f"containerd holds no {REPOSITORY[name]}:<tag> after the import")
             imported[name] = names[0]

@@ -143,10 +143,11 @@ class Node:
 
     # -- images -----------------------------------------------------------------------
 
-    def import_layout(self, layout: Path, repository: str) -> list[str]:
+    def import_layout(self, layout: Path, repository: str, tag_suffix: str = "") -> list[str]:
         """Import an OCI image layout (``make images``' ``build/images/<name>``) into
         containerd's ``k8s.io`` namespace as ``repository:<tag>`` (each tag the layout's
-        index names), where the kubelet finds it without a registry; returns those names."""
+        index names, plus ``tag_suffix``: the chart names the CUDA engine ``<tag>-cuda``), where
+        the kubelet finds it without a registry; returns those names."""
         if not (layout / "oci-layout").is_file():
             raise NodeError(f"{layout} is not an OCI image layout (no oci-layout file)")
         # The layout as a tar stream on ctr's stdin: an engine image is gigabytes.
@@ -161,8 +162,14 @@ class Node:
         tags = [
             (manifest.get("annotations") or {}).get(REF_NAME) for manifest in index["manifests"]
         ]
+        names = [f"{repository}:{tag}" for tag in tags if tag]
+        if tag_suffix:
+            for name in names:
+                self._ctr("images", "tag", "--force", name, name + tag_suffix)
+                self._ctr("images", "rm", name)
+            names = [name + tag_suffix for name in names]
         held = set(self._ctr("images", "ls", "-q").stdout.split())
-        return [f"{repository}:{tag}" for tag in tags if tag and f"{repository}:{tag}" in held]
+        return [name for name in names if name in held]
 
     def _ctr(self, *args: str, stdin: IO[bytes] | None = None) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
