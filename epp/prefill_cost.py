@@ -5,7 +5,11 @@ Model (a straight line per endpoint, fitted by ridge-regularised least squares):
     prefill_seconds(request) = base + per_token × uncached_prompt_tokens
 
 ``base`` is the step the request waits for its first token even when every prompt token
-is cached; ``per_token`` is the marginal compute of one uncached prompt token.
+is cached; ``per_token`` is the marginal compute of one uncached prompt token, averaged
+over the recent requests. A token's real cost grows with the context it attends to, so
+the predicted-latency scorer reads ``per_token`` as that cost at the mix's mean context
+and scales it per request (``PredictedLatencyScorer.prefill_work``); the fit stays a
+line because the counters give only sums over a window.
 
 The observations are differences of vLLM's counters over a window of scrapes (at least
 ``window_s`` seconds and ``window_requests`` finished requests): ``Δt`` = Δ
