@@ -11,8 +11,11 @@ Service from the node's namespace, through kube-proxy, Envoy, the EPP and the en
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +24,9 @@ import yaml
 
 from tests.support.node import ROOT, Node, require_cluster
 
-pytestmark = pytest.mark.node
+# Importing the engine image (2.8 GB compressed) and starting its pods takes minutes: the
+# first test to use ``gateway_url`` pays for it.
+pytestmark = [pytest.mark.node, pytest.mark.timeout(1200)]
 
 NS = "llm"
 REQUESTS = 200
@@ -76,7 +81,13 @@ def _workload(engine_image: str) -> list[dict[str, Any]]:
         ],
         "ports": [{"name": "http", "containerPort": 8000}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        # The chart sample's probes: a liveness probe from the engine's first second kills
+        # it while torch still imports on a busy machine.
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "initialDelaySeconds": 30,
+            "periodSeconds": 10,
+        },
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
         "securityContext": restricted,
         "volumeMounts": mounts,
@@ -181,11 +192,10 @@ def _send(node: Node, url: str, n: int) -> dict[str, int]:
     return counts
 
 
-# Importing the engine image (2.8 GB compressed) and starting its pods takes minutes.
-@pytest.mark.timeout(1200)
-def test_helm_install_routes_requests_through_the_gateway_to_simulated_engines(
-    node: Node, node_image: Callable[[str], str]
-) -> None:
+@pytest.fixture(scope="module")
+def gateway_url(node: Node, node_image: Callable[[str], str]) -> str:
+    """The chart installed, the engines, pool, Gateway and route applied and ready: the
+    Gateway's completions URL (its Service's ClusterIP)."""
     cluster = require_cluster(node)
     node_image("operator")
     node_image("epp")
@@ -202,11 +212,55 @@ def test_helm_install_routes_requests_through_the_gateway_to_simulated_engines(
     _wait(node, "-n", NS, "gateway/inference-gateway", "--for=condition=Programmed")
     gateway = cluster.get("gateway", "inference-gateway", NS)
     assert gateway is not None
-    address = gateway["status"]["addresses"][0]["value"]
-    url = f"http://{address}/v1/completions"
-
+    url = f"http://{gateway['status']['addresses'][0]['value']}/v1/completions"
     deadline = time.monotonic() + 120
     while node.http_get(url)[0] not in (200, 405) and time.monotonic() < deadline:
         time.sleep(1)  # Envoy takes its routes over xDS after the Deployment is Available
-    counts = _send(node, url, REQUESTS)
+    return url
+
+
+def test_helm_install_routes_requests_through_the_gateway_to_simulated_engines(
+    node: Node, gateway_url: str
+) -> None:
+    counts = _send(node, gateway_url, REQUESTS)
     assert counts == {"200": REQUESTS}
+
+
+def _epp_container(node: Node) -> dict[str, Any]:
+    """The pool's EPP pod's container status (one replica)."""
+    pods = json.loads(require_cluster(node).kubectl("get", "pods", "-n", NS, "-o", "json").stdout)
+    epp = [p for p in pods["items"] if p["metadata"]["name"].startswith("sim-epp-")]
+    assert len(epp) == 1, [p["metadata"]["name"] for p in epp]
+    status: dict[str, Any] = epp[0]["status"]["containerStatuses"][0]
+    return status
+
+
+def test_epp_killed_is_restarted_by_the_kubelet_fail_close_holds_and_routing_resumes(
+    node: Node, gateway_url: str
+) -> None:
+    """SIGKILL the EPP's process: the kubelet restarts its container; while it is down the
+    pool (FailClose, its default) answers 5xx through the Gateway, never a request routed
+    past the picker; once the EPP is Ready again, routing resumes: every request answers
+    200."""
+    before = _epp_container(node)
+    container_id = before["containerID"].removeprefix("containerd://")
+    os.kill(node.container_pid(container_id), signal.SIGKILL)
+
+    during: Counter[str] = Counter()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        during.update(_send(node, gateway_url, 5))
+        now = _epp_container(node)
+        if now["restartCount"] > before["restartCount"] and now["ready"]:
+            break
+    else:
+        pytest.fail(f"EPP not restarted and Ready in 300 s: {_epp_container(node)}")
+    assert during["200"] < sum(during.values()), during  # the first requests found no EPP
+    assert all(code == "200" or code.startswith("5") for code in during), during
+    # Ready is the kubelet's view; the Gateway's Envoy finds the EPP again on its own
+    # schedule (its ext-proc cluster's ejection and reconnects).
+    deadline = time.monotonic() + 120
+    while _send(node, gateway_url, 1) != {"200": 1}:
+        assert time.monotonic() < deadline, "routing did not resume 120 s after the EPP was Ready"
+        time.sleep(0.5)
+    assert _send(node, gateway_url, 50) == {"200": 50}

@@ -141,6 +141,16 @@ class Node:
         body, _, code = result.stdout.rpartition("\n")
         return int(code or 0), body
 
+    def container_pid(self, container_id: str) -> int:
+        """The host pid of a running container's main process (runc's state of it)."""
+        state = subprocess.run(
+            ["runc", "--root", str(self.workdir / "containerd" / "runc" / "k8s.io"), "state",
+             container_id], capture_output=True, text=True, check=False, timeout=30,
+        )  # fmt: skip
+        if state.returncode != 0:
+            raise NodeError(f"runc state {container_id}: {state.stderr.strip()}")
+        return int(json.loads(state.stdout)["pid"])
+
     # -- images -----------------------------------------------------------------------
 
     def import_layout(self, layout: Path, repository: str, tag_suffix: str = "") -> list[str]:
