@@ -204,7 +204,9 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = 
     args = [*epp_options(pool, tls).argv(always=_EPP_ALWAYS), *settings.extra_epp_args]
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
     # and "liveness" (SERVING while the process works): a pool without ready model
-    # servers makes the EPP unready, never restarts it.
+    # servers makes the EPP unready, never restarts it. The startup probe holds liveness
+    # off until the process first answers (up to 2 s x 30): on a loaded node a starting
+    # EPP missed a 1 s liveness check 5 s in and the kubelet killed it mid-start.
     readiness = {"grpc": {"port": c.EPP_HEALTH_PORT, "service": "readiness"}}
     liveness = {"grpc": {"port": c.EPP_HEALTH_PORT, "service": "liveness"}}
     return {
@@ -227,7 +229,8 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = 
             *_engine_api_key_env(pool),
         ],
         "readinessProbe": {**readiness, "periodSeconds": 2, "failureThreshold": 3},
-        "livenessProbe": {**liveness, "initialDelaySeconds": 5, "periodSeconds": 10},
+        "startupProbe": {**liveness, "periodSeconds": 2, "failureThreshold": 30},
+        "livenessProbe": {**liveness, "periodSeconds": 10, "timeoutSeconds": 3},
         "resources": {
             "requests": {"cpu": settings.epp_cpu_request, "memory": settings.epp_memory_request},
             "limits": {"memory": settings.epp_memory_limit},

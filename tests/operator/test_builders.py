@@ -176,6 +176,9 @@ def test_deployment_is_hardened_and_wired() -> None:
     ]  # fmt: skip
     assert epp["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert epp["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+    # Liveness waits for the first answer (a slow start is not a dead process).
+    assert epp["startupProbe"]["grpc"] == epp["livenessProbe"]["grpc"]
+    assert epp["startupProbe"]["periodSeconds"] * epp["startupProbe"]["failureThreshold"] >= 60
     security = epp["securityContext"]
     assert security == {
         "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
