@@ -14,6 +14,11 @@ collector meanwhile falls back to scraping, which fails too for a dead engine.
 A report is checked at decode (bounds in the wire format); a bad one is counted, logged
 once per endpoint until a good one arrives, and dropped. Nothing here grows with the
 number of reports: each replaces the previous snapshot.
+
+A report equal to the endpoint's previous one but for its send time (an idle engine's
+heartbeat) is not applied again: the snapshot stands and only gets newer (its
+``updated_at`` and ``lag``), as an unchanged scraped page does. Every replica receives
+every engine's reports, so what one report costs is paid once per replica.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.types import EndpointState, Metrics
+from msgspec.structs import astuple
 
 from infergate.wire import load
 
@@ -86,6 +92,9 @@ class LoadReports:
         self.received = 0
         self.rejected = 0
         self._bad: set[str] = set()  # endpoints whose last report was bad (log once)
+        #: Per endpoint, its last applied report and the snapshot made from it.
+        self._last: dict[str, tuple[load.LoadReport, Metrics]] = {}
+        self.unchanged = 0
 
     def on_payload(self, endpoint_key: str, payload: bytes) -> None:
         state = self.datastore.get(endpoint_key)
@@ -108,7 +117,20 @@ class LoadReports:
             self.metrics.datalayer_update("push", len(payload), time.thread_time() - started)
 
     def apply(self, state: EndpointState, report: load.LoadReport) -> None:
-        metrics = snapshot(report, self.clock(), time.time())
+        now, wall = self.clock(), time.time()
+        last = self._last.get(state.key)
+        if last is not None and state.metrics is last[1] and _same_load(report, last[0]):
+            # Only the send time differs: the same view, newer. The cost model's counters
+            # are unchanged too, so observing them again would add nothing.
+            metrics = last[1]
+            metrics.updated_at = now
+            metrics.lag = min(max(0.0, wall - report.sent_at), report.heartbeat)
+            self._last[state.key] = (report, metrics)
+            self.received += 1
+            self.unchanged += 1
+            return
+        metrics = snapshot(report, now, wall)
+        self._last[state.key] = (report, metrics)
         state.metrics = metrics
         state.cost.observe_counters(
             metrics.prefill_seconds_sum,
@@ -123,3 +145,9 @@ class LoadReports:
     def forget(self, endpoint_key: str) -> None:
         """The endpoint left the pool."""
         self._bad.discard(endpoint_key)
+        self._last.pop(endpoint_key, None)
+
+
+def _same_load(a: load.LoadReport, b: load.LoadReport) -> bool:
+    """Whether two reports say the same but for ``sent_at`` (the first field)."""
+    return astuple(a)[1:] == astuple(b)[1:]
