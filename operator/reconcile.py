@@ -120,15 +120,30 @@ def resolve_epp_config(kube: Kube, pool: PoolSpec) -> str:
     return str(text)
 
 
+def _tls_secret_in_use(kube: Kube, pool: PoolSpec) -> bool:
+    """Whether this pool's own EPP Deployment already mounts its TLS Secret: then the
+    Secret was created before (by this process or an earlier one), without reading it."""
+    live = kube.get("Deployment", pool.namespace, pool.picker_name)
+    if live is None or not is_owned_by(live, pool.uid):
+        return False
+    volumes = ((live.get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes")
+    name = tls_secret_name(pool)
+    return any((v.get("secret") or {}).get("secretName") == name for v in volumes or [])
+
+
 def ensure_tls_secret(kube: Kube, pool: PoolSpec) -> bool:
     """Create the pool's TLS Secret (one CA, the EPP's server pair, the standalone
     Envoy's client pair) unless it exists; whether the pods can mount it.
 
     Create-only (POST; 409 means it is there): the operator's RBAC may create Secrets but
     never read them, so certificates are issued once per pool and no other Secret is
-    readable to it. Refused (an older chart's RBAC): the EPP keeps its self-signed
-    certificate, and a warning says why.
+    readable to it. Once the pool's Deployment mounts the Secret, resyncs and a restarted
+    operator neither issue certificates again nor POST (a settled pool sees no write).
+    Refused (an older chart's RBAC): the EPP keeps its self-signed certificate, and a
+    warning says why.
     """
+    if _tls_secret_in_use(kube, pool):
+        return True
     bundle = mutual_tls_bundle(server_names=tls_server_names(pool))
     secret = build_tls_secret(pool, encode_tls_bundle(bundle))
     try:

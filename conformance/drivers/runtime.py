@@ -43,7 +43,7 @@ from tests.support.controlplane import Cluster, ControlPlaneError
 from tests.support.pods import (
     container_env,
     expand,
-    materialize_config_maps,
+    materialize_volumes,
     pod_argv,
     pod_env,
 )
@@ -198,7 +198,7 @@ class PodRuntime:
         """argv and environment of one container's stand-in process."""
         env = container_env(pod, container)
         expanded = _expanded(container, env)
-        mounts = materialize_config_maps(self.cluster, pod, container, folder / "volumes")
+        mounts = materialize_volumes(self.cluster, pod, container, folder / "volumes")
         ip = str(pod["status"]["podIP"])
         if kind == "echo":
             argv = pod_argv(

@@ -23,7 +23,7 @@ import pytest
 from infergate.operator.constants import ENVOY_ADMIN_PORT
 from infergate.procs import ProcessGroup, http_ready, tcp_ready
 from tests.support.controlplane import Cluster
-from tests.support.pods import materialize_config_maps, pod_argv, pod_env
+from tests.support.pods import materialize_volumes, pod_argv, pod_env
 
 from .test_cluster import run_operator, wait_for
 
@@ -164,12 +164,12 @@ def test_epp_discovers_pods_and_routes_through_envoy(
     env = pod_env(cluster, epp_pod)  # the EPP's own ServiceAccount, via TokenRequest
     containers = {c["name"]: c for c in epp_pod["spec"]["containers"]}
     epp, envoy = containers["epp"], containers["envoy"]
-    mounts = materialize_config_maps(cluster, epp_pod, epp, tmp_path)
+    mounts = materialize_volumes(cluster, epp_pod, epp, tmp_path)
     processes.start(
         "epp", pod_argv(epp_pod, epp, infergate_cli, mounts), env=env,
         ready=tcp_ready(ip, 9003), timeout=120,
     )  # fmt: skip
-    envoy_mounts = materialize_config_maps(cluster, epp_pod, envoy, tmp_path)
+    envoy_mounts = materialize_volumes(cluster, epp_pod, envoy, tmp_path)
     envoy_argv = pod_argv(epp_pod, envoy, [str(envoy_binary)], envoy_mounts)
     if "--base-id" in envoy_argv:  # several Envoys share this machine: no hot restart
         at = envoy_argv.index("--base-id")

