@@ -271,7 +271,7 @@ def test_external_epp_without_a_binary_is_a_clear_skip(tmp_path: Path) -> None:
     to build the peer."""
     from infergate.bench.routing import routers
 
-    with pytest.raises(routers.RouterUnavailable, match=r"go build .*cmd/epp"):
+    with pytest.raises(routers.RouterUnavailable, match=r"tools/peers/build_llmd_epp.sh SNAPSHOT"):
         resolve("external-epp").start(None)  # type: ignore[arg-type]
     text = tmp_path / "epp"
     text.write_text("not a program")
