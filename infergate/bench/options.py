@@ -227,7 +227,9 @@ class RoutingLabOptions:
         help="Run the workload matrix instead of presets: core (working set 0.5-2.5x the "
         "fleet's KV capacity x load 0.3-1.1x round robin's saturation, 16 cells), extra "
         "(Zipf popularity, mixed lengths, multi-turn, adapters, 8 engines), standard (half "
-        "of core, each level twice, plus extra) or all. Each cell sets "
+        "of core, each level twice, plus extra), all, or trace (windows of the shipped "
+        "Mooncake trace by seed, and bursty synthetic traces; docs/routing-lab/traces.md). "
+        "Each cell sets "
         "its own fleet and rate; prints every router's regret (TTFT p90/p99 over the best "
         "router's in the cell).",
     )
