@@ -61,6 +61,9 @@ class EngineMetrics:
         num_gpu_blocks: int,
         max_model_len: int = 50_000,
     ) -> None:
+        """Declare every family vLLM's /metrics has, in one place (long for a reason:
+        one block per family keeps each name, help text and buckets beside the others,
+        as vLLM's own metrics module does; splitting would scatter one schema)."""
         self.registry = CollectorRegistry()
         r, labels, m = self.registry, ["model_name"], model_name
         self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks

@@ -63,6 +63,9 @@ class Epp:
     """The running Endpoint Picker. Construction validates everything; ``start`` binds."""
 
     def __init__(self, options: EppOptions) -> None:
+        """Wire the EPP's parts from its options, in dependency order (long for a reason:
+        the order the data layer, request control, scheduler and servers are built in is
+        the order they depend on each other, read top to bottom)."""
         self.options = options
         if options.grpc_server not in GRPC_SERVERS:
             raise ConfigError(

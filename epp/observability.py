@@ -161,21 +161,7 @@ class EppMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._init_prefix_prediction(r)
-        self.pd_decisions = Counter(
-            "infergate_epp_pd_decisions",
-            "pd-profile-handler decisions: disaggregated (a prefill endpoint named in "
-            "x-prefiller-host-port) or local (the decode endpoint prefills).",
-            ["decision"],
-            registry=r,
-        )
-        self.response_affinity = Counter(
-            "infergate_epp_response_affinity",
-            "Requests naming one of our response ids, by what response-affinity-scorer "
-            "found: holder (a candidate), filtered (the filters removed the holder), "
-            "unknown (the id's route tag names no known endpoint).",
-            ["outcome"],
-            registry=r,
-        )
+        self._init_routing_outcomes(r)
         self._init_gie(r)
         self.requests = Counter(
             "infergate_epp_requests",
@@ -312,6 +298,24 @@ class EppMetrics:
         child.observe(seconds)
 
     # -- prefix index ground truth (issue: a self-calibrating prefix index) ---------------
+    def _init_routing_outcomes(self, r: CollectorRegistry) -> None:
+        """Counters of what the P/D handler and the response-affinity scorer decided."""
+        self.pd_decisions = Counter(
+            "infergate_epp_pd_decisions",
+            "pd-profile-handler decisions: disaggregated (a prefill endpoint named in "
+            "x-prefiller-host-port) or local (the decode endpoint prefills).",
+            ["decision"],
+            registry=r,
+        )
+        self.response_affinity = Counter(
+            "infergate_epp_response_affinity",
+            "Requests naming one of our response ids, by what response-affinity-scorer "
+            "found: holder (a candidate), filtered (the filters removed the holder), "
+            "unknown (the id's route tag names no known endpoint).",
+            ["outcome"],
+            registry=r,
+        )
+
     def _init_prefix_prediction(self, r: CollectorRegistry) -> None:
         self.prefix_predicted_tokens = Counter(
             "infergate_epp_prefix_predicted_cached_tokens",

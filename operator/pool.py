@@ -81,7 +81,10 @@ def _bool_annotation(annotations: dict[str, str], key: str) -> bool:
 
 
 def parse_pool(body: dict[str, Any], settings: OperatorSettings) -> PoolSpec:
-    """Check and read an InferencePool; raise InvalidPool with a reason on any problem."""
+    """Check and read an InferencePool; raise InvalidPool with a reason on any problem.
+
+    Long for a reason: the checks run in the order the API documents the fields, each
+    with the message it raises beside it, so a reader can hold the spec against it."""
     meta = body.get("metadata") or {}
     spec = body.get("spec")
     if not isinstance(spec, dict):

@@ -194,6 +194,10 @@ def _endpoints_text(ready: int, total: int) -> str:
 def _converge(
     kube: Kube, pool: PoolSpec, settings: OperatorSettings, result: Result
 ) -> list[st.Condition]:
+    """Bring the pool's objects to the desired set and say what its conditions are.
+
+    Long for a reason: one pass from reading the live objects to writing them, so the
+    order (conflicts before writes, writes before prune) is visible in one place."""
     ready, total = count_ready_endpoints(kube, pool)
     result.ready_endpoints = ready
     accepted = st.true(
