@@ -15,7 +15,7 @@ spin, and an EPP that cannot start again stops the stack, saying why.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,8 +61,9 @@ def _exit_report(process: ManagedProcess, what: str) -> str:
     )
 
 
-class EngineSupervisor:
-    """Restarts dead engines (``check``, non-blocking)."""
+class _Supervisor:
+    """What both supervisors keep: the stack, where reports go, and a backoff for each
+    process of the kind they watch (``_watched``)."""
 
     def __init__(
         self,
@@ -73,11 +74,21 @@ class EngineSupervisor:
         self.stack = stack
         self.report = report
         self.clock = clock
-        self._backoff = [_Backoff(clock()) for _ in stack.engines]
+        self._backoff = [_Backoff(clock()) for _ in self._watched()]
+
+    def _watched(self) -> Sequence[object]:
+        raise NotImplementedError
 
     @property
     def restarts(self) -> list[int]:
         return [backoff.restarts for backoff in self._backoff]
+
+
+class EngineSupervisor(_Supervisor):
+    """Restarts dead engines (``check``, non-blocking)."""
+
+    def _watched(self) -> Sequence[object]:
+        return self.stack.engines
 
     def check(self) -> None:
         """Restart every dead engine whose backoff has passed (non-blocking)."""
@@ -98,27 +109,15 @@ class EngineSupervisor:
             backoff.restarted(now)
 
 
-class EppSupervisor:
+class EppSupervisor(_Supervisor):
     """Restarts dead EPP replicas, a lone EPP as well as one of several (``check``).
 
     A restart waits until the EPP serves (seconds); one that cannot start raises
     :class:`~infergate.stack.local.StackError`.
     """
 
-    def __init__(
-        self,
-        stack: LocalStack,
-        report: Callable[[str], None],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.stack = stack
-        self.report = report
-        self.clock = clock
-        self._backoff = [_Backoff(clock()) for _ in stack.epps]
-
-    @property
-    def restarts(self) -> list[int]:
-        return [backoff.restarts for backoff in self._backoff]
+    def _watched(self) -> Sequence[object]:
+        return self.stack.epps
 
     def check(self) -> None:
         """Restart every dead replica whose backoff has passed."""
