@@ -6,7 +6,8 @@ install without a Rust toolchain (the engine and operator images) still works:
 - ``infergate.epp._grpc_h2`` (``native/grpc_h2``): HTTP/2 for ``--grpc-server h2``;
   without it ext-proc is served by grpc.aio.
 - ``infergate.epp.scheduling._prefix_index`` (``native/prefix_index``): the prefix
-  scorer's index and block hashing; without it the scorer uses its Python index.
+  scorer's index and block hashing (loaded by ``scheduling/prefix_index.py``); without
+  it the scorer uses the Python index there.
 
 Why one policy: a fallback keeps the EPP correct but costs CPU per request, so it must
 not pass silently, nor be said differently by each caller. :func:`load_native` is the one

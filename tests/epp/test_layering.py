@@ -40,6 +40,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("flowcontrol", ("infergate.epp.flowcontrol",)),
     ("config", ("infergate.epp.config", "infergate.epp.options")),
     ("framework", ("infergate.epp.framework",)),
+    (
+        "scheduling internals",  # what the plugins use, knowing none of them
+        (
+            "infergate.epp.scheduling.prefix_index",  # the prefix index, Python and native
+            "infergate.epp.scheduling._prefix_index",  # native (native/prefix_index)
+        ),
+    ),
     ("scheduling", ("infergate.epp.scheduling",)),
     ("requestcontrol", ("infergate.epp.requestcontrol",)),
     (
@@ -157,6 +164,11 @@ def test_the_walk_sees_the_whole_epp() -> None:
             "(scheduling) imports infergate.epp.requestcontrol.hooks (requestcontrol)",
         ),
         (
+            "infergate.epp.scheduling.prefix_index",
+            "from infergate.epp.scheduling.plugins.prefix import CHARS_PER_TOKEN",
+            "(scheduling internals) imports infergate.epp.scheduling.plugins.prefix (scheduling)",
+        ),
+        (
             "infergate.epp.server.extproc",
             "from infergate.epp.app import Epp",
             "(servers) imports infergate.epp.app (app)",
@@ -195,6 +207,7 @@ def test_imports_down_or_across_are_allowed() -> None:
         "from infergate.epp.types import EndpointState\n"
         "from infergate.epp.framework.requestcontrol import PreRequest\n"
         "from infergate.epp.scheduling.plugins.prefix import prompt_bytes\n"
+        "from infergate.epp.scheduling.prefix_index import PrefixIndex\n"
         "from infergate.wire.names import PREFILL_HEADER\n"
         "import json\n"
     )

@@ -55,8 +55,11 @@ def test_the_prefix_index_falls_back_to_python_with_the_warning() -> None:
         """
         import logging
         logging.basicConfig(level=logging.WARNING)
+        from infergate.epp.scheduling import prefix_index
         from infergate.epp.scheduling.plugins import prefix
-        assert prefix.native is None and prefix.PrefixIndex is prefix.PythonPrefixIndex
+        assert prefix_index.native is None
+        assert prefix_index.PrefixIndex is prefix_index.PythonPrefixIndex
+        assert prefix.PrefixIndex is prefix_index.PythonPrefixIndex  # the scorer's
         print("python index")
         """,
     )

@@ -13,7 +13,7 @@ from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.framework.requestcontrol import ResponseInfo
 from infergate.epp.framework.scheduling import SchedulingResult
 from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
-from infergate.epp.scheduling.plugins.prefix import PrefixIndex, block_hashes
+from infergate.epp.scheduling.prefix_index import PrefixIndex, block_hashes
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
 
 

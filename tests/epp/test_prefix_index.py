@@ -9,17 +9,20 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from infergate.epp.scheduling import prefix_index
 from infergate.epp.scheduling.plugins import prefix
-from infergate.epp.scheduling.plugins.prefix import PythonPrefixIndex, python_block_hashes
+from infergate.epp.scheduling.prefix_index import PythonPrefixIndex, python_block_hashes
 from infergate.epp.types import InferenceRequest
 
 native = pytest.importorskip("infergate.epp.scheduling._prefix_index")
 
 
 def test_the_native_index_is_built_and_used() -> None:
-    """``make install`` builds it; without it the scorer falls back to Python silently."""
-    assert prefix.PrefixIndex is native.PrefixIndex
-    assert prefix.native is native
+    """``make install`` builds it; without it the scorer falls back to Python (with a
+    warning: tests/epp/test_native.py)."""
+    assert prefix_index.PrefixIndex is native.PrefixIndex
+    assert prefix_index.native is native
+    assert prefix.PrefixIndex is native.PrefixIndex  # the scorer's index
 
 
 @settings(max_examples=200, deadline=None)
@@ -39,8 +42,8 @@ def test_block_hashes_are_the_python_values(
 
 
 def test_block_hashes_of_a_prompt_shorter_than_a_block_are_empty() -> None:
-    assert prefix.block_hashes("m", "", b"abc", 64, 256) == []
-    assert prefix.block_hashes("m", "", b"abc", 0, 256) == []
+    assert prefix_index.block_hashes("m", "", b"abc", 64, 256) == []
+    assert prefix_index.block_hashes("m", "", b"abc", 0, 256) == []
 
 
 def _operations(rng: random.Random, steps: int) -> list[tuple[str, tuple[object, ...]]]:

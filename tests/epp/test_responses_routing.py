@@ -15,8 +15,9 @@ from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.requestcontrol.requests import BadRequest, api_of, parse_body
 from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
-from infergate.epp.scheduling.plugins.prefix import block_hashes, prompt_bytes
+from infergate.epp.scheduling.plugins.prefix import prompt_bytes
 from infergate.epp.scheduling.plugins.response_affinity import HOLDER
+from infergate.epp.scheduling.prefix_index import block_hashes
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import (
     ANTHROPIC_MESSAGES_API,

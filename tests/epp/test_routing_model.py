@@ -18,7 +18,7 @@ from infergate.epp.framework.scheduling import SchedulingResult
 from infergate.epp.observability import EppMetrics
 from infergate.epp.prefill_cost import PRIOR_PER_TOKEN_S, PrefillCost
 from infergate.epp.scheduling.plugins import REGISTRY, PluginContext
-from infergate.epp.scheduling.plugins.prefix import PrefixIndex
+from infergate.epp.scheduling.prefix_index import PrefixIndex
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
 
 BASE, PER_TOKEN = 0.006, 30e-6
@@ -219,7 +219,7 @@ async def test_a_cached_tokens_miss_drops_what_the_engine_evicted() -> None:
 
 
 def prefix_hashes(prefix, text: str) -> list[int]:
-    from infergate.epp.scheduling.plugins.prefix import block_hashes
+    from infergate.epp.scheduling.prefix_index import block_hashes
 
     return block_hashes("m", "", text.encode(), prefix.block_chars, prefix.max_blocks)
 

@@ -6,6 +6,8 @@ size), each block's hash chains over the previous one and starts from a hash of 
 target model and ``cache_salt``, so equal hashes mean equal prefixes. Each endpoint keeps
 an LRU of the block hashes routed to it, recorded at pre-request. The score is the
 fraction of the request's blocks that form a cached prefix on that endpoint.
+The index and the block hashing, in Python or native where built, are
+:mod:`infergate.epp.scheduling.prefix_index`; this plugin decides what goes in and reads it.
 
 Three things keep the index true to the engines rather than to a fixed guess:
 
@@ -39,13 +41,10 @@ replicas must share the scorer's block size (one config), or the hashes do not m
 from __future__ import annotations
 
 import logging
-import struct
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import xxhash
 from infergate.epp.compact_json import compact_json
 from infergate.epp.framework.requestcontrol import (
     PrepareData,
@@ -54,8 +53,8 @@ from infergate.epp.framework.requestcontrol import (
     ResponseComplete,
     ResponseInfo,
 )
-from infergate.epp.native import load_native
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
+from infergate.epp.scheduling.prefix_index import PrefixIndex, packed_block_hashes
 from infergate.epp.types import (
     RENDERED_APIS,
     CycleState,
@@ -65,16 +64,8 @@ from infergate.epp.types import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 
-from infergate.wire.completions import encode_prefix, is_packed_prefix, unpack_hashes
+from infergate.wire.completions import encode_prefix, is_packed_prefix
 from infergate.wire.names import PREFIX_HEADER
-
-if TYPE_CHECKING:
-    from infergate.epp.scheduling import _prefix_index as native
-else:  # native/prefix_index, optional (setup.py); its absence is said once (epp/native.py)
-    native = load_native(
-        "infergate.epp.scheduling._prefix_index",
-        "the prefix scorer uses its Python index (same results, more CPU per request)",
-    )
 
 log = logging.getLogger("infergate.epp.prefix")
 
@@ -145,167 +136,6 @@ def prompt_head(request: InferenceRequest, limit: int) -> tuple[bytes, int]:
         return source[: max(0, limit)].encode("ascii"), len(source)
     data = source.encode("utf-8", "replace")
     return data[: max(0, limit)], len(data)
-
-
-def packed_block_hashes(
-    model: str, cache_salt: str, data: bytes, block_chars: int, max_blocks: int
-) -> bytes:
-    """Chained xxh64 hashes of ``data`` cut into ``block_chars`` blocks (last one partial):
-    ``h[i] = xxh64(block[i] ‖ le64(h[i-1]))`` from ``h[-1] = xxh64(model ‖ cache_salt)``,
-    over the first ``max_blocks`` blocks, packed as little-endian u64s (8 bytes a block).
-
-    Packed because that is how the index takes them and how the prefix header sends them:
-    no Python int per hash on the request path. Native where built (same values)."""
-    if block_chars <= 0 or len(data) < block_chars:
-        return b""
-    seed = (model + cache_salt).encode("utf-8", "replace")
-    if native is not None:
-        return native.block_hashes(seed, data, block_chars, max(0, max_blocks))
-    return python_block_hashes(seed, data, block_chars, max_blocks)
-
-
-def block_hashes(
-    model: str, cache_salt: str, data: bytes, block_chars: int, max_blocks: int
-) -> list[int]:
-    """:func:`packed_block_hashes` as ints."""
-    return unpack_hashes(packed_block_hashes(model, cache_salt, data, block_chars, max_blocks))
-
-
-def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: int) -> bytes:
-    """:func:`packed_block_hashes` without the native module."""
-    data = data[: block_chars * max_blocks]
-    previous = xxhash.xxh64_intdigest(seed)
-    hashes: list[int] = []
-    for start in range(0, len(data), block_chars):
-        previous = xxhash.xxh64_intdigest(
-            data[start : start + block_chars] + previous.to_bytes(8, "little")
-        )
-        hashes.append(previous)
-    return struct.pack(f"<{len(hashes)}Q", *hashes)
-
-
-def _ints(hashes: bytes | Sequence[int]) -> Sequence[int]:
-    """The index's methods take packed hashes or ints, as the native index does."""
-    return unpack_hashes(hashes) if isinstance(hashes, bytes) else hashes
-
-
-class PythonPrefixIndex:
-    """Block hash → endpoints holding it, with a bounded LRU per endpoint.
-
-    Each entry stores the sequence number of its last use, so ``drop_older_than`` can
-    remove everything an LRU engine must have evicted before a given block. Where the
-    native module is built, :data:`PrefixIndex` is its copy of this class (same methods,
-    same results; ``tests/epp/test_prefix_index.py`` runs both on the same operations).
-    """
-
-    def __init__(self, capacity_per_server: int) -> None:
-        self.capacity = capacity_per_server
-        self._capacities: dict[str, int] = {}
-        self._servers: dict[str, OrderedDict[int, int]] = {}
-        self._holders: dict[int, set[str]] = {}
-        self._seq = 0
-
-    def set_capacity(self, server: str, blocks: int) -> None:
-        """Bound ``server``'s LRU to ``blocks`` entries (evicting now if it shrank)."""
-        blocks = max(1, blocks)
-        if self._capacities.get(server) == blocks:
-            return
-        self._capacities[server] = blocks
-        lru = self._servers.get(server)
-        while lru is not None and len(lru) > blocks:
-            old, _ = lru.popitem(last=False)
-            self._discard(old, server)
-
-    def capacity_of(self, server: str) -> int:
-        return self._capacities.get(server, self.capacity)
-
-    def add(self, server: str, hashes: bytes | Sequence[int]) -> None:
-        hashes = _ints(hashes)
-        lru = self._servers.setdefault(server, OrderedDict())
-        capacity = self.capacity_of(server)
-        for h in hashes:
-            self._seq += 1
-            if h in lru:
-                lru[h] = self._seq
-                lru.move_to_end(h)
-                continue
-            lru[h] = self._seq
-            self._holders.setdefault(h, set()).add(server)
-            if len(lru) > capacity:
-                old, _ = lru.popitem(last=False)
-                self._discard(old, server)
-
-    def _discard(self, h: int, server: str) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.discard(server)
-            if not holders:
-                del self._holders[h]
-
-    def last_use(self, server: str, h: int) -> int | None:
-        lru = self._servers.get(server)
-        return lru.get(h) if lru is not None else None
-
-    def last_uses(self, server: str, hashes: bytes | Sequence[int]) -> list[int]:
-        """:meth:`last_use` of each hash, 0 where ``server`` does not hold it."""
-        hashes = _ints(hashes)
-        lru: Mapping[int, int] = self._servers.get(server) or {}
-        return [lru.get(h, 0) for h in hashes]
-
-    def drop_older_than(self, server: str, seq: int) -> int:
-        """Drop ``server``'s entries last used at or before ``seq``; returns how many."""
-        lru = self._servers.get(server)
-        dropped = 0
-        while lru:
-            h, used = next(iter(lru.items()))
-            if used > seq:
-                break
-            lru.popitem(last=False)
-            self._discard(h, server)
-            dropped += 1
-        return dropped
-
-    def remove(self, server: str, hashes: bytes | Sequence[int]) -> None:
-        hashes = _ints(hashes)
-        lru = self._servers.get(server)
-        if lru is None:
-            return
-        for h in hashes:
-            if h in lru:
-                del lru[h]
-                self._discard(h, server)
-
-    def clear_server(self, server: str) -> None:
-        for h in self._servers.pop(server, {}):
-            self._discard(h, server)
-        self._capacities.pop(server, None)
-
-    def match(self, hashes: bytes | Sequence[int]) -> dict[str, int]:
-        """Per server, how many leading blocks of ``hashes`` it holds (0 omitted)."""
-        hashes = _ints(hashes)
-        matches: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for server in alive:
-                matches[server] = i + 1
-        return matches
-
-    def size(self, server: str) -> int:
-        return len(self._servers.get(server, ()))
-
-    def servers(self) -> list[str]:
-        return list(self._servers)
-
-
-PrefixIndex: type[PythonPrefixIndex] = (
-    PythonPrefixIndex if native is None else native.PrefixIndex  # type: ignore[assignment]
-)
 
 
 @dataclass(slots=True)
