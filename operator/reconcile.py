@@ -120,18 +120,18 @@ def resolve_epp_config(kube: Kube, pool: PoolSpec) -> str:
     return str(text)
 
 
-def _tls_secret_in_use(kube: Kube, pool: PoolSpec) -> bool:
+def _tls_secret_in_use(pool: PoolSpec, live_deployment: Obj | None) -> bool:
     """Whether this pool's own EPP Deployment already mounts its TLS Secret: then the
     Secret was created before (by this process or an earlier one), without reading it."""
-    live = kube.get("Deployment", pool.namespace, pool.picker_name)
-    if live is None or not is_owned_by(live, pool.uid):
+    if live_deployment is None or not is_owned_by(live_deployment, pool.uid):
         return False
-    volumes = ((live.get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes")
+    template = (live_deployment.get("spec") or {}).get("template") or {}
+    volumes = (template.get("spec") or {}).get("volumes") or []
     name = tls_secret_name(pool)
-    return any((v.get("secret") or {}).get("secretName") == name for v in volumes or [])
+    return any((v.get("secret") or {}).get("secretName") == name for v in volumes)
 
 
-def ensure_tls_secret(kube: Kube, pool: PoolSpec) -> bool:
+def ensure_tls_secret(kube: Kube, pool: PoolSpec, live_deployment: Obj | None) -> bool:
     """Create the pool's TLS Secret (one CA, the EPP's server pair, the standalone
     Envoy's client pair) unless it exists; whether the pods can mount it.
 
@@ -142,7 +142,7 @@ def ensure_tls_secret(kube: Kube, pool: PoolSpec) -> bool:
     Refused (an older chart's RBAC): the EPP keeps its self-signed certificate, and a
     warning says why.
     """
-    if _tls_secret_in_use(kube, pool):
+    if _tls_secret_in_use(pool, live_deployment):
         return True
     bundle = mutual_tls_bundle(server_names=tls_server_names(pool))
     secret = build_tls_secret(pool, encode_tls_bundle(bundle))
@@ -243,12 +243,22 @@ def _converge(
             ),
         ]
 
-    desired = desired_objects(pool, settings, epp_config, ensure_tls_secret(kube, pool))
+    # Read once: the Deployment says whether the TLS Secret exists, then is compared.
+    live_deployment = kube.get("Deployment", pool.namespace, pool.picker_name)
+    fetched = {
+        ("Service", pool.picker_name): live_service,
+        ("Deployment", pool.picker_name): live_deployment,
+    }
+    tls = ensure_tls_secret(kube, pool, live_deployment)
+    desired = desired_objects(pool, settings, epp_config, tls)
     live_by_key: dict[tuple[str, str], Obj | None] = {}
     conflicts: list[str] = []
     for obj in desired:
         kind, name = obj["kind"], obj["metadata"]["name"]
-        live = live_service if kind == "Service" else kube.get(kind, pool.namespace, name)
+        if (kind, name) in fetched:
+            live = fetched[(kind, name)]
+        else:
+            live = kube.get(kind, pool.namespace, name)
         if live is not None and not is_owned_by(live, pool.uid):
             conflicts.append(f"{kind}/{name}")
             live_by_key[(kind, name)] = live

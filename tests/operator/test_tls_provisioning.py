@@ -107,18 +107,12 @@ def test_without_the_secret_the_epp_keeps_its_self_signed_certificate() -> None:
 
 
 class Secrets:
-    """What ``ensure_tls_secret`` uses of the API: POST into a namespace's Secrets, and
-    GET of the pool's EPP Deployment (``deployment``, or none)."""
+    """What ``ensure_tls_secret`` uses of the API: POST into a namespace's Secrets."""
 
-    def __init__(self, status: int | None = None, deployment: Any = None) -> None:
+    def __init__(self, status: int | None = None) -> None:
         self.created: list[dict[str, Any]] = []
         self.status = status  # the API's refusal, if any
-        self.deployment = deployment
         self.posts = 0
-
-    def get(self, kind: str, namespace: str, name: str) -> Any:
-        assert kind == "Deployment"
-        return self.deployment
 
     def call(self, method: str, path: str, *, body: Any = None, **_: Any) -> dict[str, Any]:
         assert (method, path) == ("POST", "/api/v1/namespaces/default/secrets")
@@ -135,12 +129,12 @@ class Secrets:
 
 def test_the_reconciler_creates_the_secret_once_and_never_reads_it() -> None:
     api, pool = Secrets(), standalone()
-    assert ensure_tls_secret(api, pool)  # type: ignore[arg-type]
-    assert ensure_tls_secret(api, pool)  # type: ignore[arg-type]  # 409: already there
+    assert ensure_tls_secret(api, pool, None)  # type: ignore[arg-type]
+    assert ensure_tls_secret(api, pool, None)  # type: ignore[arg-type]  # 409: already there
     (secret,) = api.created
     assert set(secret["data"]) == set(tls.BUNDLE_FILES)
     # Refused (an RBAC without Secrets): the pods keep the self-signed certificate.
-    assert not ensure_tls_secret(Secrets(status=403), pool)  # type: ignore[arg-type]
+    assert not ensure_tls_secret(Secrets(status=403), pool, None)  # type: ignore[arg-type]
 
 
 def test_a_deployment_that_mounts_the_secret_means_no_new_certificates_and_no_post() -> None:
@@ -151,11 +145,11 @@ def test_a_deployment_that_mounts_the_secret_means_no_new_certificates_and_no_po
         o for o in desired_objects(pool, SETTINGS, DEFAULT_EPP_CONFIG, True)
         if o["kind"] == "Deployment"
     ]  # fmt: skip
-    api = Secrets(deployment=deployment)
-    assert ensure_tls_secret(api, pool)  # type: ignore[arg-type]
+    api = Secrets()
+    assert ensure_tls_secret(api, pool, deployment)  # type: ignore[arg-type]
     assert api.posts == 0
     # Another owner's Deployment of that name proves nothing: the Secret is created.
     foreign = {**deployment, "metadata": {**deployment["metadata"], "ownerReferences": []}}
-    api = Secrets(deployment=foreign)
-    assert ensure_tls_secret(api, pool)  # type: ignore[arg-type]
+    api = Secrets()
+    assert ensure_tls_secret(api, pool, foreign)  # type: ignore[arg-type]
     assert api.posts == 1
