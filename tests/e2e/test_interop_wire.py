@@ -20,10 +20,10 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from infergate.envoy.bootstrap import PICKED_HEADER, UPSTREAM_HOST_HEADER
 from infergate.envoy.process import start_envoy
@@ -78,22 +78,31 @@ def _complete(client: httpx.Client, prompt: str = "hello there") -> httpx.Respon
     )
 
 
+def _all_answered(
+    stack: LocalStack, config: dict[str, Any], name: str, listen: int
+) -> list[httpx.Response]:
+    """Start one more Envoy beside the stack's and send it REQUESTS completions: all 200."""
+    assert stack.workdir is not None
+    start_envoy(
+        stack.group,
+        config,
+        stack.workdir / f"{name}.yaml",
+        name=name,
+        log_path=stack.workdir / f"{name}.log",
+    )
+    with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=60) as client:
+        replies = [_complete(client, f"prompt {i}") for i in range(REQUESTS)]
+    assert [r.status_code for r in replies] == [200] * REQUESTS, [r.text for r in replies]
+    return replies
+
+
 def test_reference_original_dst_envoy_serves_the_default_profile(stack: LocalStack) -> None:
     """GIE's reference cluster dials the header's one address: every request is a 200,
     and the EPP still named fallbacks (in the metadata)."""
     assert stack.workdir is not None
     listen = free_port()
     config = stack.envoy_config(upstream="original_dst", listen_port=listen, admin_port=free_port())
-    start_envoy(
-        stack.group,
-        config,
-        stack.workdir / "envoy-original-dst.yaml",
-        name="envoy-original-dst",
-        log_path=stack.workdir / "envoy-original-dst.log",
-    )
-    with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=60) as client:
-        replies = [_complete(client, f"prompt {i}") for i in range(REQUESTS)]
-    assert [r.status_code for r in replies] == [200] * REQUESTS, [r.text for r in replies]
+    replies = _all_answered(stack, config, "envoy-original-dst", listen)
     for reply in replies:
         listed = reply.headers[PICKED_HEADER].split(",")
         assert sorted(listed) == sorted(stack.engine_addresses)  # primary + fallback
@@ -124,17 +133,7 @@ def test_gateway_translator_serves_the_default_profile(stack: LocalStack) -> Non
     snapshot = translate(_gateway_world(stack), options).snapshots[GW]
     listen = free_port()
     config = static_bootstrap(snapshot, "infra/gw", admin_port=free_port(), ports={80: listen})
-    (stack.workdir / "envoy-gateway.yaml").write_text(yaml.safe_dump(config))
-    start_envoy(
-        stack.group,
-        config,
-        stack.workdir / "envoy-gateway.yaml",
-        name="envoy-gateway",
-        log_path=stack.workdir / "envoy-gateway.log",
-    )
-    with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=60) as client:
-        replies = [_complete(client, f"prompt {i}") for i in range(REQUESTS)]
-    assert [r.status_code for r in replies] == [200] * REQUESTS, [r.text for r in replies]
+    replies = _all_answered(stack, config, "envoy-gateway", listen)
     served = {r.headers["x-gateway-destination-endpoint-served"] for r in replies}
     assert served <= set(stack.engine_addresses)
 
