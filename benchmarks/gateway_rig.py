@@ -40,7 +40,7 @@ from infergate.stack.local import (
     grpc_serving,
     infergate_argv,
 )
-from infergate.wire.completions import TOPIC, CompletionBatch, CompletionRecord
+from infergate.wire.completions import CompletionBatch, CompletionRecord, owner, records_topic
 from infergate.wire.kv_events import encode_seq
 from infergate.wire.names import REQUEST_ID_HEADER, SERVED_HEADER
 
@@ -444,7 +444,8 @@ class RecordPublisher:
         record = CompletionRecord(key, 200, 8, 1, 0, now)
         self.sent += 1
         payload = self._encoder.encode(CompletionBatch(now, [record]))
-        socket.send_multipart((TOPIC, encode_seq(self.sent), payload))
+        topic = records_topic(owner(key))  # the routing replica's topic, as an engine's
+        socket.send_multipart((topic, encode_seq(self.sent), payload))
 
     def close(self) -> None:
         self._context.destroy(linger=0)

@@ -22,6 +22,7 @@ from infergate.engine.kv_events import ZmqPublisher
 from infergate.wire import load
 from infergate.wire.completions import (
     ADMITTED,
+    ADMITTED_TOPIC,
     CLIENT_GONE,
     KEY_HEADER,
     PREFIX_KEY_HEADER,
@@ -29,6 +30,8 @@ from infergate.wire.completions import (
     CompletionBatch,
     CompletionRecord,
     decode_prefix,
+    owner,
+    records_topic,
 )
 
 log = logging.getLogger(__name__)
@@ -120,8 +123,25 @@ class CompletionPublisher(ZmqPublisher):
                     stop = True
                     break
             if records:
-                self._send(CompletionBatch(ts=time.time(), records=records))
+                self._send_records(records)
         self._sock.close(linger=0)
+
+    def _send_records(self, records: list[CompletionRecord]) -> None:
+        """One batch per routing replica, on its own topic, and the admission records
+        that carry prefix hashes once more for every replica (:mod:`infergate.wire.completions`,
+        "Topics"): a replica is sent the records of the requests it routed and the prefixes
+        the others routed, not every replica's records."""
+        by_owner: dict[str, list[CompletionRecord]] = {}
+        shared: list[CompletionRecord] = []
+        for record in records:
+            by_owner.setdefault(owner(record.key), []).append(record)
+            if record.status == ADMITTED and record.prefix:
+                shared.append(record)
+        now = time.time()
+        for key_owner, mine in by_owner.items():
+            self._send(CompletionBatch(ts=now, records=mine), records_topic(key_owner))
+        if shared:
+            self._send(CompletionBatch(ts=now, records=shared), ADMITTED_TOPIC)
 
 
 class CompletionReporter:

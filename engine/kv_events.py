@@ -150,12 +150,13 @@ class ZmqPublisher:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
-    def _send(self, payload: Any) -> None:
+    def _send(self, payload: Any, topic: bytes | None = None) -> None:
+        """Send one message on ``topic`` (the publisher's own when None)."""
         try:
             seq = next(self._seq)
             data = self._encoder.encode(payload)
             self._record(seq, data)
-            self._sock.send_multipart((self._topic, encode_seq(seq), data))
+            self._sock.send_multipart((topic or self._topic, encode_seq(seq), data))
         except Exception:  # a publishing hiccup must never take the engine down
             log.exception("failed to publish %s", self.what)
 

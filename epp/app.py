@@ -127,10 +127,13 @@ class Epp:
             reports_completions=self.completions.reports,
             reports_all=self.completions.reports_all,
         )
+        # Only this replica's records wake it (the engines publish them on its key's topic).
+        self.completions.owner = self.ext_proc.key_prefix
         # What other replicas routed reaches this one's prefix index (admission records).
         prefix_index = context.extras.get("prefix_index")
         if prefix_index is not None:
             self.ext_proc.on_admitted = prefix_index.learn
+            self.completions.on_admitted = prefix_index.learn
         if options.endpoints_file is not None:
             self.datastore.set_endpoints(load_endpoints_file(options.endpoints_file))
         elif options.static_endpoints:

@@ -12,7 +12,10 @@ newer. A failed scrape keeps the previous snapshot, which ages into staleness �
 means saturated — so a dead engine drops out of scheduling without a special case.
 
 An endpoint that pushes load reports (:mod:`infergate.epp.datalayer.load_reports`) is
-not scraped while its reports keep arriving; when they stop, scraping resumes.
+not scraped while its reports keep arriving; when they stop, scraping resumes. Reports
+are read lazily (``Datastore.refresh``), so the check reads what came first: in a pool
+that makes no decisions, these checks (about one per endpoint a second) are what keeps
+the snapshots and the feeds' queues current.
 
 An endpoint known dead — its metrics port refuses the connection, or its snapshot is
 older than the staleness threshold while scrapes fail — is reported to ``on_dead`` on
@@ -84,6 +87,7 @@ class Collectors:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(max(0.0, due - loop.time()))
+            self.datastore.refresh()  # pushed reports are read lazily: read what came
             state = self.datastore.get(endpoint.key)
             now = time.monotonic()  # the snapshots' clock (uvloop's loop.time() is its own)
             if state is not None and push_alive(state.metrics, now):

@@ -7,29 +7,46 @@ response and its usage without seeing the response body, so its cost per request
 not grow with the response's length and Envoy can send it no response body at all
 (``response_accounting="engine"`` in the Envoy bootstrap).
 
-One ZMQ SUB per endpoint that reports: the endpoint label
-``infergate.io/completion-events-port`` names the port, or ``default_port`` applies to
-every endpoint. Endpoints without either are not subscribed and the EPP finishes their
-requests at the response headers (no usage), as before. Every EPP replica receives
-every record and keeps the ones it routed (``on_record`` looks the key up). The same
-socket carries the engine's load reports (``on_load``; see
-:mod:`infergate.epp.datalayer.load_reports`).
+Endpoints that report: the endpoint label ``infergate.io/completion-events-port`` names
+the port, or ``default_port`` applies to every endpoint. Endpoints without either are not
+subscribed and the EPP finishes their requests at the response headers (no usage), as
+before. Two ZMQ SUB sockets per reporting endpoint (:class:`ZmqFeed`), because what
+they carry is needed at different moments:
+
+* **this replica's records** (its ``owner``'s topic,
+  :func:`~infergate.wire.completions.records_topic`): read as they arrive, since a record
+  ends a request. ZMQ filters the other replicas' records out at the engine, so a
+  replica is woken for the requests it routed only.
+* **load reports and the other replicas' admission records** (``on_load``, see
+  :mod:`infergate.epp.datalayer.load_reports`; ``on_admitted``, the prefix index): read
+  only by :meth:`CompletionSubscriptions.refresh`, which the datastore runs right before
+  a decision (and the collector at its next check of a quiet pool). Only each engine's
+  newest load report is applied. Read as they arrived, they cost a replica a wakeup per
+  message of every engine, ~190 us each on a shared core, so N replicas paid N times the
+  background work (docs/benchmarks/scale.md, "Replicas"); read at the decision, the view
+  is as fresh and the wakeups are gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.endpoint_tasks import ZmqSubscriptions
+from infergate.epp.datalayer.zmq_feed import ZmqFeed
 from infergate.epp.types import Endpoint
 
-from infergate.wire.completions import CompletionBatch, CompletionRecord
+from infergate.wire.completions import (
+    ADMITTED_TOPIC,
+    TOPIC,
+    CompletionBatch,
+    CompletionRecord,
+    owner,
+    records_topic,
+)
 from infergate.wire.load import TOPIC as LOAD_TOPIC
 
 #: The largest frame taken from an engine (a batch of 1,024 records is ~100 KB).
@@ -51,14 +68,25 @@ class CompletionSubscriptions(ZmqSubscriptions):
         default_port: int | None = None,
         on_removed: Callable[[str], None] | None = None,
         on_load: Callable[[str, bytes], None] | None = None,
+        owner: str | None = None,
+        on_admitted: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self.datastore = datastore
         self.on_record = on_record
         self.default_port = default_port
-        #: Load reports (:mod:`infergate.wire.load`) ride the same socket: (key, payload).
+        #: Load reports (:mod:`infergate.wire.load`), read lazily: (key, newest payload).
         self.on_load = on_load
+        #: The key prefix of this replica's requests (``ExtProcServer.key_prefix``): only
+        #: their records are subscribed to. None: every record.
+        self.owner = owner
+        #: Other replicas' admission records, read lazily: (key, packed prefix hashes).
+        self.on_admitted = on_admitted
+        #: Load reports read but not applied: a newer one of the same engine followed.
+        self.superseded = 0
+        self._lazy: dict[str, ZmqFeed] = {}  # endpoint key -> its lazily read feed
         self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
         super().__init__(datastore, "completions")
+        datastore.on_refresh(self.refresh)
         #: Whether every endpoint now known reports (see :meth:`reports_all`).
         self._all_report = False
         datastore.subscribe(self._endpoints_changed)
@@ -92,65 +120,42 @@ class CompletionSubscriptions(ZmqSubscriptions):
         return state is not None and self.port(state.endpoint) is not None
 
     async def _subscribe(self, endpoint: Endpoint) -> None:
-        """Receive ``endpoint``'s records for as long as it is in the pool.
+        """Receive ``endpoint``'s feeds for as long as it is in the pool.
 
-        Why not ``await socket.recv_multipart()``: pyzmq's asyncio socket makes a future
-        and a task step per message, and every routed request brings a record (two with
-        admission records). A plain socket read from the loop's reader callback, drained
-        with ``NOBLOCK`` (the ZMQ descriptor is edge-triggered: it signals once for all
-        that is queued), costs 60-90 us less per message (``benchmarks/epp_record_feed.py``,
-        3,000 messages 1 ms apart: 211-219 against 278-300 us of process CPU per message,
-        the publisher thread's share included).
-
-        A frame over ``MAX_FRAME`` makes ZMQ drop the connection, and libzmq 4.3 never
-        dials that peer again (measured): one bad batch would silence the endpoint for
-        good. A monitor socket reports each disconnection, and the feed redials.
+        This replica's records are read as they arrive (the loop's reader callback,
+        :class:`ZmqFeed`): a record ends a request, which frees its in-flight count and
+        flow-control slot now. Load reports and the other replicas' admission records
+        are only read by :meth:`refresh`, right before a decision.
         """
-        import zmq
-
         port = self.port(endpoint)
         if port is None:
             return  # not a reporting endpoint
         host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address
         url = f"tcp://{host}:{port}"
-        socket = self._socket()
-        # A plain PAIR (get_monitor_socket would make an asyncio one on this context).
-        watch = f"inproc://completions-monitor-{id(socket)}"
-        socket.monitor(watch, zmq.EVENT_DISCONNECTED)
-        monitor = zmq.Socket(self._zmq, zmq.PAIR)
-        monitor.connect(watch)
-        socket.connect(url)
+        own = records_topic(self.owner) if self.owner is not None else TOPIC
+        records = ZmqFeed(self._zmq, url, (own,), MAX_FRAME)
+        lazy_topics = [LOAD_TOPIC] if self.on_load is not None else []
+        if self.on_admitted is not None:
+            lazy_topics.append(ADMITTED_TOPIC)
+        lazy = ZmqFeed(self._zmq, url, lazy_topics, MAX_FRAME) if lazy_topics else None
         loop = asyncio.get_running_loop()
 
         def drain() -> None:
-            while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
+            for frames in records.read():
                 try:
                     self._take(endpoint.key, frames)
                 except Exception:  # a sink's bug must not stop this endpoint's feed
                     log.exception("completion record from %s failed", endpoint.key)
 
         def redial() -> None:
-            dropped = False
-            while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                try:
-                    monitor.recv_multipart(zmq.NOBLOCK)  # (event, value), endpoint
-                except zmq.Again:
-                    break
-                dropped = True
-            if dropped:
-                log.warning("completion feed of %s dropped; redialling %s", endpoint.key, url)
-                with contextlib.suppress(zmq.ZMQError):  # not connected: connecting is enough
-                    socket.disconnect(url)
-                socket.connect(url)
+            if records.redial():
                 drain()
 
-        descriptors = [int(socket.getsockopt(zmq.FD)), int(monitor.getsockopt(zmq.FD))]
+        descriptors = records.descriptors()
         loop.add_reader(descriptors[0], drain)
         loop.add_reader(descriptors[1], redial)
+        if lazy is not None:
+            self._lazy[endpoint.key] = lazy
         try:
             drain()  # what arrived before the readers were added
             redial()
@@ -158,27 +163,51 @@ class CompletionSubscriptions(ZmqSubscriptions):
         finally:
             for descriptor in descriptors:
                 loop.remove_reader(descriptor)
-            socket.disable_monitor()
-            monitor.close(0)
-            socket.close(0)
+            records.close()
+            if lazy is not None:
+                if self._lazy.get(endpoint.key) is lazy:
+                    del self._lazy[endpoint.key]
+                lazy.close()
 
-    def _socket(self) -> Any:
-        """A plain SUB socket on the shared context, subscribed to records (and load)."""
-        import zmq
+    def refresh(self) -> None:
+        """Read the lazily read feeds: every engine's latest load report (older ones
+        queued behind it are skipped unread) and the other replicas' admission records.
 
-        socket = zmq.Socket(self._zmq, zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"completions")
-        if self.on_load is not None:
-            socket.setsockopt(zmq.SUBSCRIBE, LOAD_TOPIC)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)  # a peer sending more is cut off
-        return socket
+        Called right before a decision reads the endpoints (``Datastore.refresh``), so
+        the decision sees each engine's newest report, as a reader woken per message
+        would have; but a replica pays one read per decision rather than one wakeup per
+        message, and the messages it reads grow with the engines' reports, not with the
+        replicas.
+        """
+        for key, feed in self._lazy.items():
+            feed.redial()
+            latest: bytes | None = None
+            for frames in feed.read():
+                if frames[0] == LOAD_TOPIC:
+                    if latest is not None:
+                        self.superseded += 1
+                    latest = frames[-1]
+                elif frames[0] == ADMITTED_TOPIC:
+                    self._take_admitted(key, frames[-1])
+            if latest is not None and self.on_load is not None:
+                try:
+                    self.on_load(key, latest)
+                except Exception:  # a sink's bug must not stop the decision
+                    log.exception("load report from %s failed", key)
+
+    def _take_admitted(self, key: str, payload: bytes) -> None:
+        """Admission records engine ``key`` took: the prefixes other replicas routed."""
+        try:
+            batch = self._decoder.decode(payload)
+        except (msgspec.DecodeError, ValueError) as error:
+            log.warning("bad admission batch from %s: %s", key, error)
+            return
+        for record in batch.records:
+            if record.prefix and owner(record.key) != self.owner and self.on_admitted:
+                self.on_admitted(key, record.prefix)
 
     def _take(self, key: str, frames: list[bytes]) -> None:
-        """One message of endpoint ``key``: a load report or a batch of records."""
-        if frames[0] == LOAD_TOPIC and self.on_load is not None:
-            self.on_load(key, frames[-1])
-            return
+        """One message of endpoint ``key``'s records feed: a batch of records."""
         try:
             batch = self._decoder.decode(frames[-1])
         except (msgspec.DecodeError, ValueError) as error:

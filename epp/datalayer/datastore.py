@@ -10,6 +10,7 @@ from infergate.epp.types import Endpoint, EndpointState
 log = logging.getLogger("infergate.epp.datalayer.datastore")
 
 Listener = Callable[[list[Endpoint], list[Endpoint]], None]
+Refresher = Callable[[], None]
 
 
 class Datastore:
@@ -19,10 +20,30 @@ class Datastore:
         self._states: dict[str, EndpointState] = {}
         self._listeners: list[Listener] = []
         self._list_cache: list[EndpointState] | None = None
+        self._refreshers: list[Refresher] = []
 
     def subscribe(self, listener: Listener) -> None:
         """``listener(added, removed)`` runs after each change of the endpoint set."""
         self._listeners.append(listener)
+
+    def on_refresh(self, refresher: Refresher) -> None:
+        """``refresher()`` runs at each :meth:`refresh` (a feed read lazily)."""
+        self._refreshers.append(refresher)
+
+    def refresh(self) -> None:
+        """Apply what the lazily read feeds hold (the engines' load reports, the other
+        replicas' admission records; see ``completions.py``).
+
+        Whoever is about to read the endpoints' metrics for a decision calls this first
+        (the Director, flow control's dispatch, the collector's liveness check): the
+        decision then sees each engine's newest report, and a feed costs a read per
+        decision instead of a wakeup per message.
+        """
+        for refresher in self._refreshers:
+            try:
+                refresher()
+            except Exception:  # a feed's bug must not fail the decision
+                log.exception("datastore refresher failed")
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         wanted = {endpoint.key: endpoint for endpoint in endpoints}

@@ -1,10 +1,13 @@
 """Load reports from the engines (:mod:`infergate.wire.load`), as a data-layer feed.
 
 An infergate engine with ``--completion-events-port`` pushes its load (queue, running,
-KV usage, cache config, adapters, the prefill-cost counters) on the same socket as its
-completion records, when it changes and at least every heartbeat. The completion
-subscription (:mod:`infergate.epp.datalayer.completions`) receives both topics on one
-socket per endpoint and hands load payloads here. Each report replaces the endpoint's
+KV usage, cache config, adapters, the prefill-cost counters) on the same PUB socket as
+its completion records, when it changes and at least every heartbeat. The completion
+subscription (:mod:`infergate.epp.datalayer.completions`) reads the reports lazily,
+right before a decision (``Datastore.refresh``), and hands each engine's newest payload
+here; older ones queued behind it are skipped. A report's ``lag`` is then how long ago
+the engine sent it, queueing included, and its liveness counts from then
+(:func:`push_alive`), not from when it was read. Each report replaces the endpoint's
 snapshot whole, exactly as a scrape does, so every plugin reads it unchanged; the
 collector stops scraping an endpoint while its reports keep arriving
 (:func:`push_alive`). When they stop (the engine died), the snapshot ages like a failed
@@ -43,12 +46,14 @@ PUSH_GRACE_HEARTBEATS = 2.5
 
 def push_alive(metrics: Metrics, now: float) -> bool:
     """Whether ``metrics`` came from a push stream that is still reporting."""
-    return metrics.pushed and now - metrics.updated_at < PUSH_GRACE_HEARTBEATS * metrics.heartbeat
+    return metrics.pushed and now < push_deadline(metrics)
 
 
 def push_deadline(metrics: Metrics) -> float:
-    """When the push stream behind ``metrics`` counts as stopped, on the monotonic clock."""
-    return metrics.updated_at + PUSH_GRACE_HEARTBEATS * metrics.heartbeat
+    """When the push stream behind ``metrics`` counts as stopped, on the monotonic clock:
+    a grace of heartbeats from when the report was sent (``updated_at - lag``: a report
+    read late, the engine dead meanwhile, does not count as a fresh one)."""
+    return metrics.updated_at - metrics.lag + PUSH_GRACE_HEARTBEATS * metrics.heartbeat
 
 
 def snapshot(report: load.LoadReport, now: float, wall: float) -> Metrics:

@@ -207,6 +207,8 @@ class FlowController:
     def pump(self) -> int:
         """Dispatch while there is capacity and anything waits; returns how many went."""
         sent = 0
+        if len(self.queues):
+            self.datastore.refresh()  # capacity from the engines' newest load reports
         while len(self.queues) and self.has_capacity():
             item = self.queues.pop()
             if item is None:

@@ -121,6 +121,7 @@ class Director:
             )
         except FlowRejected as error:
             raise Rejected(429, f"{error.reason}: {error.message}") from None
+        self.datastore.refresh()  # it waited: read the reports that came meanwhile
         try:
             candidates = self._candidates(subset)
         except Rejected:
@@ -163,6 +164,7 @@ class Director:
         except BadRequest as error:
             raise Rejected(400, str(error), error.param) from None
 
+        self.datastore.refresh()  # the engines' newest load reports, read now
         candidates = self._candidates(subset)
         ticket: Ticket | None = None
         if self.flow is not None and raw_body:

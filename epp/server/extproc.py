@@ -105,7 +105,9 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         self.routed: dict[str, StreamBase] = {}  # REQUEST_ID_HEADER -> its routing stream
         # Routed requests' keys: random per server, then counted (a uuid4 per request
         # read the kernel's randomness each time, a system call on the request path).
-        self._key_prefix = os.urandom(8).hex()
+        #: This server's part of every key it makes: engines publish its records on a
+        #: topic of their own (``wire.completions.records_topic``).
+        self.key_prefix = os.urandom(8).hex()
         self._keys = itertools.count(1)
         #: Whether an endpoint reports completion records (None: none does). Its 2xx
         #: responses then finish when the record arrives, or after ``record_timeout_s``
@@ -125,7 +127,7 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
         """A routed request's ``x-infergate-request-id``: unique among this EPP's requests
         and, by its 64 random bits, among every replica's (engines' records carry it to
         all of them)."""
-        return f"{self._key_prefix}-{next(self._keys):x}"
+        return f"{self.key_prefix}-{next(self._keys):x}"
 
     def await_record(self, state: StreamBase) -> None:
         if state.key not in self.awaiting:

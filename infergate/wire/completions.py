@@ -9,7 +9,7 @@ request makes that cost independent of the response's length, and lets Envoy sen
 EPP no response body at all.
 
 Wire format (ours; vLLM has no such channel): ZMQ PUB, multipart ``[topic, seq,
-payload]`` like the KV events; ``topic`` is ``b"completions"``, ``seq`` a 64-bit
+payload]`` like the KV events; ``topic`` starts ``b"completions"`` (see Topics), ``seq`` a 64-bit
 big-endian batch number from 0, ``payload`` msgpack of ``[ts, records]``, each record
 the array ``[key, status, prompt_tokens, completion_tokens, cached_tokens, finished_at]``
 (``finished_at`` in ``time.time()`` seconds; ``status`` the HTTP status the engine sent,
@@ -32,8 +32,15 @@ its prefix as cached there. A request refused before it reaches the engine (a 40
 no admission record. The engine does not interpret the hashes: the
 text-chunk hashing stays the EPP's, configured in one place.
 
-Every subscribed EPP replica receives every record and keeps those it routed. PUB/SUB
-drops what a subscriber is not connected for, so the EPP bounds how long it waits for a
+**Topics.** A batch goes out per routing replica: its topic is :func:`records_topic` of
+the records' :func:`owner` (``b"completions."`` and the key up to its first ``-``: the
+EPP that made the key, see ``ExtProcServer.new_key``), so each replica subscribes to its
+own records alone and ZMQ filters the rest at the engine: a replica pays for the
+requests it routed, not for every replica's. (A subscriber of plain :data:`TOPIC` still
+receives every record.) An admission record that carries prefix hashes goes out a
+second time, in a batch on :data:`ADMITTED_TOPIC` that every replica reads, lazily,
+before its next decision (:mod:`infergate.epp.datalayer.completions`). PUB/SUB drops
+what a subscriber is not connected for, so the EPP bounds how long it waits for a
 record. The publisher is :mod:`infergate.engine.completion_events`; the subscriber
 :mod:`infergate.epp.datalayer.completions`.
 """
@@ -50,6 +57,8 @@ import msgspec
 from infergate.wire.names import PREFIX_HEADER, REQUEST_ID_HEADER
 
 TOPIC = b"completions"
+#: The topic of admission records that carry prefix hashes, for every replica.
+ADMITTED_TOPIC = b"admitted"
 #: The request header whose value keys a record (lower-case bytes, as ASGI gives headers).
 KEY_HEADER = REQUEST_ID_HEADER.encode()
 #: The prefix-hashes header as ASGI gives it.
@@ -78,6 +87,17 @@ class CompletionRecord(msgspec.Struct, array_like=True, gc=False):
 class CompletionBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     records: list[CompletionRecord]
+
+
+def owner(key: str) -> str:
+    """The replica that made a record's key: the key up to its first ``-`` (all of it
+    without one)."""
+    return key.partition("-")[0]
+
+
+def records_topic(key_owner: str) -> bytes:
+    """The topic of the records whose keys ``key_owner`` made (:func:`owner`)."""
+    return TOPIC + b"." + key_owner.encode()
 
 
 def decode_batch(payload: bytes) -> CompletionBatch:

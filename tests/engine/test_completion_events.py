@@ -25,11 +25,15 @@ from infergate.engine.kv_events import bind_endpoint
 from infergate.procs import free_port
 from infergate.wire.completions import (
     ADMITTED,
+    ADMITTED_TOPIC,
     TOPIC,
     CompletionRecord,
     decode_batch,
+    decode_prefix,
     encode_prefix,
+    owner,
     prefix_hashes,
+    records_topic,
 )
 from infergate.wire.names import PREFIX_HEADER
 
@@ -89,8 +93,9 @@ def _records(sub: Any, count: int) -> list[CompletionRecord]:
     poller.register(sub, zmq.POLLIN)
     while len(out) < count and poller.poll(5000):
         topic, _seq, payload = sub.recv_multipart()
-        assert topic == TOPIC
-        out.extend(decode_batch(payload).records)
+        batch = decode_batch(payload).records
+        assert {records_topic(owner(r.key)) for r in batch} == {topic}  # its replica's topic
+        out.extend(batch)
     return out
 
 
@@ -152,6 +157,43 @@ def test_an_admission_record_echoes_the_prefix_header_and_bad_ones_are_dropped(
     ]
     done = sorted((r.key, r.status, r.prefix) for r in records if r.status != ADMITTED)
     assert done == [(k, 200, b"") for k in ("k1", "k2", "k3", "k4")]
+
+
+def test_each_replica_is_sent_its_own_records_and_every_replica_the_prefixes() -> None:
+    """One engine, requests of two EPP replicas: a subscriber to one replica's topic gets
+    that replica's records alone, and the admission records with prefix hashes go out
+    once more, on the topic every replica reads."""
+    port = free_port()
+    publisher = CompletionPublisher(bind_endpoint("127.0.0.1", port))
+    context = zmq.Context()
+    mine, shared = context.socket(zmq.SUB), context.socket(zmq.SUB)
+    try:
+        mine.setsockopt(zmq.SUBSCRIBE, records_topic("aaaa"))
+        shared.setsockopt(zmq.SUBSCRIBE, ADMITTED_TOPIC)
+        for sub in (mine, shared):
+            sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.3)  # PUB drops what is sent before the SUB joins
+        packed = decode_prefix(encode_prefix([7, 8]))
+        for key in ("aaaa-1", "bbbb-1", "aaaa-2"):
+            publisher.publish(CompletionRecord(key, ADMITTED, 5, 0, 0, 1.0, packed))
+            publisher.publish(CompletionRecord(key, 200, 5, 1, 0, 2.0))
+        got = _records(mine, 4)
+        assert sorted((r.key, r.status) for r in got) == [
+            ("aaaa-1", 0), ("aaaa-1", 200), ("aaaa-2", 0), ("aaaa-2", 200)
+        ]  # fmt: skip
+        assert not mine.poll(300)  # nothing of replica bbbb's
+        assert shared.poll(5000)
+        topic, _seq, payload = shared.recv_multipart()
+        assert topic == ADMITTED_TOPIC
+        keys = [r.key for r in decode_batch(payload).records]
+        while shared.poll(300):
+            keys += [r.key for r in decode_batch(shared.recv_multipart()[2]).records]
+        assert sorted(keys) == ["aaaa-1", "aaaa-2", "bbbb-1"]  # admissions only, each once
+    finally:
+        mine.close(0)
+        shared.close(0)
+        context.term()
+        publisher.close()
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import zmq
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL, MAX_FRAME
 from infergate.epp.types import Endpoint
 
-from infergate.wire.completions import TOPIC, CompletionBatch, CompletionRecord
+from infergate.wire.completions import CompletionBatch, CompletionRecord, owner, records_topic
 from infergate.wire.kv_events import encode_seq
 
 from .conftest import Stream, eventually, route_buffered
@@ -46,8 +46,8 @@ async def test_garbage_on_the_feed_is_dropped_and_records_still_end_requests(
         await eventually(lambda: key in epp.ext_proc.awaiting, timeout=10)
         seq = iter(range(1, 1 << 30))
 
-        def send(payload: bytes) -> None:
-            publisher.send_multipart((TOPIC, encode_seq(next(seq)), payload))
+        def send(payload: bytes) -> None:  # on the topic of the routing replica's records
+            publisher.send_multipart((records_topic(owner(key)), encode_seq(next(seq)), payload))
 
         garbage = [b"", b"\xff" * 10, msgspec.msgpack.encode({"records": 1}), b"[1, 2"]
         stranger = _batch(CompletionRecord("not-routed-here", 200, 1, 1, 0, 1.0))
