@@ -11,6 +11,7 @@ import typer
 from infergate import __version__
 from infergate.bench.cli import app as bench_app
 from infergate.engine.cli import app as engine_app
+from infergate.envoy.drain import envoy_drain
 from infergate.epp.cli import epp
 from infergate.operator.cli import operator
 from infergate.stack.cli import up
@@ -39,6 +40,7 @@ app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )(operator)
 app.command("up")(up)
+app.command("envoy-drain")(envoy_drain)
 
 
 def _version(value: bool) -> None:

@@ -27,6 +27,11 @@ class OperatorSettings:
     envoy_cpu_request: str = "100m"
     envoy_memory_request: str = "128Mi"
     envoy_memory_limit: str = "512Mi"
+    #: The longest a stream may still run once its pod is deleted: a Gateway's Envoy
+    #: drains this long at most (its shutdown manager, infergate.envoy.drain), an EPP
+    #: waits this long for its ext-proc streams. Envoy Gateway's default is 60 s; a
+    #: streamed generation can outlast that.
+    drain_seconds: float = 300.0
     epp_log_level: str = "info"
     #: Seconds between full resyncs of each pool (status follows pods even without events).
     resync_seconds: float = 30.0
@@ -54,6 +59,7 @@ class OperatorSettings:
             epp_memory_request=_env("INFERGATE_EPP_MEMORY_REQUEST", base.epp_memory_request),
             epp_memory_limit=_env("INFERGATE_EPP_MEMORY_LIMIT", base.epp_memory_limit),
             resync_seconds=float(_env("INFERGATE_RESYNC_SECONDS", str(base.resync_seconds))),
+            drain_seconds=_non_negative("INFERGATE_DRAIN_SECONDS", base.drain_seconds),
             extra_epp_args=tuple(os.environ.get("INFERGATE_EPP_EXTRA_ARGS", "").split()),
             manage_endpoint_pickers=_env(MANAGE_EPP_ENV, "true").strip().lower()
             not in ("0", "false", "no", "off"),
@@ -61,6 +67,19 @@ class OperatorSettings:
 
 
 MANAGE_EPP_ENV = "INFERGATE_MANAGE_ENDPOINT_PICKERS"
+
+
+def _non_negative(name: str, default: float) -> float:
+    """A number of seconds from the environment; a clear error for anything else."""
+    text = _env(name, str(default))
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: not a number of seconds") from None
+    if not value >= 0:
+        raise ValueError(f"{name}={text!r}: must be >= 0")
+    return value
+
 
 _QUANTITY_SUFFIXES = {
     "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,

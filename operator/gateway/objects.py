@@ -11,6 +11,7 @@ and clusters over xDS from the operator; the bootstrap only says where the opera
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from infergate.envoy.drain import SHUTDOWN_PATH, DrainOptions
 from infergate.gateway.types import GATEWAY_GROUP
 from infergate.operator import constants as c
 from infergate.operator.builders import RUN_AS_USER, digest, with_spec_hash
@@ -35,6 +37,10 @@ LABEL_GATEWAY_NAME = f"{GATEWAY_GROUP}/gateway-name"
 ANNOTATION_SERVICE_TYPE = "infergate.io/service-type"
 PROXY_COMPONENT = "gateway-proxy"
 ENVOY_CONTAINER = "envoy"
+DRAIN_CONTAINER = "shutdown-manager"
+#: Beyond the drain timeout, the pod's grace period leaves this long for the admin calls
+#: and Envoy's own exit before the kubelet's SIGKILL.
+GRACE_MARGIN_S = 15
 #: What the proxy objects' kinds are, in the order a stale set is deleted.
 PROXY_KINDS = ("Service", "Deployment", "ConfigMap")
 
@@ -45,13 +51,16 @@ _MAX_NAME = 63  # a Service name is a DNS-1035 label
 @dataclass(frozen=True)
 class ProxyConfig:
     """What the xDS side decides about each Gateway's Envoy: its bootstrap, the extra
-    command-line arguments (Kubernetes expands ``$(POD_IP)`` and friends in them) and the
-    port and path of its readiness endpoint."""
+    command-line arguments (Kubernetes expands ``$(POD_IP)`` and friends in them), the
+    port and path of its readiness endpoint, its admin port (loopback) and the port of its
+    shutdown manager (:func:`build_drain_container`)."""
 
     bootstrap: Obj
     args: tuple[str, ...] = ()
     ready_port: int = 19001
     ready_path: str = "/ready"
+    admin_port: int = 19000
+    drain_port: int = 19002
 
 
 def proxy_name(gateway_name: str) -> str:
@@ -209,6 +218,11 @@ def build_envoy_container(gateway: Obj, proxy: ProxyConfig, settings: OperatorSe
             *({"name": p.name, "containerPort": p.port, "protocol": "TCP"} for p in ports),
             {"name": "ready", "containerPort": proxy.ready_port, "protocol": "TCP"},
         ],
+        # The kubelet sends SIGTERM (Envoy exits at once) only after this hook returns: once
+        # the shutdown manager has drained Envoy's connections (infergate.envoy.drain).
+        "lifecycle": {
+            "preStop": {"httpGet": {"path": SHUTDOWN_PATH, "port": proxy.drain_port}},
+        },
         # /ready is 200 once Envoy has its first config from the operator and is not
         # draining; no liveness probe on it: an Envoy waiting for the operator is alive.
         "readinessProbe": {
@@ -231,10 +245,38 @@ def build_envoy_container(gateway: Obj, proxy: ProxyConfig, settings: OperatorSe
     }
 
 
+def drain_options(proxy: ProxyConfig, settings: OperatorSettings) -> DrainOptions:
+    """The shutdown manager's options: this pod's Envoy admin, the settings' timeout."""
+    return DrainOptions(
+        admin_url=f"http://127.0.0.1:{proxy.admin_port}",
+        port=proxy.drain_port,
+        min_drain_s=min(DrainOptions.min_drain_s, settings.drain_seconds),
+        drain_timeout_s=settings.drain_seconds,
+    )
+
+
+def build_drain_container(proxy: ProxyConfig, settings: OperatorSettings) -> Obj:
+    """The pod's shutdown manager (``infergate envoy-drain``, from the EPP image: Envoy's
+    image has no shell for an ``exec`` hook, and a kubelet ``httpGet`` hook cannot POST to
+    Envoy's admin API; infergate.envoy.drain says why, and who else does it this way). It
+    gets SIGTERM when the pod is deleted, drains Envoy, and answers Envoy's preStop hook
+    once the connections are gone."""
+    return {
+        "name": DRAIN_CONTAINER,
+        "image": settings.epp_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "args": drain_options(proxy, settings).argv(),
+        "ports": [{"name": "drain", "containerPort": proxy.drain_port, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": _security_context(False),
+    }
+
+
 def build_deployment(
     gateway: Obj, proxy: ProxyConfig, settings: OperatorSettings, config_hash: str
 ) -> Obj:
     low = any(p.port < 1024 for p in listener_ports(gateway))
+    grace = math.ceil(settings.drain_seconds) + GRACE_MARGIN_S
     meta = _object_meta(gateway)
     return {
         "apiVersion": "apps/v1",
@@ -257,9 +299,14 @@ def build_deployment(
                 },
                 "spec": {
                     "automountServiceAccountToken": False,
-                    "terminationGracePeriodSeconds": 30,
+                    # Longer than the shutdown manager's drain: the kubelet kills nothing
+                    # that is still draining.
+                    "terminationGracePeriodSeconds": grace,
                     "securityContext": _pod_security_context(low),
-                    "containers": [build_envoy_container(gateway, proxy, settings)],
+                    "containers": [
+                        build_envoy_container(gateway, proxy, settings),
+                        build_drain_container(proxy, settings),
+                    ],
                     "volumes": [
                         {"name": "envoy-config", "configMap": {"name": meta["name"]}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},

@@ -23,6 +23,8 @@ READY_PORT = 19001
 READY_PATH = "/ready"
 ADMIN_PORT = 19000
 """The admin API's port, on loopback (it can stop the proxy): ``/ready`` is proxied."""
+DRAIN_PORT = 19002
+"""The pod's shutdown manager (infergate.envoy.drain): Envoy's preStop hook calls it."""
 
 
 class XdsPublisher:
@@ -94,7 +96,9 @@ def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Obj]
 
     def proxy_config(gateway: Obj) -> ProxyConfig:
         meta = gateway.get("metadata") or {}
-        ready = ready_port({p.port for p in listener_ports(gateway)})
+        listeners = {p.port for p in listener_ports(gateway)}
+        ready = ready_port(listeners)
+        drain = free_port(DRAIN_PORT, listeners | {ready})
         proxy = GatewayProxy(
             node_id=node_id(str(meta.get("namespace") or ""), str(meta.get("name") or "")),
             xds_host=settings.xds_address,
@@ -110,6 +114,8 @@ def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Obj]
             args=tuple(_without_config_path(args)),
             ready_port=ready,
             ready_path=READY_PATH,
+            admin_port=ADMIN_PORT,
+            drain_port=drain,
         )
 
     return proxy_config
@@ -118,7 +124,13 @@ def proxy_config_factory(settings: GatewaySettings, port: int) -> Callable[[Obj]
 def ready_port(taken: set[int]) -> int:
     """READY_PORT, or the next port that neither a listener of the Gateway nor the admin
     API uses (the proxy would fail to bind it)."""
-    port = READY_PORT
+    return free_port(READY_PORT, taken)
+
+
+def free_port(start: int, taken: set[int]) -> int:
+    """``start``, or the next port that is neither in ``taken`` nor the admin API's: the
+    pod's containers share one network namespace."""
+    port = start
     while port in taken or port == ADMIN_PORT:
         port += 1
     return port

@@ -142,6 +142,7 @@ def test_the_readiness_port_never_takes_a_listener_port() -> None:
     }
     proxy = factory(gateway)
     assert proxy.ready_port == 19002
+    assert proxy.drain_port == 19003  # the shutdown manager's port moves on past both
     (ready,) = proxy.bootstrap["static_resources"]["listeners"]
     assert ready["address"]["socket_address"]["port_value"] == 19002
     assert proxy.bootstrap["node"]["id"] == "ns/gw"

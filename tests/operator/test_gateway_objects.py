@@ -76,9 +76,29 @@ def test_service_and_container_ports_follow_the_listeners() -> None:
     assert [p["port"] for p in service["spec"]["ports"]] == [80, 443, 8080]
     assert all(p["targetPort"] == p["port"] for p in service["spec"]["ports"])
     deployment = build_deployment(gw, PROXY, OperatorSettings(), "hash")
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    container, drain = deployment["spec"]["template"]["spec"]["containers"]
     assert {p["containerPort"] for p in container["ports"]} == {80, 443, 8080, PROXY.ready_port}
+    assert [p["containerPort"] for p in drain["ports"]] == [PROXY.drain_port]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_envoy_is_drained_before_the_kubelet_stops_it() -> None:
+    """Envoy's preStop hook asks the pod's shutdown manager (the EPP image's ``infergate
+    envoy-drain``, on Envoy's loopback admin) and returns once Envoy is drained; the pod's
+    grace period outlasts the drain timeout, so the kubelet kills nothing still draining."""
+    settings = OperatorSettings(epp_image="registry.example/epp:1", drain_seconds=120)
+    pod = build_deployment(gateway(), PROXY, settings, "h")["spec"]["template"]["spec"]
+    envoy, drain = pod["containers"]
+    hook = envoy["lifecycle"]["preStop"]["httpGet"]
+    assert (hook["path"], hook["port"]) == ("/shutdown", PROXY.drain_port)
+    assert drain["image"] == "registry.example/epp:1"
+    assert drain["args"][0] == "envoy-drain"
+    args = dict(zip(drain["args"][1::2], drain["args"][2::2], strict=True))
+    assert args["--admin-url"] == f"http://127.0.0.1:{PROXY.admin_port}"
+    assert args["--port"] == str(PROXY.drain_port)
+    assert float(args["--drain-timeout-s"]) == 120
+    assert pod["terminationGracePeriodSeconds"] > 120
+    assert drain["securityContext"]["readOnlyRootFilesystem"] is True
 
 
 def test_low_ports_get_net_bind_service_and_the_unprivileged_port_sysctl() -> None:
@@ -105,7 +125,7 @@ def test_deployment_runs_envoy_from_the_bootstrap_with_pod_ip_and_readiness() ->
     config_map, deployment, service = objs
     assert [o["kind"] for o in objs] == ["ConfigMap", "Deployment", "Service"]
     assert "node:" in config_map["data"][c.ENVOY_CONFIG_KEY]
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    container, _drain = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example/envoy:1"
     assert container["args"][:2] == ["--config-path", f"{c.ENVOY_CONFIG_DIR}/{c.ENVOY_CONFIG_KEY}"]
     assert container["args"][2:] == list(PROXY.args)
