@@ -376,6 +376,6 @@ async def run(options: EppOptions) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down")
-    await epp.stop()
+    log.info("shutting down; streams in flight get %.0f s", options.shutdown_grace_s)
+    await epp.stop(options.shutdown_grace_s)
     log.info("stopped")

@@ -229,6 +229,14 @@ class EppOptions:
         "natively by the h2 crate; the least CPU per request) or aio (grpc.aio, the previous "
         "server: a poller thread hands each gRPC event to the loop); docs/architecture.md.",
     )
+    shutdown_grace_s: float = option(
+        "--shutdown-grace-s",
+        default=2.0,
+        min=0.0,
+        help="On SIGTERM: stop accepting, tell each proxy to go away (HTTP/2 GOAWAY) and wait "
+        "at most this long for the ext-proc streams in flight (a streamed response's lasts as "
+        "long as the response). The operator sets its drain time.",
+    )
     reuse_port: bool = option(
         "--reuse-port", default=False, hidden=True, help="Bind with SO_REUSEPORT (set for workers)."
     )

@@ -12,6 +12,8 @@ import base64
 import copy
 import hashlib
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,10 @@ Obj = dict[str, Any]
 EPP_CONTAINER = "epp"
 ENVOY_CONTAINER = "envoy"
 RUN_AS_USER = 65532  # the distroless "nonroot" uid, also used by our images
+#: A deleted EPP pod keeps serving this long before its SIGTERM (a preStop ``sleep``, no
+#: binary needed): the operator's EDS and kube-proxy drop it meanwhile, so no proxy opens a
+#: stream to it after it stops accepting.
+EPP_PRESTOP_S = 5
 
 
 def digest(value: Any) -> str:
@@ -201,7 +207,8 @@ def _restricted_security_context() -> Obj:
 
 
 def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = False) -> Obj:
-    args = [*epp_options(pool, tls).argv(always=_EPP_ALWAYS), *settings.extra_epp_args]
+    options = replace(epp_options(pool, tls), shutdown_grace_s=settings.drain_seconds)
+    args = [*options.argv(always=_EPP_ALWAYS), *settings.extra_epp_args]
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
     # and "liveness" (SERVING while the process works): a pool without ready model
     # servers makes the EPP unready, never restarts it. The startup probe holds liveness
@@ -228,6 +235,10 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = 
             {"name": "INFERGATE_LOG_LEVEL", "value": settings.epp_log_level},
             *_engine_api_key_env(pool),
         ],
+        # A deleted EPP pod serves on for EPP_PRESTOP_S, while the Gateways' EDS and the
+        # Service drop it; then SIGTERM: it stops accepting, sends GOAWAY and gives the
+        # streams in flight up to settings.drain_seconds (--shutdown-grace-s).
+        "lifecycle": {"preStop": {"sleep": {"seconds": EPP_PRESTOP_S}}},
         "readinessProbe": {**readiness, "periodSeconds": 2, "failureThreshold": 3},
         "startupProbe": {**liveness, "periodSeconds": 2, "failureThreshold": 30},
         "livenessProbe": {**liveness, "periodSeconds": 10, "timeoutSeconds": 3},
@@ -329,7 +340,10 @@ def build_deployment(
                 },
                 "spec": {
                     "serviceAccountName": pool.picker_name,
-                    "terminationGracePeriodSeconds": 30,
+                    # The preStop wait and the streams' drain, with a margin to exit.
+                    "terminationGracePeriodSeconds": EPP_PRESTOP_S
+                    + math.ceil(settings.drain_seconds)
+                    + 15,
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": RUN_AS_USER,

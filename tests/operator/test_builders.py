@@ -12,6 +12,7 @@ import yaml
 from infergate.operator import constants as c
 from infergate.operator import status as st
 from infergate.operator.builders import (
+    EPP_PRESTOP_S,
     build_deployment,
     build_pdb,
     build_role,
@@ -164,6 +165,20 @@ def test_desired_objects_are_owned_labelled_and_hashed() -> None:
     assert objects == desired_objects(spec(), SETTINGS, DEFAULT_EPP_CONFIG)
 
 
+def test_a_deleted_epp_serves_on_then_drains_its_streams_within_the_grace_period() -> None:
+    """Rolling an EPP fails no request: the old pod keeps serving while the proxies' EDS
+    drops it (preStop sleep), then stops accepting and gives the streams in flight the
+    operator's drain time; the kubelet's grace period covers both."""
+    settings = OperatorSettings(drain_seconds=120)
+    deployment = build_deployment(spec(), settings, "abc")
+    pod = deployment["spec"]["template"]["spec"]
+    (epp,) = pod["containers"]
+    assert epp["lifecycle"]["preStop"] == {"sleep": {"seconds": EPP_PRESTOP_S}}
+    assert float(epp["args"][epp["args"].index("--shutdown-grace-s") + 1]) == 120
+    assert pod["terminationGracePeriodSeconds"] > EPP_PRESTOP_S + 120
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+
+
 def test_deployment_is_hardened_and_wired() -> None:
     deployment = build_deployment(spec(), SETTINGS, "abc")
     pod = deployment["spec"]["template"]["spec"]
@@ -172,7 +187,7 @@ def test_deployment_is_hardened_and_wired() -> None:
         "epp", "--pool-name", "qwen-pool", "--pool-namespace", "default",
         "--config-file", "/etc/infergate/epp/config.yaml",
         "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090",
-        "--secure-serving",
+        "--secure-serving", "--shutdown-grace-s", "300.0",
     ]  # fmt: skip
     assert epp["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert epp["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
@@ -422,7 +437,9 @@ def test_standalone_envoy_with_replicas_dials_every_replica_through_a_headless_s
     assert headless["clusterIP"] == "None" and headless["ports"][0]["port"] == 9002
     assert objects[("Deployment", "qwen-pool-epp")]["spec"]["replicas"] == 3
     bootstrap = yaml.safe_load(objects[("ConfigMap", "qwen-pool-epp-envoy")]["data"]["envoy.yaml"])
-    (epp,) = [cl for cl in bootstrap["static_resources"]["clusters"] if cl["name"] == "infergate_epp"]
+    (epp,) = [
+        cl for cl in bootstrap["static_resources"]["clusters"] if cl["name"] == "infergate_epp"
+    ]
     hosts = [
         e["endpoint"]["address"]["socket_address"]["address"]
         for e in epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
