@@ -100,16 +100,17 @@ async def test_a_burst_sharing_a_held_prefix_stays_until_the_holders_queue_outwe
     """A 3,000-token prefix held by one engine, a burst of 8 prompts of it with 1,200 new
     tokens each. On the holder the k-th request waits for the k-1 suffixes placed there
     before it (60 ms each) and shares steps with the last one; elsewhere it prefills all
-    4,200 tokens (220 ms) and copies the prefix. So the holder takes the first 2, then the
-    burst spills onto each idle engine once (well before the bounded-load filter would
-    stop it), and comes back to the holder once the copies are busy prefilling."""
+    4,200 tokens (220 ms), and those 160 ms more delay the burst's requests placed after
+    it (the work externality: k ÷ 4 of them per engine while the queue drains). So the
+    holder takes the first 4, then the burst spills onto the idle engines, and every
+    request goes where its predicted cost is least (not all to the holder, which looked
+    best before the burst)."""
     fleet = Fleet()
     shared = text(3000, "system")
     holder = await _holder(fleet, shared)
     picked = await fleet.burst([shared + text(1200, f"q{i}") for i in range(8)])
-    assert picked[:2] == [holder, holder]
-    assert holder not in picked[2:5] and len(set(picked[2:5])) == 3
-    assert picked[5:] == [holder] * 3
+    assert picked[:4] == [holder] * 4
+    assert picked[4] != holder and len(set(picked)) >= 3
 
 
 async def test_a_burst_sharing_a_held_prefix_spills_when_the_holders_kv_cache_is_full() -> None:

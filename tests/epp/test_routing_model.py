@@ -522,6 +522,101 @@ async def test_a_short_queue_still_loses_to_a_long_prefill() -> None:
     assert stays
 
 
+async def _hit_on_a_full_holder(*, first_still_running: bool) -> bool:
+    """The holder has the 2,000-token group prefix cached and runs 2 other requests that
+    leave 1,000 tokens of its 6,400 free; the other engine is idle. The group's next
+    request (2,001 prompt tokens, 128 output) would hit 2,000 there. Whether it stays."""
+    states, ctx, scorer, now = latency_fleet(2, 400, decodeSecondsPerRequest=0.0)
+    prefix = ctx.extras["prefix_index"]
+    group = "g" * 8000
+    first = InferenceRequest("q0", {}, prompt_text=group + " q0", model="m", target_model="m")
+    cycle = CycleState()
+    await prefix.prepare(cycle, first, states)
+    scorer.score(cycle, first, states)
+    result = SchedulingResult("p", [states[0]])
+    prefix.pre_request(cycle, first, result)
+    scorer.pre_request(cycle, first, result)
+    holder = states[0]
+    if not first_still_running:  # it finished: its blocks stay cached, referenced by none
+        scorer.response_complete(first, result, ResponseInfo(status=200, prompt_tokens=2001))
+    scorer._lifetime[holder.key] = 0.5
+    now[0] += 5.0
+    _loaded(holder, running=2, waiting=0, kv_usage=1 - 1000 / 6400)
+    holder.metrics.updated_at = now[0]
+    picked, _, _ = await schedule(ctx, states, group + " q1", scorer)
+    return states[picked] is holder
+
+
+async def test_a_hit_on_blocks_no_running_request_holds_needs_their_room_too() -> None:
+    """A hit on a prefix left by a finished request takes those blocks out of the free
+    cache (vLLM counts them free), so it needs 2,129 tokens where 1,000 are free: it would
+    wait for one of the 2 running requests to finish (0.5 s ÷ 2 = 0.25 s), more than the
+    62 ms it saves, and goes to the idle engine. While a running request shares the
+    prefix it needs only its 129 new tokens, and stays. (Counting only the uncached
+    tokens, it stayed in both cases and waited.)"""
+    assert not await _hit_on_a_full_holder(first_still_running=False)
+    assert await _hit_on_a_full_holder(first_still_running=True)
+
+
+def test_running_prefixes_finds_the_longest_prefix_shared_with_a_request_in_flight() -> None:
+    from infergate.epp.scheduling.plugins.latency import SHARED_STRIDE, RunningPrefixes
+
+    rng = random.Random(3)
+    blocks = [rng.getrandbits(64).to_bytes(8, "little") for _ in range(200)]
+
+    def prompt(shared: int, length: int, tag: int) -> bytes:
+        """``shared`` blocks of the common chain, then blocks of its own (a new chain)."""
+        own = [bytes([tag, i % 256, i // 256]) + b"\xff" * 5 for i in range(length - shared)]
+        return b"".join(blocks[:shared] + own)
+
+    running = RunningPrefixes()
+    a, b = prompt(37, 60, 1), prompt(90, 95, 2)
+    running.add("e", a, RunningPrefixes.sample(a))
+    assert running.shared_blocks("e", prompt(200, 200, 0)) == 37
+    assert running.shared_blocks("f", prompt(200, 200, 0)) == 0  # another endpoint
+    running.add("e", b, RunningPrefixes.sample(b))
+    assert running.shared_blocks("e", prompt(120, 150, 3)) == 90
+    assert running.shared_blocks("e", prompt(50, 150, 3)) == 50
+    assert running.shared_blocks("e", b) == 95  # the same prompt: all of it
+    assert running.shared_blocks("e", prompt(3, 150, 3)) == 3
+    assert running.shared_blocks("e", prompt(0, 150, 3)) == 0
+    running.remove("e", b, RunningPrefixes.sample(b))
+    # b ended; a remains. Which prompt of those sharing block 32 is the newest is no longer
+    # known, so the count stops there: within one stride, never more than is shared.
+    assert 37 - SHARED_STRIDE < running.shared_blocks("e", prompt(120, 150, 3)) <= 37
+    running.remove("e", a, RunningPrefixes.sample(a))
+    assert running.shared_blocks("e", prompt(120, 150, 3)) == 0
+
+
+async def _spill_or_stay(recent_picks: int, **params: object) -> str:
+    """Two engines: the holder of a 2,000-token prefix with 100 ms of prefill queued, the
+    other idle; ``recent_picks`` picks 10 ms ago. Where the group's next request (2,001
+    tokens) goes: "H" or "O"."""
+    states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.0, **params)
+    group = "g" * 8000
+    first, _, _ = await schedule(ctx, states, group + " q0", scorer)
+    holder = states[first]
+    now[0] += 5.0
+    scorer._pick_times[:] = [now[0] - 0.01] * recent_picks
+    holder.prefill_busy_until = now[0] + 0.1
+    picked, _, _ = await schedule(ctx, states, group + " q1", scorer)
+    return "H" if states[picked] is holder else "O"
+
+
+async def test_recomputing_a_prefix_elsewhere_is_charged_the_delay_it_adds_to_later_requests() -> (
+    None
+):
+    """Recomputing the 2,000-token prefix on the idle engine takes 62 ms, less than the
+    holder's 100 ms queue, so for this request alone the idle engine is sooner. But the
+    fleet's queue (mean wait 50 ms) has seen 8 picks in its last 50 ms: 4 per engine
+    arrive while it drains and each waits behind the 62 ms spent, so the holder wins.
+    With no recent arrivals, or with the externality off, the request takes the idle
+    engine."""
+    assert await _spill_or_stay(8) == "H"
+    assert await _spill_or_stay(0) == "O"
+    assert await _spill_or_stay(8, workExternality=0.0) == "O"
+
+
 def test_queue_seconds_follows_littles_law() -> None:
     from infergate.epp.scheduling.plugins.latency import queue_seconds
 

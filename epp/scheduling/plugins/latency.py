@@ -4,7 +4,7 @@ For every candidate endpoint ``e`` the scorer predicts this request's time to fi
 token there (all times in seconds)::
 
     ttft(e) = max(wait(e), queue(e)) + base(e) + work(e) + evict(e)
-              + copy(e) + interfere(e) + busy(e)
+              + copy(e) + interfere(e) + busy(e) + later(e)
 
 * ``work(e) = per_token(e) × uncached × (1 + (cached + uncached/2)/C) ÷ (1 + m̄/C)``: the
   prefill of the uncached tokens with their attention over the context
@@ -77,9 +77,15 @@ token there (all times in seconds)::
   from routing to completion the EPP observed there, Little's law gives ``e``'s
   completion rate ``X = n ÷ T``; the request waits for the ``waiting(e)`` requests ahead
   of it plus the ``k`` completions that free enough cache for it: ``k = ⌈(need − free) ÷
-  held⌉`` where ``need`` is its uncached prompt plus ``max_tokens``, ``free =
-  capacity × (1 − kv_usage)`` and ``held`` the mean tokens a running request holds. So
-  ``queue(e) = (waiting(e) + k) ÷ X``. This is what makes a sticky engine with a full
+  held⌉`` where ``free = capacity × (1 − kv_usage)``, ``held`` the mean tokens a running
+  request holds, and ``need = max(uncached, prompt − shared) + max_tokens``: ``shared``
+  the prefix it shares with a request this EPP has in flight on ``e``
+  (:class:`RunningPrefixes`). A hit on blocks no running request references needs
+  their room too: the engine counts them free (``kv_usage`` leaves them out) and takes
+  them out of the free blocks when it admits the hit. Counting only the uncached part,
+  a hit on a full engine looked admissible at once and waited there for a running
+  request to finish (the routing lab's KV-bound cells, where 3 requests fill an
+  engine). So ``queue(e) = (waiting(e) + k) ÷ X``. This is what makes a sticky engine with a full
   cache lose to a cold idle one once the queue costs more than the prefill it saves.
 * ``interfere(e) = work(e) × interferencePenalty`` while ``e`` is
   still prefilling another request (its clock or its report shows prefill work left),
@@ -92,6 +98,22 @@ token there (all times in seconds)::
   1 % tail. A hit's few uncached tokens cost nearly nothing here, so stickiness is
   unchanged; a cold prompt goes to an engine that is not prefilling when there is one.
 * ``busy(e) = running(e) × decodeSecondsPerRequest``: a small tie-break for decode load.
+* ``later(e)``, the *work externality*: what this choice costs the requests that come
+  after it. Prefill work spent here beyond the cheapest candidate's (recomputing a
+  prefix its holder would have hit) sits in an engine's queue ahead of every request
+  that reaches that engine before the queue drains, and routing that balances the queues
+  spreads the delay over the fleet: each of the ``λ·w̄`` requests arriving in the next
+  ``w̄`` seconds (``w̄`` the candidates' mean ``max(wait, queue)``, ``λ`` the arrival
+  rate) waits ``extra ÷ N`` longer (``N`` candidates). By Little's law that is the
+  number queued per engine, ``n = λ·w̄ ÷ N``, measured as this EPP's picks over the last
+  ``w̄`` seconds ÷ ``N``. So ``later(e) = workExternality × n × (work(e) − min_e'
+  work(e'))`` (a lower bound: it leaves out that the delayed requests extend the busy
+  period in turn, the ``1 ÷ (1 − ρ)`` of an M/G/1 queue). On an idle fleet ``n`` is 0
+  and each request takes the sooner engine; in a backlog a request stays on the holder
+  of its prefix until the holder's queue is longer than ``(1 + n)`` recomputes. Without
+  it, a bursty trace window at 40-50 % of its hit ceiling (queues of seconds) recomputed
+  11 % of the blocks it could have hit, to save each request its own wait, and every
+  request behind paid for it.
 * ``progress(e)``, an *in-progress hit*: the part of ``cached(e)`` that a pick of the same
   instant (the last ``SAME_STEP_S``) placed on ``e`` is not in the engine's cache yet.
   Both requests wait for the engine's next step; it admits this one at the latest in the
@@ -130,6 +152,7 @@ linear one whose parameters are learned per endpoint.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -160,6 +183,104 @@ CLAIM_NOTE = "latency.claim"
 #: Picks this recent (seconds) have not reached their engine's next step: a request placed
 #: now on the same engine joins that step (in-progress hits, module docstring).
 SAME_STEP_S = 0.005
+#: Request note holding the (endpoint key, block hashes, sampled ones) of a request in flight.
+RUNNING_NOTE = "latency.running"
+#: Of an in-flight prompt's index blocks, every this-many-th (and its last) is remembered,
+#: to find the prefix a new prompt shares with the requests on an endpoint
+#: (:class:`RunningPrefixes`).
+SHARED_STRIDE = 8
+#: Picks remembered for the work externality's count of recent arrivals (at least this
+#: many, at most twice as many).
+PICK_HISTORY = 4096
+
+
+class RunningPrefixes:
+    """The prompt prefixes of this EPP's requests in flight, per endpoint.
+
+    What a request adds to an engine's KV usage is its prompt less the prefix it shares
+    with a request *running* there, plus its output: vLLM counts cached blocks that no
+    running request references as free (``kv_cache_usage`` leaves them out), and a hit
+    on them takes them out of the free blocks at admission (``allocate_slots`` counts
+    them as evictable computed blocks). Only blocks a running request references cost
+    nothing more. So a prompt that hits a prefix left by a finished request needs its
+    whole length of free cache, not its uncached part (module docstring, ``queue``).
+
+    The block hashes chain, so sharing block ``j`` means sharing every block before it.
+    Each endpoint maps the hashes at its in-flight prompts' sampled positions (every
+    :data:`SHARED_STRIDE`-th block from the first, and each prompt's last) to how many
+    prompts have them and the newest such prompt. The longest shared prefix is found by
+    a binary search over the sampled positions, one dict lookup each, then block by
+    block against that newest prompt up to the next sampled position (a lower bound when
+    that prompt has ended). Cost: ``blocks ÷ SHARED_STRIDE`` dict updates when a request
+    is routed and again when it ends; ``O(log blocks + SHARED_STRIDE)`` lookups per
+    candidate holding anything."""
+
+    def __init__(self) -> None:
+        #: endpoint key -> sampled hash -> [prompts in flight with it, the newest one].
+        self._held: dict[str, dict[bytes, list[Any]]] = {}
+
+    @staticmethod
+    def sample(hashes: bytes) -> list[bytes]:
+        """The hashes at the sampled positions of a packed prompt (8 bytes a block)."""
+        n = len(hashes) // 8
+        at = list(range(0, n, SHARED_STRIDE))
+        if n and at[-1] != n - 1:
+            at.append(n - 1)
+        return [hashes[8 * j : 8 * j + 8] for j in at]
+
+    def add(self, key: str, hashes: bytes, sampled: list[bytes]) -> None:
+        held = self._held.setdefault(key, {})
+        for h in sampled:
+            entry = held.get(h)
+            if entry is None:
+                held[h] = [1, hashes]
+            else:
+                entry[0] += 1
+                entry[1] = hashes
+
+    def remove(self, key: str, hashes: bytes, sampled: list[bytes]) -> None:
+        held = self._held.get(key)
+        if held is None:
+            return
+        for h in sampled:
+            entry = held.get(h)
+            if entry is None:
+                continue
+            entry[0] -= 1
+            if entry[0] <= 0:
+                del held[h]
+            elif entry[1] is hashes:
+                entry[1] = None  # another prompt has it; which is not known
+        if not held:
+            del self._held[key]
+
+    def shared_blocks(self, key: str, hashes: bytes) -> int:
+        """Leading blocks of ``hashes`` that a request in flight on ``key`` also has
+        (never more than one really shares)."""
+        held = self._held.get(key)
+        n = len(hashes) // 8
+        if not held or n == 0:
+            return 0
+        if hashes[8 * (n - 1) : 8 * n] in held:
+            return n
+        low, high = -1, (n - 1) // SHARED_STRIDE  # the last sampled position held, in strides
+        while low < high:
+            mid = (low + high + 1) // 2
+            j = mid * SHARED_STRIDE
+            if hashes[8 * j : 8 * j + 8] in held:
+                low = mid
+            else:
+                high = mid - 1
+        if low < 0:
+            return 0
+        j = low * SHARED_STRIDE
+        newest: bytes | None = held[hashes[8 * j : 8 * j + 8]][1]
+        j += 1
+        if newest is not None:
+            end = min(n, len(newest) // 8, j + SHARED_STRIDE - 1)
+            while j < end and hashes[8 * j : 8 * j + 8] == newest[8 * j : 8 * j + 8]:
+                j += 1
+        return j
 
 
 class PredictedLatencyParams(BaseModel):
@@ -209,6 +330,13 @@ class PredictedLatencyParams(BaseModel):
         "30.6k for Llama-3.1-8B, 54k for Llama-3.1-70B. A token after x tokens of context "
         "costs (1 + x / this) times a token at the start; 0: every token costs the same.",
     )
+    workExternality: float = Field(
+        1.0,
+        ge=0,
+        description="Share charged of the delay that prefill work spent beyond the "
+        "cheapest candidate's adds to the requests arriving while the fleet's queue "
+        "drains (0: each request minimises its own TTFT only).",
+    )
     secondsPerToken: float | None = Field(
         None, gt=0, description="Pin the prefill cost per uncached token instead of learning it."
     )
@@ -242,6 +370,10 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         #: responses (the fits' mean context, :meth:`prefill_seconds`).
         self._mix_tokens = 0.0
         self._mix_context = 0.0
+        #: Prefixes of this EPP's requests in flight, per endpoint (the KV need, ``queue``).
+        self.running = RunningPrefixes()
+        #: When this EPP's recent picks were made, oldest first (``work externality``).
+        self._pick_times: list[float] = []
 
     @property
     def reuse(self) -> float:
@@ -278,6 +410,28 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             return cost.per_token * uncached
         factor = (1.0 + (cached + uncached / 2.0) / c_tokens) / (1.0 + self.mean_context / c_tokens)
         return cost.per_token * uncached * factor
+
+    def work_externality(
+        self, waits: Sequence[float], works: Sequence[float], now: float
+    ) -> list[float]:
+        """Per candidate, the delay its choice adds to later requests (module docstring,
+        "work externality"): ``workExternality × n × (work(e) − min work)``, with ``n``
+        this EPP's picks over the last ``w̄`` seconds (``w̄`` the candidates' mean wait)
+        divided by the number of candidates."""
+        backlog = sum(waits) / len(waits)
+        if backlog <= 0.0:
+            return [0.0] * len(works)
+        times = self._pick_times
+        behind = (len(times) - bisect.bisect_left(times, now - backlog)) / len(waits)
+        least = min(works)
+        return [self.p.workExternality * behind * (w - least) for w in works]
+
+    def _note_pick(self, now: float) -> None:
+        """Remember a pick's time (the last :data:`PICK_HISTORY`, for ``n``)."""
+        times = self._pick_times
+        times.append(now)
+        if len(times) > 2 * PICK_HISTORY:
+            del times[:PICK_HISTORY]
 
     def _prefix(self) -> Any:
         return self.context.extras.get("prefix_index")
@@ -319,9 +473,19 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         costs = self._pooled_costs(endpoints, prompt)
         hashes: bytes = cycle.get("prefix.hashes") or b""
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
+        needs: dict[str, float] = {}
+        waits: list[float] = []
+        works: list[float] = []
         for e, free, cost in zip(endpoints, frees, costs, strict=True):
             here = cached.get(e.key, 0.0)
-            ttft, uncached = self._predict_one(e, cost, now, prompt, here, output)
+            shared = self.running.shared_blocks(e.key, hashes) if prefix is not None else 0
+            unshared = prompt - (prefix.tokens_for_blocks(model, shared) if shared else 0.0)
+            needs[e.key] = max(1.0, prompt - here, unshared) + output
+            ttft, uncached, wait, work = self._predict_one(
+                e, cost, now, prompt, here, needs[e.key], output
+            )
+            waits.append(wait)
+            works.append(work)
             if e.claimed_requests and matches.get(e.key):
                 ttft += self._in_progress_seconds(
                     e, cost, now, hashes, matches[e.key], prefix, model
@@ -337,8 +501,12 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             if stale(e, now):
                 ttft += STALE_PENALTY_S
             out.append((ttft, uncached))
+        if self.p.workExternality > 0 and len(out) > 1:
+            extra = self.work_externality(waits, works, now)
+            out = [(t + x, u) for (t, u), x in zip(out, extra, strict=True)]
         cycle["latency.predicted"] = {e.key: t for e, (t, _) in zip(endpoints, out, strict=True)}
         cycle["latency.uncached"] = {e.key: u for e, (_, u) in zip(endpoints, out, strict=True)}
+        cycle["latency.kv_need"] = needs
         return out
 
     def _predict_one(
@@ -348,11 +516,13 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         now: float,
         prompt: float,
         cached: float,
+        kv_need: float,
         output: float,
-    ) -> tuple[float, float]:
-        """(TTFT seconds without the eviction and staleness terms, uncached tokens) of a
-        ``prompt``-token request of which ``e`` holds ``cached``, at prefill ``cost``
-        (module docstring)."""
+    ) -> tuple[float, float, float, float]:
+        """(TTFT seconds without the eviction and staleness terms, uncached tokens, the
+        wait before its prefill, the prefill's seconds) of a ``prompt``-token request of
+        which ``e`` holds ``cached``, at prefill ``cost``, taking ``kv_need`` tokens of
+        ``e``'s KV cache (module docstring)."""
         uncached = max(1.0, prompt - cached)
         prefilling = max(
             e.prefill_busy_until - now, e.pending_prefill_seconds(cost.per_token, now), 0.0
@@ -362,13 +532,13 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         lifetime = self._lifetime.get(e.key) or (
             cost.base + self.prefill_work(cost, prompt, 0.0) + output * PRIOR_DECODE_STEP_S
         )
-        wait = max(wait, queue_seconds(e, uncached + output, lifetime))
+        wait = max(wait, queue_seconds(e, kv_need, lifetime))
         ttft = wait + cost.base + work
         if prefilling > 0.0:
             # Shares steps with the prefill in progress: delays that request's first token.
             ttft += work * self.p.interferencePenalty
         batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
-        return ttft + batch * self.p.decodeSecondsPerRequest, uncached
+        return ttft + batch * self.p.decodeSecondsPerRequest, uncached, wait, work
 
     def _in_progress_seconds(
         self,
@@ -453,21 +623,22 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         if uncached is None:
             return
         now = self.clock()
+        self._note_pick(now)
         output = float(request.max_tokens or DEFAULT_OUTPUT_TOKENS)
+        kv_need = (cycle.get("latency.kv_need") or {}).get(primary.key, uncached + output)
+        hashes: bytes = cycle.get("prefix.hashes") or b""
+        matches: dict[str, int] = cycle.get("prefix.matches") or {}
+        if hashes:
+            sampled = RunningPrefixes.sample(hashes)
+            self.running.add(primary.key, hashes, sampled)
+            request.notes[RUNNING_NOTE] = (primary.key, hashes, sampled)
         if result.remote_prefill:  # another endpoint prefills (P/D): only the KV lands here
-            claim = Claim(now, uncached + output, 0.0)
+            claim = Claim(now, kv_need, 0.0)
         else:
             prompt = self._prompt_tokens(cycle, request)
             work = self.prefill_work(self._cost(primary), uncached, max(0.0, prompt - uncached))
             primary.prefill_busy_until = max(primary.prefill_busy_until, now) + work
-            matches: dict[str, int] = cycle.get("prefix.matches") or {}
-            claim = Claim(
-                now,
-                uncached + output,
-                uncached,
-                cycle.get("prefix.hashes") or b"",
-                matches.get(primary.key, 0),
-            )
+            claim = Claim(now, kv_need, uncached, hashes, matches.get(primary.key, 0))
         primary.claim(claim)
         request.notes[CLAIM_NOTE] = (primary, claim)
         request.notes["latency.predicted_ttft"] = (cycle.get("latency.predicted") or {}).get(
@@ -483,6 +654,9 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         placed: tuple[EndpointState, Claim] | None = request.notes.pop(CLAIM_NOTE, None)
         if placed is not None:
             placed[0].release(placed[1])
+        running: tuple[str, bytes, list[bytes]] | None = request.notes.pop(RUNNING_NOTE, None)
+        if running is not None:
+            self.running.remove(*running)
         routed_at = request.notes.get("latency.routed_at")
         primary = result.primary
         if routed_at is None or primary is None or not 200 <= response.status < 300:
