@@ -78,19 +78,33 @@ def _workload(engine_image: str) -> list[dict[str, Any]]:
             "--host=0.0.0.0",
             "--port=8000",
             "--served-model-name=tiny",
+            # Slow steps: a streamed token every 125 ms, so the rollout tests' streams last
+            # seconds with few chunks (the machine's CPU is the load's bound, not Envoy's).
+            "--sim-base-ms=125",
         ],
         "ports": [{"name": "http", "containerPort": 8000}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
         # The chart sample's probes: a liveness probe from the engine's first second kills
-        # it while torch still imports on a busy machine.
+        # it while torch still imports on a busy machine, and under the rollout tests'
+        # streams a 1 s timeout failed both engines' probes (the kubelet restarted one, the
+        # EPP dropped both: 503 "no ready endpoint").
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 2,
+            "timeoutSeconds": 5,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "initialDelaySeconds": 30,
             "periodSeconds": 10,
+            "timeoutSeconds": 5,
         },
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
         "securityContext": restricted,
         "volumeMounts": mounts,
+        # A deleted engine serves on while the EPP and the Service drop it (as any model
+        # server behind a picker should: without, a request picked just before the EPP
+        # saw the deletion meets a closed port).
+        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
     }
     make_model = {
         "name": "make-tiny-model",
@@ -159,7 +173,15 @@ def _workload(engine_image: str) -> list[dict[str, Any]]:
             ],
         },
     }
-    return [deployment, pool, gateway, route]
+    # The engines' own Service, as a user has one: its EndpointSlices are kube-proxy's and
+    # the endpoint controller's view of the pool's pods.
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "sim-engine", "namespace": NS},
+        "spec": {"selector": labels, "ports": [{"name": "http", "port": 8000}]},
+    }
+    return [deployment, service, pool, gateway, route]
 
 
 def _wait(node: Node, *args: str, timeout: str = "300s") -> None:
@@ -264,3 +286,151 @@ def test_epp_killed_is_restarted_by_the_kubelet_fail_close_holds_and_routing_res
         assert time.monotonic() < deadline, "routing did not resume 120 s after the EPP was Ready"
         time.sleep(0.5)
     assert _send(node, gateway_url, 50) == {"200": 50}
+
+
+STREAM_LOAD = ROOT / "tests" / "support" / "stream_load.py"
+#: The rollout tests' load: 20 streamed completions a second, 16 tokens (about 2 s on the
+#: simulated engines); every 10th asks for 120 (about 15 s: longer than the shutdown
+#: manager's minimum drain, shorter than the grace period).
+RATE, TOKENS, LONG_EVERY, LONG_TOKENS = 20, 16, 10, 120
+GATEWAY_PROXY = "inference-gateway-infergate"  # proxy_name("inference-gateway")
+
+
+class _StreamLoad:
+    """tests/support/stream_load.py running in the node's namespace while a test acts."""
+
+    def __init__(self, node: Node, url: str, long_every: int = LONG_EVERY) -> None:
+        argv = [str(a) for a in (STREAM_LOAD, url, RATE, TOKENS, long_every, LONG_TOKENS)]
+        self.process = node.popen(sys.executable, *argv)
+
+    def stop(self) -> dict[str, Any]:
+        """Stop starting requests; wait for those started; their outcomes."""
+        out, err = self.process.communicate("stop\n", timeout=600)
+        assert self.process.returncode == 0, err[-3000:]
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return result
+
+
+def _pod_names(node: Node, prefix: str) -> set[str]:
+    pods = json.loads(require_cluster(node).kubectl("get", "pods", "-n", NS, "-o", "json").stdout)
+    return {
+        p["metadata"]["name"] for p in pods["items"] if p["metadata"]["name"].startswith(prefix)
+    }
+
+
+def _roll(node: Node, deployment: str) -> tuple[set[str], set[str]]:
+    """``kubectl rollout restart`` of ``deployment``; returns (old pods, new pods) once the
+    rollout is done and every old pod is gone (drained and exited)."""
+    cluster = require_cluster(node)
+    old = _pod_names(node, deployment + "-")
+    cluster.kubectl("rollout", "restart", "-n", NS, f"deployment/{deployment}")
+    cluster.kubectl(
+        "rollout", "status", "-n", NS, f"deployment/{deployment}", "--timeout=600s", timeout=620
+    )
+    for pod in old:
+        _wait(node, "-n", NS, f"pod/{pod}", "--for=delete", timeout="600s")
+    return old, _pod_names(node, deployment + "-")
+
+
+def _assert_all_complete(result: dict[str, Any]) -> None:
+    started = result["started"]
+    assert started > 0, result
+    assert result["outcomes"] == {"complete": started}, result
+
+
+def test_gateway_envoy_rolling_update_under_streaming_load_fails_no_request(
+    node: Node, gateway_url: str
+) -> None:
+    """20 streamed completions a second through the Gateway's Service while its Envoy
+    Deployment is rolled: the old proxy pod is drained by its shutdown manager before the
+    kubelet stops it (listeners open while its endpoint is removed, every connection closed
+    after its response), so every stream started, on either pod, completes."""
+    load = _StreamLoad(node, gateway_url)
+    try:
+        time.sleep(3)  # streams in flight on the old pod when it is deleted
+        old, new = _roll(node, GATEWAY_PROXY)
+        time.sleep(2)  # and some on the new one only
+    finally:
+        result = load.stop()
+    assert old and new and not old & new, (old, new)
+    _assert_all_complete(result)
+
+
+def test_epp_rolling_update_under_streaming_load_fails_no_request(
+    node: Node, gateway_url: str
+) -> None:
+    """20 streamed completions a second while the pool's EPP Deployment is rolled (the
+    operator's maxUnavailable 0, maxSurge 1): the new EPP is Ready before the old one is
+    deleted; the old one serves on while the Gateway's EDS drops it (preStop), then sends
+    GOAWAY and lets its ext-proc streams finish. Every stream completes."""
+    load = _StreamLoad(node, gateway_url)
+    try:
+        time.sleep(3)
+        old, new = _roll(node, "sim-epp")
+        time.sleep(2)
+    finally:
+        result = load.stop()
+    assert old and new and not old & new, (old, new)
+    _assert_all_complete(result)
+
+
+def _slice_pods(node: Node, service: str) -> set[str]:
+    """The pods the Service's EndpointSlices list (any condition)."""
+    slices = json.loads(
+        require_cluster(node).kubectl(
+            "get", "endpointslices", "-n", NS, "-l", f"kubernetes.io/service-name={service}",
+            "-o", "json",
+        ).stdout
+    )  # fmt: skip
+    return {
+        (endpoint.get("targetRef") or {}).get("name", "")
+        for item in slices["items"]
+        for endpoint in item.get("endpoints") or []
+    }
+
+
+def _epp_metrics(node: Node) -> str:
+    service = require_cluster(node).get("service", "sim-epp", NS)
+    assert service is not None
+    code, body = node.http_get(f"http://{service['spec']['clusterIP']}:9090/metrics")
+    assert code == 200, body[-500:]
+    return body
+
+
+def test_engine_pod_removed_is_dropped_by_its_service_slices_and_the_epp(
+    node: Node, gateway_url: str
+) -> None:
+    """An engine pod deleted under 20 streamed completions a second: its Service's
+    EndpointSlices and the EPP's endpoints drop it, its replacement joins both, and every
+    stream completes."""
+    cluster = require_cluster(node)
+    _wait(node, "-n", NS, "deployment/sim-engine", "--for=condition=Available")
+    victim = sorted(_pod_names(node, "sim-engine-"))[0]
+    pod = cluster.get("pod", victim, NS)
+    assert pod is not None
+    address = f"{pod['status']['podIP']}:8000"
+    assert victim in _slice_pods(node, "sim-engine")
+    assert address in _epp_metrics(node)
+
+    # Short streams only: an engine's own shutdown gives its streams 5 s (uvicorn's
+    # graceful timeout), after the 5 s its preStop keeps it serving.
+    load = _StreamLoad(node, gateway_url, long_every=0)
+    try:
+        time.sleep(3)
+        cluster.kubectl("delete", "pod", "-n", NS, victim, "--wait=true", "--timeout=300s",
+                        timeout=320)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while victim in _slice_pods(node, "sim-engine") or address in _epp_metrics(node):
+            assert time.monotonic() < deadline, "the deleted engine is still listed"
+            time.sleep(1)
+        _wait(node, "-n", NS, "deployment/sim-engine", "--for=condition=Available")
+        time.sleep(2)
+    finally:
+        result = load.stop()
+    _assert_all_complete(result)
+    replacement = _pod_names(node, "sim-engine-") - {victim}
+    assert len(replacement) == 2, replacement
+    deadline = time.monotonic() + 60
+    while not replacement <= _slice_pods(node, "sim-engine"):
+        assert time.monotonic() < deadline, (replacement, _slice_pods(node, "sim-engine"))
+        time.sleep(1)

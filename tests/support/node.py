@@ -132,6 +132,14 @@ class Node:
             )
         return result
 
+    def popen(self, *argv: str) -> subprocess.Popen[str]:
+        """Start ``argv`` in the node's namespace, in the background: its stdin, stdout
+        and stderr are pipes (text)."""
+        return subprocess.Popen(
+            ["nsenter", f"--net={self.env['NETNS']}", "--", *argv], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
     def http_get(self, url: str, timeout: float = 5.0) -> tuple[int, str]:
         """``GET url`` from the namespace: (status, body); status 0 if nothing answered."""
         result = self.run(
