@@ -12,10 +12,11 @@ newer. A failed scrape keeps the previous snapshot, which ages into staleness �
 means saturated — so a dead engine drops out of scheduling without a special case.
 
 An endpoint that pushes load reports (:mod:`infergate.epp.datalayer.load_reports`) is
-not scraped while its reports keep arriving; when they stop, scraping resumes. Reports
-are read lazily (``Datastore.refresh``), so the check reads what came first: in a pool
-that makes no decisions, these checks (about one per endpoint a second) are what keeps
-the snapshots and the feeds' queues current.
+not scraped while its reports keep arriving; when they stop, scraping resumes. One
+timer watches every pushing endpoint (:class:`_PushWatch`), at the earliest deadline
+among them; reports are read lazily (``Datastore.refresh``), so it reads what came first.
+In a pool that makes no decisions, these checks (about one per heartbeat grace, whatever
+the pool's size) keep the snapshots and the feeds' queues current.
 
 An endpoint known dead — its metrics port refuses the connection, or its snapshot is
 older than the staleness threshold while scrapes fail — is reported to ``on_dead`` on
@@ -64,6 +65,7 @@ class Collectors:
         self.on_dead = on_dead
         self.staleness = staleness
         self._tasks = EndpointTasks(datastore, self._loop, "collector")
+        self._pushes = _PushWatch(datastore, interval)
         if metrics is not None:  # a departed endpoint's series go with it (bounded memory)
             self._tasks.removed_listeners.append(lambda e: metrics.forget_endpoint(e.key))
         self.scrapes = 0
@@ -92,8 +94,8 @@ class Collectors:
             now = time.monotonic()  # the snapshots' clock (uvloop's loop.time() is its own)
             if state is not None and push_alive(state.metrics, now):
                 # The engine pushes its load: no scrape until its reports stop.
-                wait = max(push_deadline(state.metrics) - now, self.interval)
-                due = loop.time() + wait
+                await self._pushes.stopped(endpoint.key)
+                due = loop.time()
                 continue
             await scraper.scrape()
             due += self.interval
@@ -102,6 +104,72 @@ class Collectors:
 
     async def stop(self) -> None:
         await self._tasks.stop()
+        self._pushes.close()
+
+
+class _PushWatch:
+    """One timer for every endpoint that pushes, rather than one per endpoint.
+
+    A pushing endpoint's scrape loop waits in :meth:`stopped` until its reports stop.
+    The watch wakes at the earliest deadline among them (:func:`push_deadline`), reads
+    what the feeds hold (``Datastore.refresh``: reports are read lazily) and releases the
+    endpoints whose pushes stopped; the rest wait on, to their new deadlines. A pool of N
+    heartbeating engines costs about one wakeup per heartbeat grace, not N: every
+    replica pays these wakeups whether it routes or not.
+    """
+
+    def __init__(self, datastore: Datastore, interval: float) -> None:
+        self.datastore = datastore
+        self.interval = interval  # the closest two checks may be
+        self.checks = 0
+        self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the timer fires, on the monotonic clock
+
+    async def stopped(self, key: str) -> None:
+        """Return once ``key``'s pushes have stopped (or it left the pool)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting[key] = waiter
+        self._arm()
+        try:
+            await waiter
+        finally:
+            if self._waiting.get(key) is waiter:
+                del self._waiting[key]
+
+    def _arm(self) -> None:
+        deadlines = [
+            push_deadline(state.metrics)
+            for key in self._waiting
+            if (state := self.datastore.get(key)) is not None
+        ]
+        now = time.monotonic()
+        due = max(min(deadlines, default=now), now + self.interval)
+        if self._timer is not None and self._due <= due:
+            return  # it fires soon enough
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due = due
+        self._timer = asyncio.get_running_loop().call_later(due - now, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        self.checks += 1
+        self.datastore.refresh()
+        now = time.monotonic()
+        for key, waiter in list(self._waiting.items()):
+            state = self.datastore.get(key)
+            if state is None or not push_alive(state.metrics, now):
+                del self._waiting[key]
+                if not waiter.done():
+                    waiter.set_result(None)
+        if self._waiting:
+            self._arm()
 
 
 class _Scraper:

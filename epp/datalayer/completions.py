@@ -83,6 +83,8 @@ class CompletionSubscriptions(ZmqSubscriptions):
         self.on_admitted = on_admitted
         #: Load reports read but not applied: a newer one of the same engine followed.
         self.superseded = 0
+        #: Times the records feeds' readers ran (the wakeups this replica pays).
+        self.wakeups = 0
         self._lazy: dict[str, ZmqFeed] = {}  # endpoint key -> its lazily read feed
         self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
         super().__init__(datastore, "completions")
@@ -141,6 +143,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
         loop = asyncio.get_running_loop()
 
         def drain() -> None:
+            self.wakeups += 1
             for frames in records.read():
                 try:
                     self._take(endpoint.key, frames)
@@ -151,14 +154,19 @@ class CompletionSubscriptions(ZmqSubscriptions):
             if records.redial():
                 drain()
 
-        descriptors = records.descriptors()
+        descriptors = list(records.descriptors())
         loop.add_reader(descriptors[0], drain)
         loop.add_reader(descriptors[1], redial)
         if lazy is not None:
             self._lazy[endpoint.key] = lazy
+            # Its monitor only: a dropped connection is redialled at once, not at a decision.
+            descriptors.append(lazy.descriptors()[1])
+            loop.add_reader(descriptors[2], lazy.redial)
         try:
             drain()  # what arrived before the readers were added
             redial()
+            if lazy is not None:
+                lazy.redial()
             await loop.create_future()  # until the endpoint leaves (cancelled)
         finally:
             for descriptor in descriptors:
@@ -180,7 +188,6 @@ class CompletionSubscriptions(ZmqSubscriptions):
         replicas.
         """
         for key, feed in self._lazy.items():
-            feed.redial()
             latest: bytes | None = None
             for frames in feed.read():
                 if frames[0] == LOAD_TOPIC:

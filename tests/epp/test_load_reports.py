@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from infergate.epp.datalayer.datastore import Datastore
-from infergate.epp.datalayer.load_reports import LoadReports
+from infergate.epp.datalayer.load_reports import (
+    PUSH_GRACE_HEARTBEATS,
+    LoadReports,
+    push_alive,
+    push_deadline,
+    snapshot,
+)
 from infergate.epp.types import Endpoint, Metrics
 
 from infergate.wire import load
@@ -76,3 +83,15 @@ def test_a_report_after_a_scrape_replaced_the_snapshot_is_applied_whole() -> Non
     reports.on_payload(key, _payload(3, time.time()))
     metrics = state.metrics
     assert (metrics.waiting, metrics.updated_at, metrics.pushed) == (3, 100.5, True)
+
+
+def test_a_report_read_late_counts_as_alive_from_when_it_was_sent() -> None:
+    """Reports are read when a decision needs them, so one may be read a while after the
+    engine sent it (and the engine may have died since): the push stream's liveness runs
+    from the send time, not from the read."""
+    report = load.decode(_payload(3, 1000.0))
+    metrics = snapshot(report, now=100.0, wall=1000.4)  # read 0.4 s after it was sent
+    assert metrics.lag == pytest.approx(0.4)
+    deadline = 100.0 - 0.4 + PUSH_GRACE_HEARTBEATS * report.heartbeat
+    assert push_deadline(metrics) == pytest.approx(deadline)
+    assert push_alive(metrics, deadline - 0.01) and not push_alive(metrics, deadline + 0.01)

@@ -56,6 +56,12 @@ def load_endpoints_file(path: Path) -> list[Endpoint]:
     return [Endpoint(e.address, e.port, tuple(sorted(e.labels.items()))) for e in parsed.endpoints]
 
 
+#: How often watchfiles' loop wakes (it takes the GIL each time to look at the stop
+#: event): a change is seen within about this. At 20 ms the watch alone cost an idle EPP
+#: ~2 ms of CPU a second, paid by every replica (docs/benchmarks/scale.md, "Replicas").
+WATCH_STEP_MS = 250
+
+
 async def watch_file(
     path: Path, on_change: Callable[[], None], stop: asyncio.Event, debounce_ms: int = 50
 ) -> None:
@@ -76,7 +82,7 @@ async def watch_file(
         watch_filter=relevant,
         stop_event=stop,
         debounce=debounce_ms,
-        step=20,
+        step=WATCH_STEP_MS,
         recursive=False,
     ):
         try:
