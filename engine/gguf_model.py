@@ -4,8 +4,10 @@ A GGUF holds weights (often quantized), the model's hyperparameters and its toke
 one file. The engine's loaders read a Hugging Face directory, so :func:`prepare_model_dir`
 derives one next to the cache: ``config.json`` and ``tokenizer.json`` /
 ``tokenizer_config.json`` from the GGUF metadata, plus a link to the GGUF, whose tensors
-:func:`iter_gguf_weights` dequantizes at load (F32, F16, BF16, Q8_0, Q4_0, Q4_1) under
-Hugging Face names. Only the small derived files are written; the weights stay in the GGUF.
+:func:`iter_gguf_weights` reads at load (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q4_0, Q4_1)
+under Hugging Face names: dequantized to float32, or, for ``--quantization gguf``, the
+quantized blocks as they are (models/quantized.py multiplies them without dequantizing).
+Only the small derived files are written; the weights stay in the GGUF.
 
 The file is read with the ``gguf`` package (llama.cpp's own reader and dequantizers).
 """
@@ -22,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .models.quantized import PACKABLE, QuantizedTensor
 
 FORMAT_VERSION = 1  # bump when the derived files change, so old ones are not reused
 
@@ -175,7 +179,7 @@ def hf_config(reader: Any) -> dict[str, Any]:
 def check_tensor_types(reader: Any) -> None:
     """Refuse, before loading anything, a tensor stored in a type we do not dequantize."""
     q = _gguf().GGMLQuantizationType
-    supported = {q.F32, q.F16, q.BF16, q.Q8_0, q.Q4_0, q.Q4_1}
+    supported = {q.F32, q.F16, q.BF16, q.Q8_0, q.Q5_0, q.Q5_1, q.Q4_0, q.Q4_1}
     for t in reader.tensors:
         if t.tensor_type not in supported:
             names = ", ".join(sorted(s.name for s in supported))
@@ -185,22 +189,35 @@ def check_tensor_types(reader: Any) -> None:
             )
 
 
-def iter_gguf_weights(path: Path, cfg: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the GGUF, dequantized to float32, under its Hugging Face name.
+def iter_gguf_weights(
+    path: Path, cfg: Any, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every tensor of the GGUF under its Hugging Face name: dequantized to float32, or,
+    with `keep_quantized`, the matrices of a type models/quantized.py packs as their
+    stored blocks (a :class:`QuantizedTensor`).
 
     llama.cpp stores Q and K rows permuted (each head's rotary pairs interleaved, for its
-    rope kernel); they are put back in Hugging Face's half-split order here. `cfg` is the
-    engine's ModelConfig (head counts for that).
+    rope kernel); they are put back in Hugging Face's half-split order here (whole rows,
+    so blocks move as they are). `cfg` is the engine's ModelConfig (head counts for that).
     """
     gguf = _gguf()
     reader = open_gguf(path)
     check_tensor_types(reader)
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(d) for d in reversed(t.shape))
-        tensor = torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
-        if ".q_proj." in name:
+        tensor: Any
+        if keep_quantized and t.tensor_type.name in PACKABLE and len(shape) == 2:
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            tensor = QuantizedTensor(t.tensor_type.name, raw, (shape[0], shape[1]))
+        else:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            tensor = torch.from_numpy(np.require(values, np.float32, ["C", "W"])).reshape(shape)
+        if isinstance(tensor, QuantizedTensor) and ".q_proj." in name:
+            tensor = _unpermute_rows(tensor, cfg.num_heads)
+        elif isinstance(tensor, QuantizedTensor) and ".k_proj." in name:
+            tensor = _unpermute_rows(tensor, cfg.num_kv_heads)
+        elif ".q_proj." in name:
             tensor = _unpermute(tensor, cfg.num_heads)
         elif ".k_proj." in name:
             tensor = _unpermute(tensor, cfg.num_kv_heads)
@@ -218,6 +235,21 @@ def hf_tensor_name(name: str) -> str:
     elif stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     return name
+
+
+def tensor_types(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Hugging Face name → (GGUF type name, shape rows-first) of every tensor, read from
+    the header only (to choose which modules stay quantized before loading)."""
+    reader = open_gguf(path)
+    return {
+        hf_tensor_name(t.name): (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
+        for t in reader.tensors
+    }
+
+
+def _unpermute_rows(t: QuantizedTensor, n_heads: int) -> QuantizedTensor:
+    """:func:`_unpermute` of a quantized Q/K weight: its rows of blocks move whole."""
+    return QuantizedTensor(t.qtype, _unpermute(t.raw, n_heads).contiguous(), t.shape)
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

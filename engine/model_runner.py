@@ -83,6 +83,7 @@ class TorchModelRunner:
         gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         cpu_threads: int | None = None,
+        quantization: str = "auto",
     ) -> TorchModelRunner:
         """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache.
 
@@ -105,7 +106,15 @@ class TorchModelRunner:
                 f"max_model_len {max_model_len} exceeds the model's "
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )
-        model = load_model(model_dir, cfg, dtype=dt, device=dev, load_format=load_format, seed=seed)
+        model = load_model(
+            model_dir,
+            cfg,
+            dtype=dt,
+            device=dev,
+            load_format=load_format,
+            seed=seed,
+            quantization=quantization,
+        )
         if num_blocks is None:
             num_blocks = _auto_num_blocks(
                 cfg,

@@ -8,6 +8,7 @@ checkpoint — so a large model never exists twice in memory.
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,12 @@ import torch
 
 from .models import LlamaForCausalLM, ModelConfig, model_class
 
+log = logging.getLogger(__name__)
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+#: ``--quantization``: auto (gguf for a GGUF served on CPU, else none); gguf (keep a
+#: GGUF's quantized weights packed, models/quantized.py); none (dequantize to --dtype).
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -92,13 +98,34 @@ def _gguf_weights(model_dir: str | Path) -> Path | None:
     return next(iter(sorted(d.glob("*.gguf"))), None)
 
 
-def _iter_gguf(model_dir: str | Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from .gguf_model import iter_gguf_weights
-
+def _gguf_path(model_dir: str | Path) -> Path:
     path = _gguf_weights(model_dir)
     if path is None:
         raise FileNotFoundError(f"no *.gguf weights in {model_dir}")
-    return iter_gguf_weights(path, cfg)
+    return path
+
+
+def resolve_quantization(quantization: str, gguf: bool, device: torch.device) -> bool:
+    """Whether to keep a GGUF's quantized weights packed (``--quantization``).
+
+    The packed kernel is torch's CPU one, so "auto" packs a GGUF served on CPU (a
+    decode step reads ~5x fewer bytes, docs/benchmarks/engine.md) and dequantizes
+    otherwise; "gguf" where it cannot apply is an error, not a silent fallback.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {quantization!r} (choose {', '.join(QUANTIZATIONS)})"
+        )
+    if quantization == "none":
+        return False
+    if quantization == "gguf" and not gguf:
+        raise ValueError("--quantization gguf needs a GGUF checkpoint")
+    if quantization == "gguf" and device.type != "cpu":
+        raise ValueError(
+            "--quantization gguf runs on CPU only (torch's CPU int4 kernel); on "
+            f"{device.type} use --quantization none"
+        )
+    return gguf and device.type == "cpu"
 
 
 @contextmanager
@@ -119,21 +146,32 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Instantiate the registered class for `cfg` and fill its weights."""
+    from .gguf_model import iter_gguf_weights, tensor_types
+
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r} (choose {', '.join(LOAD_FORMATS)})")
+    gguf = load_format == "gguf" or (load_format == "auto" and _gguf_weights(model_dir) is not None)
+    packed = resolve_quantization(quantization, gguf, device)
     cls = model_class(cfg)
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(cfg)
+        if packed:
+            dense = model.quantize_modules(tensor_types(_gguf_path(model_dir)))
+            for module, why in sorted(dense.items()):
+                log.info("%s stays dense: %s", module, why)
     model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty materializes the shared tensor twice
+    dense_head = isinstance(model.lm_head, torch.nn.Linear)
+    if cfg.tie_word_embeddings and dense_head:  # to_empty materializes the shared tensor twice
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         if load_format == "dummy":
             _dummy_init(model, seed)
-        elif load_format == "gguf" or (load_format == "auto" and _gguf_weights(model_dir)):
-            model.load_weights(_iter_gguf(model_dir, cfg))
+        elif gguf:
+            path = _gguf_path(model_dir)
+            model.load_weights(iter_gguf_weights(path, cfg, keep_quantized=packed))
         else:
             model.load_weights(iter_safetensors(model_dir))
     model.prepare_buffers(device)

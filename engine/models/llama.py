@@ -8,7 +8,7 @@ Qwen3 dense is this model with per-head q/k RMSNorm (see qwen3.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -16,6 +16,10 @@ from torch import nn
 from ..attention.base import AttentionContext
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, packable
+
+#: Checkpoint tensor types by Hugging Face name: (type name, shape rows-first).
+TensorTypes = Mapping[str, tuple[str, tuple[int, ...]]]
 
 
 class Attention(nn.Module):
@@ -121,9 +125,67 @@ class LlamaForCausalLM(nn.Module):
         """Build non-parameter state (the RoPE table) on the device the weights live on."""
         self.model.rope.build(device)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in; missing or unknown names are errors."""
+    def quantize_modules(self, types: TensorTypes) -> dict[str, str]:
+        """Swap in :class:`QuantizedLinear` / :class:`QuantizedEmbedding` (on the meta
+        device, before weights exist) wherever every checkpoint tensor a module fuses is
+        of a packable quantized type; returns the modules left dense, with why."""
+        dense: dict[str, str] = {}
+        embed = "model.embed_tokens.weight"
+        for path, names in self._projection_sources().items():
+            parts = [types.get(n, ("absent", (0,))) for n in names]
+            shapes = [(t, (s[0], s[-1])) for t, s in parts]
+            module = self.get_submodule(path)
+            why = packable(shapes) or ("has a bias" if module.bias is not None else None)
+            if why is not None:
+                dense[path] = why
+                continue
+            quantized = QuantizedLinear(module.in_features, module.out_features, len(names))
+            self.set_submodule(path, quantized)
+        emb = self.model.embed_tokens
+        tied_dense = self.config.tie_word_embeddings and "lm_head" in dense
+        if embed in types and packable([(types[embed][0], (16, 32))]) is None and not tied_dense:
+            rows, cols = emb.weight.shape
+            quantized_emb = QuantizedEmbedding(rows, cols, emb.weight.dtype)
+            self.set_submodule("model.embed_tokens", quantized_emb)
+        else:
+            dense["model.embed_tokens"] = (
+                "tied to a dense lm_head" if tied_dense else "not packable"
+            )
+        return dense
+
+    def _projection_sources(self) -> dict[str, list[str]]:
+        """Each projection module's path → the checkpoint tensors it is made of."""
+        sources = {}
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            sources[p + "self_attn.qkv_proj"] = [
+                f"{p}self_attn.{x}_proj.weight" for x in ("q", "k", "v")
+            ]
+            sources[p + "self_attn.o_proj"] = [f"{p}self_attn.o_proj.weight"]
+            sources[p + "mlp.gate_up_proj"] = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            sources[p + "mlp.down_proj"] = [f"{p}mlp.down_proj.weight"]
+        tied = self.config.tie_word_embeddings
+        sources["lm_head"] = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        return sources
+
+    def _quantized_targets(
+        self, name: str, modules: Mapping[str, nn.Module]
+    ) -> list[QuantizedLinear | QuantizedEmbedding]:
+        """The quantized modules checkpoint tensor `name` (our fused name) goes into: its
+        own module, and the lm_head too when tied to the embeddings."""
+        owners: list[nn.Module] = []
+        path = name.removesuffix(".weight")
+        if path != name and path in modules:
+            owners.append(modules[path])
+        if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+            owners.append(self.lm_head)
+        return [m for m in owners if isinstance(m, QuantizedLinear | QuantizedEmbedding)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Copy Hugging Face-named tensors in (quantized ones into quantized modules, or
+        dequantized); missing or unknown names are errors."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         unknown: list[str] = []
         for hf_name, tensor in weights:
@@ -136,6 +198,15 @@ class LlamaForCausalLM(nn.Module):
                 if frag in hf_name:
                     name, shard = hf_name.replace(frag, fused), idx
                     break
+            targets = self._quantized_targets(name, modules)
+            if targets and not isinstance(tensor, QuantizedTensor):
+                raise ValueError(f"weight {hf_name} is not quantized but its module is")
+            if targets and isinstance(tensor, QuantizedTensor):
+                for module in targets:
+                    module.load_part(shard or 0, tensor)
+                continue
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
             param = params.get(name)
             if param is None:
                 unknown.append(hf_name)
@@ -151,6 +222,11 @@ class LlamaForCausalLM(nn.Module):
         if unknown:
             raise ValueError(f"checkpoint has tensors this model does not use: {unknown[:5]}")
         missing = [n for n in self._expected_names() if n not in loaded]
+        missing += [
+            f"{path}.weight"
+            for path, m in self.named_modules()
+            if isinstance(m, QuantizedLinear | QuantizedEmbedding) and not m.complete
+        ]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
 

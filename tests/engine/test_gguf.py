@@ -33,18 +33,24 @@ def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return write_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny.gguf", Q.Q8_0)
 
 
-def _load(path: Path, cache: Path) -> TorchModelRunner:
+def _load(path: Path, cache: Path, quantization: str = "auto") -> TorchModelRunner:
     model_dir = prepare_model_dir(path, cache, tokenizer=False)
-    return TorchModelRunner.from_model_dir(model_dir, num_blocks=8, device="cpu", dtype="float32")
+    return TorchModelRunner.from_model_dir(
+        model_dir, num_blocks=8, device="cpu", dtype="float32", quantization=quantization
+    )
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name
+    "qtype",
+    [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1],
+    ids=lambda q: q.name,
 )
 def test_each_type_loads_exactly(tiny_model_dir: Path, tmp_path: Path, qtype: Q) -> None:
-    """Every weight equals the Hugging Face one after the same quantize/dequantize round
-    trip: names mapped, Q/K rows un-permuted, q/k/v and gate/up fused in the right places."""
-    runner = _load(write_gguf(tiny_model_dir, tmp_path / "m.gguf", qtype), tmp_path)
+    """Dequantized (``--quantization none``), every weight equals the Hugging Face one
+    after the same quantize/dequantize round trip: names mapped, Q/K rows un-permuted,
+    q/k/v and gate/up fused in the right places."""
+    path = write_gguf(tiny_model_dir, tmp_path / "m.gguf", qtype)
+    runner = _load(path, tmp_path, quantization="none")
     params = dict(runner.model.named_parameters())
     cfg = runner.config
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -1,0 +1,250 @@
+"""Weights kept in GGUF's block quantization, multiplied without dequantizing them.
+
+A GGUF quantized tensor is rows of blocks of 32 values, each block an integer code per
+value and a float16 scale (plus a float16 minimum for the ``_1`` types): ``value = code ×
+scale (+ minimum)``. Dequantizing to float32 at load makes a 4-bit model 8x larger and
+every decode step stream all of it, so here the blocks become torch's CPU weight-only
+int4 layout instead (``aten._convert_weight_to_int4pack_for_cpu``), read directly by its
+``_weight_int4pack_mm_for_cpu`` kernel. That kernel computes ``(nibble − 8) × scale +
+zero`` per group of 32 along K, which expresses each type exactly:
+
+* Q4_0 (``code − 8``) and Q4_1 (``code, + minimum``): one nibble per value, ``zero`` =
+  ``minimum + 8 × scale`` for Q4_1;
+* Q8_0, Q5_0, Q5_1 (codes of 8 and 5 bits): "wide" — ``code = 16 × hi + lo`` splits
+  each row into two 4-bit halves, ``hi`` groups with scale ``16 × scale`` and ``lo``
+  groups with ``zero = minimum + 8 × scale``; the input is fed twice (``[x, x]``), so
+  one kernel call sums both halves. Same bytes as int8.
+
+The kernel's fast path takes bfloat16 activations and bfloat16 scales (its float32 path
+is scalar, 30x slower), so a quantized linear rounds its input, scales and output to
+bfloat16 (8 bits of mantissa; llama.cpp rounds activations to 8-bit integers for these
+types). Embedding rows are gathered from the stored blocks and dequantized exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP = 32  # values per GGUF block of these types, and the kernel's group size
+#: Bytes of one block, by type.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+#: Types whose codes span 16 values (one nibble); the others need the wide form.
+NARROW = {"Q4_0": -8, "Q4_1": 0}  # type → smallest code
+PACKABLE = tuple(BLOCK_BYTES)
+_PACK_ROWS = 4096  # rows packed at a time (a multiple of the kernel's 64-row block)
+_INNER_K_TILES = 2
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One GGUF tensor as stored: ``raw`` [rows, row bytes] uint8 blocks of ``qtype``,
+    holding a ``shape`` = (rows, columns) matrix."""
+
+    qtype: str
+    raw: torch.Tensor
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"{self.qtype} blocks are not supported (supported: {PACKABLE})")
+        rows, cols = self.shape
+        if cols % GROUP or self.raw.shape != (rows, cols // GROUP * BLOCK_BYTES[self.qtype]):
+            raise ValueError(
+                f"{self.qtype} data of shape {tuple(self.raw.shape)} does not hold a "
+                f"{rows}x{cols} matrix"
+            )
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(codes int16 [rows, cols], scale float32 [rows, cols/32], minimum or None)."""
+        return unpack_blocks(self.raw, self.qtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 values, bit-identical to ``gguf.quants.dequantize``."""
+        return dequantize_blocks(self.raw, self.qtype)
+
+
+def unpack_blocks(
+    raw: torch.Tensor, qtype: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Split rows of GGUF blocks into integer codes, per-block scales and minimums.
+
+    In every type the 16 bytes of nibbles hold values 0..15 of the block in their low
+    halves and 16..31 in their high halves; Q5's fifth bits are a little-endian uint32.
+    """
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, BLOCK_BYTES[qtype])
+
+    def half(start: int) -> torch.Tensor:
+        return blocks[..., start : start + 2].contiguous().view(torch.float16).float()
+
+    scale = half(0)
+    minimum = half(2) if qtype in ("Q4_1", "Q5_1") else None
+    if qtype == "Q8_0":
+        codes = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)
+    else:
+        qs = blocks[..., -16:].to(torch.int16)
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1)
+        if qtype in ("Q5_0", "Q5_1"):
+            qh = blocks[..., -20:-16].to(torch.int16)
+            bits = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.int16)) & 1
+            codes = codes | (bits.reshape(codes.shape) << 4)
+        codes = codes - {"Q4_0": 8, "Q5_0": 16}.get(qtype, 0)
+    flat = (rows, -1)
+    return (
+        codes.reshape(flat),
+        scale.reshape(flat),
+        None if minimum is None else minimum.reshape(flat),
+    )
+
+
+def dequantize_blocks(raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 values of rows of blocks, computed as gguf does (``scale × code + min``)."""
+    codes, scale, minimum = unpack_blocks(raw, qtype)
+    rows = codes.shape[0]
+    values = scale.unsqueeze(-1) * codes.view(rows, -1, GROUP).float()
+    if minimum is not None:
+        values = values + minimum.unsqueeze(-1)
+    return values.reshape(rows, -1)
+
+
+def int4_groups(tensor: QuantizedTensor, wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nibbles int32 [rows, K'], scale-and-zero float32 [rows, K'/32, 2]) with which the
+    kernel's ``(nibble − 8) × scale + zero`` gives the tensor's values; K' is twice the
+    columns in the wide form (``hi`` halves first, then ``lo``)."""
+    codes, scale, minimum = tensor.codes()
+    offset = torch.zeros_like(scale) if minimum is None else minimum
+    if not wide:
+        if tensor.qtype not in NARROW:
+            raise ValueError(f"{tensor.qtype} codes do not fit one nibble")
+        base = NARROW[tensor.qtype]
+        zero = offset + (base + 8) * scale
+        return (codes - base).int(), torch.stack([scale, zero], dim=-1)
+    hi, lo = (codes >> 4) + 8, codes & 15  # codes lie in [-128, 127]
+    hi_groups = torch.stack([16 * scale, torch.zeros_like(scale)], dim=-1)
+    lo_groups = torch.stack([scale, offset + 8 * scale], dim=-1)
+    return torch.cat([hi, lo], dim=1).int(), torch.cat([hi_groups, lo_groups], dim=1)
+
+
+def pack_int4(
+    parts: list[QuantizedTensor], *, chunk_rows: int = _PACK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(packed weight, bfloat16 scales-and-zeros [K'/32, N, 2], wide) for the kernel,
+    from `parts` stacked along the rows (a fused q/k/v or gate/up projection).
+
+    Packed `chunk_rows` rows at a time so the int32 nibbles never exist whole (a vocab
+    sized head would need 226 MB of them).
+    """
+    wide = any(p.qtype not in NARROW for p in parts)
+    packed, groups = [], []
+    for part in parts:
+        for start in range(0, part.shape[0], chunk_rows):
+            rows = part.raw[start : start + chunk_rows]
+            chunk = QuantizedTensor(part.qtype, rows, (rows.shape[0], part.shape[1]))
+            nibbles, sz = int4_groups(chunk, wide)
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                nibbles.contiguous(), _INNER_K_TILES))  # fmt: skip
+            groups.append(sz.to(torch.bfloat16))
+    scales_zeros = torch.cat(groups, dim=0).transpose(0, 1).contiguous()
+    return torch.cat(packed, dim=0), scales_zeros, wide
+
+
+def packable(parts: list[tuple[str, tuple[int, int]]]) -> str | None:
+    """Why `parts` ((type, shape) stacked along rows) cannot be one quantized linear, or
+    None when they can: every part a supported type, rows a multiple of 16 (the
+    kernel's), columns equal and a multiple of 32."""
+    if any(qtype not in BLOCK_BYTES for qtype, _ in parts):
+        return "a part is not " + "/".join(PACKABLE)
+    if len({shape[1] for _, shape in parts}) != 1:
+        return "parts differ in columns"
+    if any(shape[0] % 16 for _, shape in parts):
+        return "rows not a multiple of 16"
+    return None
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` with W in torch's CPU int4 layout (built from GGUF blocks).
+
+    A fused projection has several parts (q, k, v): :meth:`load_part` takes each, and
+    the weight is packed once the last has come.
+    """
+
+    def __init__(self, in_features: int, out_features: int, num_parts: int = 1) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parts: list[QuantizedTensor | None] = [None] * num_parts
+        self.wide = False
+        self.register_buffer("packed", None)
+        self.register_buffer("scales_zeros", None)
+        self.register_buffer("bias", None)
+        self.packed: torch.Tensor | None
+        self.scales_zeros: torch.Tensor | None
+        self.bias: torch.Tensor | None
+
+    @property
+    def complete(self) -> bool:
+        return self.packed is not None
+
+    def load_part(self, index: int, tensor: QuantizedTensor) -> None:
+        """Take part `index`; pack when every part is here."""
+        self.parts[index] = tensor
+        parts = [p for p in self.parts if p is not None]
+        if len(parts) < len(self.parts):
+            return
+        rows = sum(p.shape[0] for p in parts)
+        if rows != self.out_features or parts[0].shape[1] != self.in_features:
+            raise ValueError(
+                f"quantized parts make a {rows}x{parts[0].shape[1]} weight, the model "
+                f"needs {self.out_features}x{self.in_features} (config.json mismatch?)"
+            )
+        self.packed, self.scales_zeros, self.wide = pack_int4(parts)
+        self.parts = [None] * len(self.parts)  # the blocks are not kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None and self.scales_zeros is not None, "not loaded"
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.wide:
+            flat = torch.cat([flat, flat], dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.packed, GROUP, self.scales_zeros
+        ).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings kept as GGUF blocks; the rows a step needs are dequantized
+    exactly (to the model's dtype)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.dtype = dtype
+        self.qtype = ""
+        self.register_buffer("raw", None)
+        self.raw: torch.Tensor | None
+
+    @property
+    def complete(self) -> bool:
+        return self.raw is not None
+
+    def load_part(self, index: int, tensor: QuantizedTensor) -> None:
+        if tensor.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"quantized embedding of shape {tensor.shape}, the model needs "
+                f"{(self.num_embeddings, self.embedding_dim)} (config.json mismatch?)"
+            )
+        self.qtype, self.raw = tensor.qtype, tensor.raw
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self.raw is not None, "not loaded"
+        rows = dequantize_blocks(self.raw[ids.reshape(-1)], self.qtype)
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
