@@ -33,6 +33,8 @@ RUN_AS_USER = 65532  # the distroless "nonroot" uid, also used by our images
 #: binary needed): the operator's EDS and kube-proxy drop it meanwhile, so no proxy opens a
 #: stream to it after it stops accepting.
 EPP_PRESTOP_S = 5
+#: The EPP Deployment's ``minReadySeconds``: several of a Gateway's EPP health checks.
+EPP_MIN_READY_S = 5
 
 
 def digest(value: Any) -> str:
@@ -333,6 +335,11 @@ def build_deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
             },
+            # A new EPP counts as available (and an old one is deleted) only after this
+            # long Ready: a Gateway's Envoy health-checks a new EPP before it sends to it,
+            # and on the node, without this, the new one came and the old one went in one
+            # EDS update: 1 s of "no healthy upstream" (500s) until the first check passed.
+            "minReadySeconds": EPP_MIN_READY_S,
             "template": {
                 "metadata": {
                     "labels": common_labels(pool),

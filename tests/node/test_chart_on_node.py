@@ -91,14 +91,18 @@ def _workload(engine_image: str) -> list[dict[str, Any]]:
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 2,
             "timeoutSeconds": 5,
+            "failureThreshold": 5,
         },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "initialDelaySeconds": 30,
             "periodSeconds": 10,
             "timeoutSeconds": 5,
+            "failureThreshold": 6,
         },
-        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
+        # 300m, not the sample's 100m: cgroup CPU shares follow requests, and on this
+        # shared 2-core machine engines with 100m answered /health late even at 5 s.
+        "resources": {"requests": {"cpu": "300m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
         "securityContext": restricted,
         "volumeMounts": mounts,
         # A deleted engine serves on while the EPP and the Service drop it (as any model

@@ -177,6 +177,8 @@ def test_a_deleted_epp_serves_on_then_drains_its_streams_within_the_grace_period
     assert float(epp["args"][epp["args"].index("--shutdown-grace-s") + 1]) == 120
     assert pod["terminationGracePeriodSeconds"] > EPP_PRESTOP_S + 120
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    # The old EPP goes only after the new one has been Ready a while (proxies check it).
+    assert deployment["spec"]["minReadySeconds"] >= 5
 
 
 def test_deployment_is_hardened_and_wired() -> None:
