@@ -87,14 +87,18 @@ class TorchModelRunner:
     ) -> TorchModelRunner:
         """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache.
 
-        On CPU this also sets torch's intra-op threads for the process (`cpu_threads`, or
-        by default one per 512 of hidden size): a small model's ops are too short to
-        amortize a thread team, and on a shared machine idle-waiting threads cost 10x.
+        On CPU this also sets torch's intra-op threads for the process (`cpu_threads`,
+        else ``OMP_NUM_THREADS`` when set, else one per 512 of hidden size): a small
+        model's ops are too short to amortize a thread team, and on a shared machine
+        idle-waiting threads cost 10x; the quantized matmuls do split well, so a
+        deployment that gives the engine cores says so with ``OMP_NUM_THREADS``.
         """
         cfg = ModelConfig.from_model_dir(model_dir)
         dev = resolve_device(device)
         if dev.type == "cpu":
-            wanted = cpu_threads or max(1, cfg.hidden_size // 512)
+            env = os.environ.get("OMP_NUM_THREADS", "")
+            wanted = cpu_threads or (int(env) if env.isdigit() else 0)
+            wanted = wanted or max(1, cfg.hidden_size // 512)
             torch.set_num_threads(max(1, min(wanted, os.cpu_count() or 1)))
         dt = resolve_dtype(dtype, cfg, dev)
         if max_model_len is None:

@@ -68,6 +68,12 @@ class ServeOptions:
         default="auto",
         help="auto (the checkpoint's on CUDA, float32 on CPU), float32, float16 or bfloat16.",
     )
+    quantization: str = option(
+        "--quantization",
+        default="auto",
+        help="gguf: keep a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights quantized (CPU int4 "
+        "kernel); none: dequantize them to --dtype; auto: gguf for a GGUF on CPU, else none.",
+    )
     device: str = option("--device", default="auto", help="auto, cpu or cuda.")
     simulate: bool = option(
         "--simulate",
@@ -492,8 +498,8 @@ def _runner(
         from infergate.engine.model_runner import TorchModelRunner
     except ImportError as error:
         raise ServeError(f"the model runner is not available: {error}") from None
-    log.info("loading %s (device=%s, dtype=%s, load_format=%s)", model_dir, opts.device,
-             opts.dtype, opts.load_format)  # fmt: skip
+    log.info("loading %s (device=%s, dtype=%s, load_format=%s, quantization=%s)", model_dir,
+             opts.device, opts.dtype, opts.load_format, opts.quantization)  # fmt: skip
     try:
         torch_runner = TorchModelRunner.from_model_dir(
             model_dir,
@@ -502,6 +508,7 @@ def _runner(
             dtype=opts.dtype,
             device=opts.device,
             load_format=opts.load_format,
+            quantization=opts.quantization,
             max_model_len=opts.max_model_len,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             gpu_memory_utilization=opts.gpu_memory_utilization,
@@ -690,9 +697,12 @@ def _attach_lora(opts: ServeOptions, runner: Any, modules: list[Any]) -> Any:
     else:
         from infergate.engine.lora.runner import attach_torch_lora
 
-        manager = attach_torch_lora(runner, max_loras=opts.max_loras,
-                                    max_lora_rank=opts.max_lora_rank,
-                                    max_cpu_loras=opts.max_cpu_loras).manager  # fmt: skip
+        try:
+            manager = attach_torch_lora(runner, max_loras=opts.max_loras,
+                                        max_lora_rank=opts.max_lora_rank,
+                                        max_cpu_loras=opts.max_cpu_loras).manager  # fmt: skip
+        except ValueError as error:  # e.g. projections kept quantized
+            raise ServeError(f"--enable-lora: {error}") from None
     for module in modules:
         try:
             manager.add(module.name, module.path)

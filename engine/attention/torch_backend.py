@@ -32,6 +32,7 @@ class _Plan:
     single_tables: torch.Tensor | None  # [Sd, W] their block tables (trimmed)
     single_mask: torch.Tensor | None  # [Sd, 1, 1, W*block_size] valid keys
     chunks: list[_Chunk]
+    all_single: bool = False  # every row a 1-token query (a pure decode step)
 
 
 class TorchAttentionBackend:
@@ -73,6 +74,7 @@ class TorchAttentionBackend:
             single_tables=tables,
             single_mask=mask,
             chunks=chunks,
+            all_single=len(single) == len(meta.query_lens_list),
         )
 
     def forward(
@@ -90,17 +92,11 @@ class TorchAttentionBackend:
         rows = kv_cache.view(-1, *kv_cache.shape[-2:])
         rows.index_copy_(0, plan.key_rows, k.to(kv_cache.dtype))
         rows.index_copy_(0, plan.value_rows, v.to(kv_cache.dtype))
+        if plan.all_single:  # decode: the rows are the queries, in order
+            return self._single(q, kv_cache, plan, scale)
         out = torch.empty_like(q)
         if plan.single_rows is not None:
-            assert plan.single_tables is not None
-            kv = kv_cache[plan.single_tables]  # [S, W, 2, bs, Hkv, D]
-            keys = kv[:, :, 0].flatten(1, 2).transpose(1, 2)  # [S, Hkv, W*bs, D]
-            vals = kv[:, :, 1].flatten(1, 2).transpose(1, 2)
-            qs = q[plan.single_rows].unsqueeze(2)  # [S, Hq, 1, D]
-            o = F.scaled_dot_product_attention(
-                qs, keys, vals, attn_mask=plan.single_mask, scale=scale, enable_gqa=True
-            )
-            out[plan.single_rows] = o.squeeze(2)
+            out[plan.single_rows] = self._single(q[plan.single_rows], kv_cache, plan, scale)
         for c in plan.chunks:
             kv = kv_cache[c.blocks]  # [nb, 2, bs, Hkv, D]
             keys = kv[:, 0].flatten(0, 1)[: c.seq_len].transpose(0, 1).unsqueeze(0)
@@ -117,3 +113,15 @@ class TorchAttentionBackend:
             )
             out[c.rows] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _single(q: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float) -> torch.Tensor:
+        """Attention of 1-token queries q [S, Hq, D], batched over their gathered blocks."""
+        assert plan.single_tables is not None
+        kv = kv_cache[plan.single_tables]  # [S, W, 2, bs, Hkv, D]
+        keys = kv[:, :, 0].flatten(1, 2).transpose(1, 2)  # [S, Hkv, W*bs, D]
+        vals = kv[:, :, 1].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, vals, attn_mask=plan.single_mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)

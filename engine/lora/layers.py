@@ -122,7 +122,13 @@ def wrap_model(
     for i, layer in enumerate(model.model.layers):
         for (parent_name, attr), slices in layout.items():
             parent = getattr(layer, parent_name)
-            lin = LoRALinear(getattr(parent, attr), slices, state, num_slots, max_rank)
+            base = getattr(parent, attr)
+            if not isinstance(base, nn.Linear):  # e.g. GGUF blocks kept quantized
+                raise ValueError(
+                    f"LoRA adapts dense projections, and layer {i}'s {attr} is a "
+                    f"{type(base).__name__}: serve a GGUF with --quantization none for LoRA"
+                )
+            lin = LoRALinear(base, slices, state, num_slots, max_rank)
             setattr(parent, attr, lin)
             wrapped.append((i, lin))
     return state, wrapped

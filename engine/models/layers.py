@@ -19,10 +19,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # torch's fused kernel: one op instead of six (a decode step runs 61 norms).
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -64,6 +65,10 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self._table: torch.Tensor | None = None  # [max_positions, head_dim] cos ‖ sin, fp32
+        # The step's (positions, cos ‖ cos, −sin ‖ sin): every layer rotates at the same
+        # positions, so the table is gathered once per step. Holding `positions` keeps
+        # its identity from being reused by another tensor.
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def build(self, device: torch.device) -> None:
         """(Re)compute the cos/sin table on `device`; called after weights are placed."""
@@ -76,19 +81,32 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] → rotated q, k."""
-        if self._table is None or self._table.device != q.device:
-            self.build(q.device)
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (any heads: q and k side by side too) rotated at `positions`:
+        ``x·cos + rotate_half(x)·sin``, three ops."""
+        cos, sin = self._cos_sin(positions, x)
+        half = self.head_dim // 2
+        swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        return torch.addcmul(x * cos, swapped, sin)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self._step
+        if step is not None and step[0] is positions and step[1].dtype == x.dtype:
+            return step[1], step[2]
+        if self._table is None or self._table.device != x.device:
+            self.build(x.device)
         assert self._table is not None
         half = self.head_dim // 2
         cs = self._table[positions]
-        cos = cs[:, None, :half].to(q.dtype)
-        sin = cs[:, None, half:].to(q.dtype)
-        return _rotate(q, cos, sin, half), _rotate(k, cos, sin, half)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        cos2 = torch.cat([cos, cos], dim=-1).to(x.dtype)
+        sin2 = torch.cat([-sin, sin], dim=-1).to(x.dtype)
+        self._step = (positions, cos2, sin2)
+        return cos2, sin2
 
 
 class SwiGLU(nn.Module):

@@ -43,13 +43,19 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(
+                qkv[:, self.q_size : qk_size].view(-1, self.num_kv_heads, self.head_dim)
+            )
+            q, k = self.rope(positions, q, k)
+        else:  # q and k are side by side: one rotation for both
+            qk = qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = self.rope.rotate(positions, qk)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = ctx.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -139,7 +145,9 @@ class LlamaForCausalLM(nn.Module):
             if why is not None:
                 dense[path] = why
                 continue
-            quantized = QuantizedLinear(module.in_features, module.out_features, len(names))
+            # gate/up's product stays bfloat16 into down (the kernel's input dtype).
+            out = torch.bfloat16 if path.endswith("gate_up_proj") else module.weight.dtype
+            quantized = QuantizedLinear(module.in_features, module.out_features, len(names), out)
             self.set_submodule(path, quantized)
         emb = self.model.embed_tokens
         tied_dense = self.config.tie_word_embeddings and "lm_head" in dense

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 GROUP = 32  # values per GGUF block of these types, and the kernel's group size
 #: Bytes of one block, by type.
@@ -131,36 +132,66 @@ def int4_groups(tensor: QuantizedTensor, wide: bool) -> tuple[torch.Tensor, torc
 def pack_int4(
     parts: list[QuantizedTensor], *, chunk_rows: int = _PACK_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(packed weight, bfloat16 scales-and-zeros [K'/32, N, 2], wide) for the kernel,
-    from `parts` stacked along the rows (a fused q/k/v or gate/up projection).
+    """(packed weight, float32 scales-and-zeros [K'/32, N, 2], wide) for the kernel,
+    from `parts` stacked along the rows (a fused q/k/v or gate/up projection). The
+    kernel takes the scales in its activations' dtype (bfloat16 to serve).
 
-    Packed `chunk_rows` rows at a time so the int32 nibbles never exist whole (a vocab
-    sized head would need 226 MB of them).
+    Packed about `chunk_rows` rows at a time so the int32 nibbles never exist whole (a
+    vocabulary head would need 226 MB of them). The kernel lays rows out in blocks of
+    64 (a shorter last block its own way), so every chunk but the last is a multiple
+    of 64 rows, whatever the parts' sizes.
     """
     wide = any(p.qtype not in NARROW for p in parts)
-    packed, groups = [], []
+    packed: list[torch.Tensor] = []
+    groups: list[torch.Tensor] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     for part in parts:
         for start in range(0, part.shape[0], chunk_rows):
             rows = part.raw[start : start + chunk_rows]
             chunk = QuantizedTensor(part.qtype, rows, (rows.shape[0], part.shape[1]))
-            nibbles, sz = int4_groups(chunk, wide)
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                nibbles.contiguous(), _INNER_K_TILES))  # fmt: skip
-            groups.append(sz.to(torch.bfloat16))
+            pending.append(int4_groups(chunk, wide))
+            if sum(n.shape[0] for n, _ in pending) >= chunk_rows:
+                pending = _pack_pending(pending, packed, groups, final=False)
+    _pack_pending(pending, packed, groups, final=True)
     scales_zeros = torch.cat(groups, dim=0).transpose(0, 1).contiguous()
     return torch.cat(packed, dim=0), scales_zeros, wide
 
 
+def _pack_pending(
+    pending: list[tuple[torch.Tensor, torch.Tensor]],
+    packed: list[torch.Tensor],
+    groups: list[torch.Tensor],
+    *,
+    final: bool,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pack the whole 64-row blocks of `pending` (all of it when `final`, its rows
+    padded to 16 with zeros); returns the rows left over."""
+    if not pending:
+        return []
+    nibbles = torch.cat([n for n, _ in pending])
+    sz = torch.cat([g for _, g in pending])
+    take = nibbles.shape[0] if final else nibbles.shape[0] // 64 * 64
+    if take == 0:
+        return pending
+    head, head_sz = nibbles[:take], sz[:take]
+    pad = -take % 16
+    if pad:  # zero rows: nibble 8, scale and zero 0
+        head = F.pad(head, (0, 0, 0, pad), value=8)
+        head_sz = F.pad(head_sz, (0, 0, 0, 0, 0, pad))
+    packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        head.contiguous(), _INNER_K_TILES))  # fmt: skip
+    groups.append(head_sz)
+    return [(nibbles[take:], sz[take:])] if take < nibbles.shape[0] else []
+
+
 def packable(parts: list[tuple[str, tuple[int, int]]]) -> str | None:
     """Why `parts` ((type, shape) stacked along rows) cannot be one quantized linear, or
-    None when they can: every part a supported type, rows a multiple of 16 (the
-    kernel's), columns equal and a multiple of 32."""
+    None when they can: every part a supported type, columns equal (rows are padded
+    to the kernel's multiple of 16)."""
     if any(qtype not in BLOCK_BYTES for qtype, _ in parts):
         return "a part is not " + "/".join(PACKABLE)
     if len({shape[1] for _, shape in parts}) != 1:
         return "parts differ in columns"
-    if any(shape[0] % 16 for _, shape in parts):
-        return "rows not a multiple of 16"
     return None
 
 
@@ -171,18 +202,25 @@ class QuantizedLinear(nn.Module):
     the weight is packed once the last has come.
     """
 
-    def __init__(self, in_features: int, out_features: int, num_parts: int = 1) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        num_parts: int = 1,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        # The output's dtype (None: the input's). bfloat16 where the next op is another
+        # quantized linear (SwiGLU's gate/up → down) saves two conversions.
+        self.out_dtype = out_dtype
         self.parts: list[QuantizedTensor | None] = [None] * num_parts
         self.wide = False
         self.register_buffer("packed", None)
         self.register_buffer("scales_zeros", None)
-        self.register_buffer("bias", None)
         self.packed: torch.Tensor | None
         self.scales_zeros: torch.Tensor | None
-        self.bias: torch.Tensor | None
 
     @property
     def complete(self) -> bool:
@@ -200,20 +238,20 @@ class QuantizedLinear(nn.Module):
                 f"quantized parts make a {rows}x{parts[0].shape[1]} weight, the model "
                 f"needs {self.out_features}x{self.in_features} (config.json mismatch?)"
             )
-        self.packed, self.scales_zeros, self.wide = pack_int4(parts)
+        self.packed, scales_zeros, self.wide = pack_int4(parts)
+        self.scales_zeros = scales_zeros.to(torch.bfloat16)
         self.parts = [None] * len(self.parts)  # the blocks are not kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None and self.scales_zeros is not None, "not loaded"
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)
         if self.wide:
             flat = torch.cat([flat, flat], dim=-1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, GROUP, self.scales_zeros
-        ).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = y.to(self.out_dtype or x.dtype)
+        if y.shape[-1] != self.out_features:  # rows padded to 16
+            y = y[:, : self.out_features]
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
