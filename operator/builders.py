@@ -31,10 +31,12 @@ ENVOY_CONTAINER = "envoy"
 RUN_AS_USER = 65532  # the distroless "nonroot" uid, also used by our images
 #: A deleted EPP pod keeps serving this long before its SIGTERM (a preStop ``sleep``, no
 #: binary needed): the operator's EDS and kube-proxy drop it meanwhile, so no proxy opens a
-#: stream to it after it stops accepting.
-EPP_PRESTOP_S = 5
-#: The EPP Deployment's ``minReadySeconds``: several of a Gateway's EPP health checks.
-EPP_MIN_READY_S = 5
+#: stream to it after it stops accepting. On the busy node the operator's view of a pod
+#: change (watch, then the Gateways' EDS) lagged up to 10 s: 5 s was too short.
+EPP_PRESTOP_S = 15
+#: The EPP Deployment's ``minReadySeconds``: a new EPP is in the Gateways' EDS, and
+#: health-checked by their Envoys, before the old one is deleted (same lag).
+EPP_MIN_READY_S = 10
 
 
 def digest(value: Any) -> str:
@@ -237,7 +239,7 @@ def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = 
             {"name": "INFERGATE_LOG_LEVEL", "value": settings.epp_log_level},
             *_engine_api_key_env(pool),
         ],
-        # A deleted EPP pod serves on for EPP_PRESTOP_S, while the Gateways' EDS and the
+        # A deleted EPP pod serves on for EPP_PRESTOP_S while the Gateways' EDS and the
         # Service drop it; then SIGTERM: it stops accepting, sends GOAWAY and gives the
         # streams in flight up to settings.drain_seconds (--shutdown-grace-s).
         "lifecycle": {"preStop": {"sleep": {"seconds": EPP_PRESTOP_S}}},

@@ -207,6 +207,9 @@ def _install(node: Node) -> None:
         "--namespace", "infergate-system", "--create-namespace",
         "--set", f"epp.envoyImage={node.env['ENVOY_IMAGE']}",
         "--set", "gateway.serviceType=ClusterIP",
+        # cgroup CPU shares follow requests: at the chart's 100m the operator's view of a
+        # pod change (and so the Gateways' EDS) lagged up to 10 s on this shared machine.
+        "--set", "operator.resources.requests.cpu=300m",
         "--wait", "--timeout", "300s", timeout=400,
     )  # fmt: skip
     _wait(node, "-n", "infergate-system", "deployment/infergate", "--for=condition=Available")
