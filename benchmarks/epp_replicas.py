@@ -7,9 +7,10 @@ measures what replication itself costs, with every replica set pinned by ``tasks
 the same core set (``--cores``, one core by default) as the single EPP:
 
 * **CPU per decision, summed over the replicas**: Σ (utime + stime) of every EPP process
-  over the run ÷ the requests routed. Each replica pays its own background work (load
-  reports, admission and completion records of every engine, scrapes), so N replicas
-  cost more per decision than one; the target is at most 1.15× one replica's.
+  over the run ÷ the requests routed. Each replica pays its own background work (its
+  process's idle timers and threads, receiving every engine's load reports and the
+  admission records that carry prefixes, read at its decisions), so N replicas cost more
+  per decision than one; the target is at most 1.15× one replica's.
 * **Prefix hit rate** of the engines over the run (their ``vllm:prefix_cache_*``
   counters), within 2 points of one replica's: the replicas share what each routed
   through the engines' admission records (docs/epp.md, "Several replicas").
