@@ -234,7 +234,11 @@ async def test_bad_or_flooding_load_reports_cannot_crash_or_bloat_the_epp(
         pub.send_multipart([load.TOPIC, next(seq).to_bytes(8, "big"), payload])
 
     def refreshed(check: Any) -> Any:
-        return lambda: (epp.datastore.refresh(), check())[1]
+        def after_refresh() -> Any:  # reports are read when the view is refreshed
+            epp.datastore.refresh()
+            return check()
+
+        return after_refresh
 
     async def send_until(check: Any, report: load.LoadReport) -> None:
         """PUB drops what is sent before the SUB (re)connects: resend until seen."""
