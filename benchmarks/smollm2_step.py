@@ -8,6 +8,9 @@ other work on a shared machine). Also prints each runner's weight bytes. Asserts
 
     python benchmarks/smollm2_step.py [--batch 1 8 32] [--steps 32] [--rounds 3]
         [--quantization gguf none] [--threads 2] [--profile gguf:1]
+
+To time an older checkout the same way: ``git archive REV engine infergate | tar -x -C
+DIR``, then ``PYTHONPATH=DIR python benchmarks/smollm2_step.py --quantization default``.
 """
 
 from __future__ import annotations
@@ -100,10 +103,12 @@ def main() -> None:
     gguf = fetch_model("smollm2")
     model_dir = prepare_model_dir(gguf, Path(tempfile.mkdtemp(prefix="smollm2-step-")))
     blocks = max(args.batch) * (-(-(PROMPT_LEN + args.steps + 1) // BLOCK))
+    # "default" passes no --quantization: the runner's own default, which lets this script
+    # time a checkout from before the flag existed (float32) against this one.
     runners = {
         q: TorchModelRunner.from_model_dir(
             model_dir, block_size=BLOCK, num_blocks=blocks, device="cpu", dtype="float32",
-            cpu_threads=args.threads, quantization=q,
+            cpu_threads=args.threads, **({} if q == "default" else {"quantization": q}),
         )
         for q in args.quantization
     }  # fmt: skip

@@ -165,7 +165,9 @@ def test_tiny_model_keeps_the_float32_greedy_tokens(
     path = write_gguf(tiny_model_dir, tmp_path / "m.gguf", qtype)
     dense, packed = _runner(path, tmp_path, "none"), _runner(path, tmp_path, "gguf")
     assert isinstance(packed.model.lm_head, QuantizedLinear)
-    assert isinstance(packed.model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+    assert isinstance(
+        packed.model.get_submodule("model.layers.0.mlp.gate_up_proj"), QuantizedLinear
+    )
     assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
     checked = 0
     for prompt in ([5, 17, 99, 3], [200, 201, 202], [42] * 6):
