@@ -5,9 +5,10 @@ KV usage, cache config, adapters, the prefill-cost counters) on the same PUB soc
 its completion records, when it changes and at least every heartbeat. The completion
 subscription (:mod:`infergate.epp.datalayer.completions`) reads the reports lazily,
 right before a decision (``Datastore.refresh``), and hands each engine's newest payload
-here; older ones queued behind it are skipped. A report's ``lag`` is then how long ago
-the engine sent it, queueing included, and its liveness counts from then
-(:func:`push_alive`), not from when it was read. Each report replaces the endpoint's
+here; older ones queued behind it are skipped. A snapshot is dated when the engine sent
+its report (:func:`sent_on_our_clock`), not when it was read, so its age, its liveness
+(:func:`push_alive`) and what it says of work in progress are as they would be had it
+been read on arrival. Each report replaces the endpoint's
 snapshot whole, exactly as a scrape does, so every plugin reads it unchanged; the
 collector stops scraping an endpoint while its reports keep arriving
 (:func:`push_alive`). When they stop (the engine died), the snapshot ages like a failed
@@ -20,7 +21,7 @@ number of reports: each replaces the previous snapshot.
 
 A report equal to the endpoint's previous one but for its send time (an idle engine's
 heartbeat) is not applied again: the snapshot stands and only gets newer (its
-``updated_at`` and ``lag``), as an unchanged scraped page does. Every replica receives
+``updated_at``), as an unchanged scraped page does. Every replica receives
 every engine's reports, so what one report costs is paid once per replica.
 """
 
@@ -51,9 +52,9 @@ def push_alive(metrics: Metrics, now: float) -> bool:
 
 def push_deadline(metrics: Metrics) -> float:
     """When the push stream behind ``metrics`` counts as stopped, on the monotonic clock:
-    a grace of heartbeats from when the report was sent (``updated_at - lag``: a report
-    read late, the engine dead meanwhile, does not count as a fresh one)."""
-    return metrics.updated_at - metrics.lag + PUSH_GRACE_HEARTBEATS * metrics.heartbeat
+    a grace of heartbeats from when its report was sent (:func:`sent_on_our_clock`: a
+    report read late, the engine dead meanwhile, does not count as a fresh one)."""
+    return metrics.updated_at + PUSH_GRACE_HEARTBEATS * metrics.heartbeat
 
 
 def snapshot(report: load.LoadReport, now: float, wall: float) -> Metrics:
@@ -74,12 +75,22 @@ def snapshot(report: load.LoadReport, now: float, wall: float) -> Metrics:
         prefix_hits_total=report.prefix_hits_total,
         prefix_queries_total=report.prefix_queries_total,
         prefill_pending_tokens=report.prefill_pending_tokens,
-        updated_at=now,
+        updated_at=sent_on_our_clock(report, now, wall),
         tick=report.tick,
         heartbeat=report.heartbeat,
-        # Wall clocks of two hosts may disagree: the lag only counts within a heartbeat.
-        lag=min(max(0.0, wall - report.sent_at), report.heartbeat),
     )
+
+
+def sent_on_our_clock(report: load.LoadReport, now: float, wall: float) -> float:
+    """When ``report`` was sent, on the monotonic clock, read at ``now`` (``wall``).
+
+    Reports are read at a decision, not as they arrive, so "when it was read" says
+    nothing: an unchanged report read late would look newer than it is (its pending
+    prefill not yet worked off, its stream alive after the engine died). The snapshot is
+    dated when the engine sent it, and its ``lag`` is 0. Wall clocks of two hosts may
+    disagree: the difference only counts within a heartbeat.
+    """
+    return now - min(max(0.0, wall - report.sent_at), report.heartbeat)
 
 
 class LoadReports:
@@ -128,8 +139,7 @@ class LoadReports:
             # Only the send time differs: the same view, newer. The cost model's counters
             # are unchanged too, so observing them again would add nothing.
             metrics = last[1]
-            metrics.updated_at = now
-            metrics.lag = min(max(0.0, wall - report.sent_at), report.heartbeat)
+            metrics.updated_at = sent_on_our_clock(report, now, wall)
             self._last[state.key] = (report, metrics)
             self.received += 1
             self.unchanged += 1

@@ -287,21 +287,22 @@ def test_a_report_without_pending_prefill_decodes_as_zero() -> None:
 
 
 def test_pushed_snapshot_freshness_and_push_liveness() -> None:
-    """While heartbeats arrive, a pushed snapshot is as fresh as the engine's tick plus
-    the delivery lag; once they stop, it ages like a scrape (and the collector resumes)."""
+    """While heartbeats arrive, a pushed snapshot is as fresh as the engine's tick (it is
+    dated when the engine sent it); once they stop, it ages like a scrape (and the
+    collector resumes)."""
     from infergate.epp.datalayer.load_reports import snapshot
 
     report = _report(tick=0.01, heartbeat=0.5)
     pushed = snapshot(report, now=100.0, wall=report.sent_at + 0.002)
-    assert pushed.pushed and pushed.lag == pytest.approx(0.002, abs=1e-5)
-    assert pushed.freshness(100.4) == pytest.approx(0.012, abs=1e-5)
-    assert pushed.freshness(100.005) == pytest.approx(0.005)
-    assert pushed.freshness(101.0) == pytest.approx(1.0)  # heartbeats late: plain age
-    assert push_alive(pushed, 101.0) and not push_alive(pushed, 101.3)
+    assert pushed.pushed and pushed.updated_at == pytest.approx(99.998, abs=1e-5)
+    assert pushed.freshness(100.4) == pytest.approx(0.01)
+    assert pushed.freshness(100.005) == pytest.approx(0.007, abs=1e-5)
+    assert pushed.freshness(101.0) == pytest.approx(1.002, abs=1e-5)  # heartbeats late
+    assert push_alive(pushed, 101.2) and not push_alive(pushed, 101.3)
     scraped = Metrics(updated_at=100.0)
     assert not scraped.pushed and scraped.freshness(100.04) == pytest.approx(0.04)
     skewed = snapshot(report, now=100.0, wall=report.sent_at + 999)  # clocks disagree
-    assert skewed.lag == 0.5
+    assert skewed.updated_at == 99.5  # counted within a heartbeat only
 
 
 def test_engine_reporter_sends_on_change_and_heartbeat() -> None:
