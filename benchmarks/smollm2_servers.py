@@ -14,13 +14,16 @@ server and round:
   one output token; the median of ``--ttft-repeats``;
 - **RSS**: the peak resident set of the server's process tree (sum over the processes,
   sampled every 0.1 s while it serves) and the sum of the kernel's per-process high-water
-  marks (``VmHWM``, loading included).
+  marks (``VmHWM``, loading included), the highest over the round's measurements.
 
-Only one server is loaded at a time: each round starts the engine, measures, stops it,
-then does the same for llama.cpp, then runs transformers' ``generate`` in this process
+Only one server is loaded at a time: each measurement (the 1k TTFTs, each concurrency)
+starts a server, warms it up, measures and stops it, then does the same on the other
+server, so that the two figures of a pair are taken minutes apart at most (odd rounds start
+with the other server). Each round ends with transformers' ``generate`` in this process
 at concurrency 1 on the same GGUF dequantized to float32, with ``--threads`` torch threads
 (``smollm2_cpu.hf_run``). On a shared machine run two rounds: the ratios of one round are
-the comparable figures.
+the comparable figures. Both servers get ``OMP_NUM_THREADS=--threads`` (the engine's CPU
+threads) and llama.cpp ``--n_threads``/``--n_threads_batch``.
 
 The peer is llama.cpp through ``llama-cpp-python[server]`` (``make llamacpp``; builds
 llama.cpp from C++ source, in its own venv: ``--llama-python``). Its server runs one
@@ -235,22 +238,36 @@ def serving(
         yield f"http://127.0.0.1:{port}", proc.pid
 
 
-def run_server(
-    name: str, gguf: Path, port: int, args: argparse.Namespace, bias: dict[str, int],
-    prompts_1k: list[str],
-) -> ServerRun:  # fmt: skip
-    """Warm-up, the 1k-prompt TTFTs, then each concurrency level, under the RSS sampler."""
-    run = ServerRun()
-    with serving(name, gguf, port, args) as (base, pid), PeakRss(pid) as rss:
+def run_phase(
+    name: str, phase: int | None, gguf: Path, args: argparse.Namespace, bias: dict[str, int],
+    prompts_1k: list[str], run: ServerRun,
+) -> None:  # fmt: skip
+    """One server started for one measurement (`phase`: a concurrency, or None for the 1k
+    TTFTs), warmed up, measured under the RSS sampler into `run`, and stopped."""
+    with serving(name, gguf, args.port or free_port(), args) as (base, pid), PeakRss(pid) as rss:
         asyncio.run(measure(base, 2, 4, bias))  # allocators, kernels, prompt templates
-        asyncio.run(ttft_1k(base, prompts_1k[:1], bias))
-        run.ttft_1k = asyncio.run(ttft_1k(base, prompts_1k[1:], bias))
-        print(f"  {name}: TTFT 1k median {median(run.ttft_1k) * 1000:.0f} ms", flush=True)
-        for c in args.concurrency:
-            run.loads[c] = load = asyncio.run(measure(base, c, args.tokens, bias))
-            print(f"  {name}: C={c} {load.tok_s:.1f} tok/s, {load.tokens} tokens", flush=True)
-        run.rss_peak, run.rss_hwm = rss.peak, rss.hwm()
-    return run
+        if phase is None:
+            asyncio.run(ttft_1k(base, prompts_1k[:1], bias))
+            run.ttft_1k = asyncio.run(ttft_1k(base, prompts_1k[1:], bias))
+            print(f"  {name}: TTFT 1k median {median(run.ttft_1k) * 1000:.0f} ms", flush=True)
+        else:
+            run.loads[phase] = load = asyncio.run(measure(base, phase, args.tokens, bias))
+            print(f"  {name}: C={phase} {load.tok_s:.1f} tok/s, {load.tokens} tokens", flush=True)
+        run.rss_peak, run.rss_hwm = max(run.rss_peak, rss.peak), max(run.rss_hwm, rss.hwm())
+
+
+def run_round(
+    index: int, servers: list[str], gguf: Path, args: argparse.Namespace,
+    bias: dict[str, int], prompts_1k: list[str],
+) -> dict[str, ServerRun]:  # fmt: skip
+    """Each measurement on each server in turn, so that the two figures of a pair are
+    minutes apart at most on a shared machine; odd rounds start with the other server."""
+    runs = {s: ServerRun() for s in servers}
+    order = servers if index % 2 == 0 else servers[::-1]
+    for phase in [None, *args.concurrency]:
+        for name in order:
+            run_phase(name, phase, gguf, args, bias, prompts_1k, runs[name])
+    return runs
 
 
 class Transformers:
@@ -371,8 +388,7 @@ def main() -> None:
     hf: list[float] = []
     for i in range(args.rounds):
         print(f"round {i + 1} (load {os.getloadavg()[0]:.1f})", flush=True)
-        rounds.append({s: run_server(s, gguf, args.port or free_port(), args, bias, prompts_1k)
-                       for s in servers})  # fmt: skip
+        rounds.append(run_round(i, servers, gguf, args, bias, prompts_1k))
         if hf_model is not None:
             hf.append(hf_model.tok_s(args.tokens))
             print(f"  transformers: C=1 {hf[-1]:.1f} tok/s", flush=True)
