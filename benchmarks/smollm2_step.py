@@ -7,7 +7,7 @@ machine load; the figure is the median step of the best round (the least disturb
 other work on a shared machine). Also prints each runner's weight bytes. Asserts nothing.
 
     python benchmarks/smollm2_step.py [--batch 1 8 32] [--steps 32] [--rounds 3]
-        [--quantization gguf none] [--threads 2] [--profile gguf:1]
+        [--quantization gguf none] [--threads 2] [--profile gguf:1] [--kernels]
 
 To time an older checkout the same way: ``git archive REV engine infergate | tar -x -C
 DIR``, then ``PYTHONPATH=DIR python benchmarks/smollm2_step.py --quantization default``.
@@ -91,6 +91,50 @@ def profile(runner: TorchModelRunner, batch: int, steps: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+#: SmolLM2's projections (rows, columns), the lm_head's blocks Q8_0, the others Q4_1.
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}  # fmt: skip
+
+
+def _best_us(fn: Any, *args: Any) -> float:
+    """Fastest of the calls of `fn(*args)` made in 0.3 s, in microseconds."""
+    fn(*args)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < 0.3:
+        t = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t)
+    return 1e6 * min(times)
+
+
+def kernels(batches: list[int]) -> None:
+    """One projection of each SmolLM2 shape: F.linear on float32 weights against the
+    quantized linear (and, at M=1, the int4 kernel's float32-activation path, which is
+    scalar); weights stay in cache here, unlike in a 135M model's step."""
+    import gguf
+    import numpy as np
+    from infergate.engine.models.quantized import QuantizedLinear, QuantizedTensor, pack_int4
+    from torch.nn import functional as F
+
+    int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    print(f"{'shape':>8} {'M':>3} {'f32 us':>9} {'packed us':>10} {'f32-act int4 us':>16}")
+    for name, (rows, cols) in SHAPES.items():
+        qtype = gguf.GGMLQuantizationType["Q8_0" if name == "lm_head" else "Q4_1"]
+        values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+        raw = torch.from_numpy(gguf.quants.quantize(values * 0.05, qtype))
+        q = QuantizedTensor(qtype.name, raw, (rows, cols))
+        dense = q.dequantize()
+        linear = QuantizedLinear(cols, rows)
+        linear.load_part(0, q)
+        packed, sz, wide = pack_int4([q])
+        for m in batches:
+            x = torch.randn(m, cols)
+            xw = torch.cat([x, x], dim=-1) if wide else x
+            slow = f"{_best_us(int4_mm, xw, packed, 32, sz):16.0f}" if m == 1 else ""
+            f32, ours = _best_us(F.linear, x, dense), _best_us(linear, x)
+            print(f"{name:>8} {m:>3} {f32:9.0f} {ours:10.0f} {slow}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -99,7 +143,12 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["gguf", "none"])
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--profile", help="QUANTIZATION:BATCH: print an op profile instead")
+    ap.add_argument("--kernels", action="store_true", help="time single projections instead")
     args = ap.parse_args()
+    if args.kernels:
+        torch.set_num_threads(args.threads)
+        kernels(args.batch)
+        return
     gguf = fetch_model("smollm2")
     model_dir = prepare_model_dir(gguf, Path(tempfile.mkdtemp(prefix="smollm2-step-")))
     blocks = max(args.batch) * (-(-(PROMPT_LEN + args.steps + 1) // BLOCK))
