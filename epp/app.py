@@ -153,13 +153,24 @@ class Epp:
         self._health = health_aio.HealthServicer()
         self._metrics_http: Any = None
         self._stop = asyncio.Event()
+        self._withdrawn = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._kube: Any = None
         self.grpc_port = options.grpc_port
         self.health_port = options.grpc_health_port
         self.metrics_port = options.metrics_port
 
+    async def withdraw(self) -> None:
+        """Answer NOT_SERVING to every health check from now on (readiness and liveness
+        alike: a proxy health-checking the ext-proc port stops opening streams here) while
+        still serving: the first step of a shutdown, before :meth:`stop`."""
+        self._withdrawn = True
+        for service in (*HEALTH_SERVICES, "liveness"):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def _update_health(self) -> None:
+        if self._withdrawn:
+            return
         ready = len(self.datastore) > 0
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -376,6 +387,10 @@ async def run(options: EppOptions) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if options.shutdown_delay_s > 0:
+        log.info("shutting down: not serving health checks for %.0f s", options.shutdown_delay_s)
+        await epp.withdraw()
+        await asyncio.sleep(options.shutdown_delay_s)
     log.info("shutting down; streams in flight get %.0f s", options.shutdown_grace_s)
     await epp.stop(options.shutdown_grace_s)
     log.info("stopped")

@@ -229,6 +229,14 @@ class EppOptions:
         "natively by the h2 crate; the least CPU per request) or aio (grpc.aio, the previous "
         "server: a poller thread hands each gRPC event to the loop); docs/architecture.md.",
     )
+    shutdown_delay_s: float = option(
+        "--shutdown-delay-s",
+        default=0.0,
+        min=0.0,
+        help="On SIGTERM, first answer NOT_SERVING to every health check for this long while "
+        "still serving, so proxies that health-check the EPP stop opening streams to it before "
+        "it stops accepting (their endpoint lists may lag). The operator sets it.",
+    )
     shutdown_grace_s: float = option(
         "--shutdown-grace-s",
         default=2.0,

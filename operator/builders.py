@@ -34,6 +34,10 @@ RUN_AS_USER = 65532  # the distroless "nonroot" uid, also used by our images
 #: stream to it after it stops accepting. On the busy node the operator's view of a pod
 #: change (watch, then the Gateways' EDS) lagged up to 10 s: 5 s was too short.
 EPP_PRESTOP_S = 15
+#: On SIGTERM an EPP answers NOT_SERVING to health checks this long before it stops
+#: accepting (--shutdown-delay-s): a Gateway's Envoy, checking every second, stops opening
+#: streams to it even when its EDS still lists it (the operator lagged 21 s on the node).
+EPP_WITHDRAW_S = 5
 #: The EPP Deployment's ``minReadySeconds``: a new EPP is in the Gateways' EDS, and
 #: health-checked by their Envoys, before the old one is deleted (same lag).
 EPP_MIN_READY_S = 10
@@ -211,7 +215,11 @@ def _restricted_security_context() -> Obj:
 
 
 def build_epp_container(pool: PoolSpec, settings: OperatorSettings, tls: bool = False) -> Obj:
-    options = replace(epp_options(pool, tls), shutdown_grace_s=settings.drain_seconds)
+    options = replace(
+        epp_options(pool, tls),
+        shutdown_delay_s=EPP_WITHDRAW_S,
+        shutdown_grace_s=settings.drain_seconds,
+    )
     args = [*options.argv(always=_EPP_ALWAYS), *settings.extra_epp_args]
     # The EPP's gRPC health server answers "readiness" (SERVING once it knows endpoints)
     # and "liveness" (SERVING while the process works): a pool without ready model
@@ -351,6 +359,7 @@ def build_deployment(
                     "serviceAccountName": pool.picker_name,
                     # The preStop wait and the streams' drain, with a margin to exit.
                     "terminationGracePeriodSeconds": EPP_PRESTOP_S
+                    + EPP_WITHDRAW_S
                     + math.ceil(settings.drain_seconds)
                     + 15,
                     "securityContext": {

@@ -106,6 +106,7 @@ EPP_VALUES: dict[str, Any] = {
     "log_level": "debug",
     "workers": 3,
     "grpc_server": "aio",
+    "shutdown_delay_s": 4.0,
     "shutdown_grace_s": 45.0,
     "reuse_port": True,
 }

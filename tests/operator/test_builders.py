@@ -175,6 +175,7 @@ def test_a_deleted_epp_serves_on_then_drains_its_streams_within_the_grace_period
     (epp,) = pod["containers"]
     assert epp["lifecycle"]["preStop"] == {"sleep": {"seconds": EPP_PRESTOP_S}}
     assert float(epp["args"][epp["args"].index("--shutdown-grace-s") + 1]) == 120
+    assert float(epp["args"][epp["args"].index("--shutdown-delay-s") + 1]) > 0
     assert pod["terminationGracePeriodSeconds"] > EPP_PRESTOP_S + 120
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     # The old EPP goes only after the new one has been Ready a while (proxies check it).
@@ -189,7 +190,7 @@ def test_deployment_is_hardened_and_wired() -> None:
         "epp", "--pool-name", "qwen-pool", "--pool-namespace", "default",
         "--config-file", "/etc/infergate/epp/config.yaml",
         "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090",
-        "--secure-serving", "--shutdown-grace-s", "300.0",
+        "--secure-serving", "--shutdown-delay-s", "5", "--shutdown-grace-s", "300.0",
     ]  # fmt: skip
     assert epp["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert epp["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
