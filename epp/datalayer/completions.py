@@ -81,7 +81,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
         self.owner = owner
         #: Other replicas' admission records, read lazily: (key, packed prefix hashes).
         self.on_admitted = on_admitted
-        #: Load reports read but not applied: a newer one of the same engine followed.
+        #: Load reports read but not decoded: a newer one of the same engine followed.
         self.superseded = 0
         #: Times the records feeds' readers ran (the wakeups this replica pays).
         self.wakeups = 0
@@ -178,8 +178,9 @@ class CompletionSubscriptions(ZmqSubscriptions):
                 lazy.close()
 
     def refresh(self) -> None:
-        """Read the lazily read feeds: every engine's latest load report (older ones
-        queued behind it are skipped unread) and the other replicas' admission records.
+        """Read the lazily read feeds: every engine's newest load report (older ones
+        queued before it are read but not decoded) and the other replicas' admission
+        records.
 
         Called right before a decision reads the endpoints (``Datastore.refresh``), so
         the decision sees each engine's newest report, as a reader woken per message
@@ -188,19 +189,22 @@ class CompletionSubscriptions(ZmqSubscriptions):
         replicas.
         """
         for key, feed in self._lazy.items():
-            latest: bytes | None = None
-            for frames in feed.read():
-                if frames[0] == LOAD_TOPIC:
-                    if latest is not None:
-                        self.superseded += 1
-                    latest = frames[-1]
-                elif frames[0] == ADMITTED_TOPIC:
-                    self._take_admitted(key, frames[-1])
-            if latest is not None and self.on_load is not None:
-                try:
-                    self.on_load(key, latest)
-                except Exception:  # a sink's bug must not stop the decision
-                    log.exception("load report from %s failed", key)
+            try:
+                self._read_lazy(key, feed)
+            except Exception:  # a sink's bug must not stop the decision or other feeds
+                log.exception("feed of %s failed", key)
+
+    def _read_lazy(self, key: str, feed: ZmqFeed) -> None:
+        latest: bytes | None = None
+        for frames in feed.read():
+            if frames[0] == LOAD_TOPIC:
+                if latest is not None:
+                    self.superseded += 1
+                latest = frames[-1]
+            elif frames[0] == ADMITTED_TOPIC:
+                self._take_admitted(key, frames[-1])
+        if latest is not None and self.on_load is not None:
+            self.on_load(key, latest)
 
     def _take_admitted(self, key: str, payload: bytes) -> None:
         """Admission records engine ``key`` took: the prefixes other replicas routed."""
