@@ -225,9 +225,13 @@ def build_envoy_container(gateway: Obj, proxy: ProxyConfig, settings: OperatorSe
         },
         # /ready is 200 once Envoy has its first config from the operator and is not
         # draining; no liveness probe on it: an Envoy waiting for the operator is alive.
+        # 5 s, not the 1 s default: /ready is answered by Envoy's main thread (the admin
+        # API), which xDS work delays; on a CPU-starved node three 1 s timeouts made the
+        # one proxy unready, its Service had no endpoint, and clients were refused.
         "readinessProbe": {
             "httpGet": {"path": proxy.ready_path, "port": proxy.ready_port},
             "periodSeconds": 2,
+            "timeoutSeconds": 5,
             "failureThreshold": 3,
         },
         "resources": {
