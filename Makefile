@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster test-node lint typecheck bench conformance conformance-controlplane images clean
+.PHONY: help install lmeval llamacpp model controlplane demo test test-all test-cluster test-node conformance-node lint typecheck bench conformance conformance-controlplane images clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
@@ -96,6 +96,10 @@ conformance-controlplane: install controlplane ## GIE's conformance suite (Gatew
 	INFERGATE_CONTROLPLANE_BIN=$$(tools/controlplane/build.sh --print-dir) $(BIN)/pytest -m conformance conformance \
 		-p no:cacheprovider --conformance-driver=controlplane \
 		--conformance-report=$(CONFORMANCE_REPORT)
+
+conformance-node: install controlplane ## GIE's conformance suite on the real node, pods from images (root; tools/node/conformance.sh)
+	tools/node/build.sh && tools/node/build.sh --coredns
+	tools/node/conformance.sh
 
 # The images of docker/ built without a Docker daemon (buildah, from Debian packages and PyPI
 # wheels; needs root) into OCI layouts under build/images/, then checked and run under runc

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from conformance import topology as topo
-from conformance.drivers.base import Driver, Pod, Reply, Request
+from conformance.drivers.base import ENDPOINT_SLICES, Driver, Pod, Reply, Request
 from conformance.kube import conditions_of, parent_entries, wait_for
 
 #: Gateway API's defaults: a response must be as expected this many times in a row.
@@ -275,19 +275,21 @@ def pods(driver: Driver, app: str) -> list[Pod]:
 @contextlib.contextmanager
 def service_unavailable(driver: Driver, name: str, namespace: str = topo.APP_NS) -> Iterator[None]:
     """GIE: MakeServiceUnavailable — the Service selects nothing until the block ends.
-    GIE then waits for the Service's EndpointSlices to empty (and refill); this waits for
-    the pods its selector picks, which is what the slices list (on the control-plane
-    driver the slices stay empty: the API refuses loopback endpoint addresses)."""
+    GIE then waits for the Service's EndpointSlices to empty (and refill), and so does
+    this where the driver's cluster fills them (ENDPOINT_SLICES: the node and kind); on
+    the control-plane driver the slices stay empty (the API refuses loopback endpoint
+    addresses), so it waits for the pods the selector picks, which the slices would list."""
     service = driver.kube.get("Service", namespace, name)
     assert service is not None, f"Service {namespace}/{name} does not exist"
     selector = dict(service["spec"].get("selector") or {})
+    wait = _wait_sliced if ENDPOINT_SLICES in driver.capabilities else _wait_selected
     _set_selector(driver, service, {"app": "do-not-match-for-testing"})
     try:
-        _wait_selected(driver, namespace, name, lambda n: n == 0)
+        wait(driver, namespace, name, lambda n: n == 0)
         yield
     finally:
         _set_selector(driver, service, selector)
-        _wait_selected(driver, namespace, name, lambda n: n >= 1)
+        wait(driver, namespace, name, lambda n: n >= 1)
 
 
 def _set_selector(driver: Driver, service: dict[str, Any], selector: dict[str, str]) -> None:
@@ -297,6 +299,18 @@ def _set_selector(driver: Driver, service: dict[str, Any], selector: dict[str, s
          "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
          "spec": {"selector": selector, "ports": service["spec"]["ports"]}}
     )  # fmt: skip
+
+
+def _wait_sliced(driver: Driver, namespace: str, name: str, ok: Callable[[int], bool]) -> None:
+    """Until the addresses in the Service's EndpointSlices number ``ok``."""
+
+    def count() -> bool:
+        slices = driver.kube.list("EndpointSlice", namespace, {"kubernetes.io/service-name": name})
+        return ok(
+            sum(len(e.get("addresses") or []) for s in slices for e in s.get("endpoints") or [])
+        )
+
+    wait_for(count, timeout=driver.settle_timeout, what=f"the EndpointSlices of Service {name}")
 
 
 def _wait_selected(driver: Driver, namespace: str, name: str, ok: Callable[[int], bool]) -> None:

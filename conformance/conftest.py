@@ -25,10 +25,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "InferencePool conformance suite")
     group.addoption(
         "--conformance-driver",
-        choices=("controlplane", "cluster"),
+        choices=("controlplane", "cluster", "node"),
         default=os.environ.get("CONFORMANCE_DRIVER", "controlplane"),
         help="controlplane (default): the real kube-apiserver `make controlplane` builds, "
-        "processes for pods; cluster: the cluster in $KUBECONFIG",
+        "processes for pods; cluster: the cluster in $KUBECONFIG; node: the real node "
+        "(kubelet, containerd; `sudo make conformance-node`), pods from images",
     )
     group.addoption(
         "--conformance-report",
@@ -60,6 +61,10 @@ def driver(
         made = ControlPlaneDriver(
             tmp_path_factory.mktemp("conformance"), _cli(), _bin_dir(), gateway_class
         )
+    elif kind == "node":
+        from conformance.drivers.node import NodeDriver
+
+        made = NodeDriver(tmp_path_factory.mktemp("conformance"), gateway_class=gateway_class)
     else:
         from conformance.drivers.cluster import ClusterDriver
 

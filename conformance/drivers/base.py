@@ -22,6 +22,9 @@ from conformance.kube import KubeApi
 
 #: Single model-server pods can be stopped and started behind the API server's back.
 STOP_PODS = "stop-pods"
+#: The endpointslice controller fills a Service's EndpointSlices with its pods' addresses
+#: (a real network: not the control-plane driver's loopback pod IPs, which the API refuses).
+ENDPOINT_SLICES = "endpoint-slices"
 
 
 @dataclass(frozen=True)

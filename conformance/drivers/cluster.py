@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from conformance import topology as topo
-from conformance.drivers.base import Driver, Reply, Request
+from conformance.drivers.base import ENDPOINT_SLICES, Driver, Reply, Request
 from conformance.drivers.controlplane import send_http
 from conformance.kube import KubeApi, api_client_for, wait_for
 from infergate.procs import ProcessGroup, free_port, tcp_ready
@@ -29,6 +29,7 @@ GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
 
 class ClusterDriver(Driver):
     name = "cluster"
+    capabilities = frozenset({ENDPOINT_SLICES})
     settle_timeout = 300.0
 
     def __init__(self, workdir: Path, *, gateway_class: str = topo.DEFAULT_GATEWAY_CLASS) -> None:
