@@ -125,7 +125,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if isinstance(self.lm_head, QuantizedLinear):  # exact values for the top candidates
+            return self.lm_head.refine_top(hidden, logits)
+        return logits
 
     def prepare_buffers(self, device: torch.device) -> None:
         """Build non-parameter state (the RoPE table) on the device the weights live on."""
@@ -147,7 +150,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             # gate/up's product stays bfloat16 into down (the kernel's input dtype).
             out = torch.bfloat16 if path.endswith("gate_up_proj") else module.weight.dtype
-            quantized = QuantizedLinear(module.in_features, module.out_features, len(names), out)
+            quantized = QuantizedLinear(
+                module.in_features, module.out_features, len(names), out, path == "lm_head"
+            )
             self.set_submodule(path, quantized)
         emb = self.model.embed_tokens
         tied_dense = self.config.tie_word_embeddings and "lm_head" in dense

@@ -208,10 +208,14 @@ class QuantizedLinear(nn.Module):
         out_features: int,
         num_parts: int = 1,
         out_dtype: torch.dtype | None = None,
+        keep_blocks: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        # An lm_head keeps its GGUF blocks (shared with tied embeddings) for refine_top.
+        self.keep_blocks = keep_blocks
+        self.blocks: QuantizedTensor | None = None
         # The output's dtype (None: the input's). bfloat16 where the next op is another
         # quantized linear (SwiGLU's gate/up → down) saves two conversions.
         self.out_dtype = out_dtype
@@ -240,6 +244,8 @@ class QuantizedLinear(nn.Module):
             )
         self.packed, scales_zeros, self.wide = pack_int4(parts)
         self.scales_zeros = scales_zeros.to(torch.bfloat16)
+        if self.keep_blocks and len(parts) == 1:
+            self.blocks = parts[0]
         self.parts = [None] * len(self.parts)  # the blocks are not kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,6 +263,23 @@ class QuantizedLinear(nn.Module):
         if y.shape[-1] != self.out_features:  # rows padded to 16
             y = y[:, : self.out_features]
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def refine_top(self, x: torch.Tensor, y: torch.Tensor, k: int = 8) -> torch.Tensor:
+        """`y` = self(x) as float32 with each row's `k` largest recomputed in float32 from
+        the exact GGUF values (when the blocks are kept).
+
+        For logits: the kernel's bfloat16 output steps by 0.125 around 25, so near-equal
+        candidates come out equal and the lower token id wins a greedy tie; the exact
+        dot products of the few candidates decide instead (a step costs k rows).
+        """
+        y = y.float()
+        if self.blocks is None or y.shape[0] == 0:
+            return y
+        k = min(k, self.out_features)
+        top = y.topk(k, dim=-1).indices  # [M, k]
+        rows = dequantize_blocks(self.blocks.raw[top.reshape(-1)], self.blocks.qtype)
+        exact = torch.bmm(rows.view(*top.shape, -1), x.float().unsqueeze(-1)).squeeze(-1)
+        return y.scatter(1, top, exact)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"

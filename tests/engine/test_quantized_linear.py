@@ -209,3 +209,18 @@ def test_lora_on_quantized_projections_is_refused(tiny_model_dir: Path, tmp_path
     packed = _runner(write_gguf(tiny_model_dir, tmp_path / "m.gguf", Q.Q4_0), tmp_path, "gguf")
     with pytest.raises(ValueError, match="serve a GGUF with --quantization none for LoRA"):
         wrap_model(packed.model, num_slots=2, max_rank=8)
+
+
+def test_head_refines_its_top_logits_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The packed head's bfloat16 outputs make near candidates equal; each row's top 8
+    logits are recomputed in float32 from the GGUF values, as the float32 path's head
+    computes them, so a greedy choice between them is float32's."""
+    packed = _runner(write_gguf(tiny_model_dir, tmp_path / "m.gguf", Q.Q8_0), tmp_path, "gguf")
+    head = packed.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.blocks is not None
+    hidden = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0)) * 4
+    logits = packed.model.compute_logits(hidden)
+    exact = F.linear(hidden, head.blocks.dequantize())
+    top = head(hidden).topk(8, dim=-1).indices  # the candidates the kernel's output ranks
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert logits.dtype == torch.float32
