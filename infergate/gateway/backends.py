@@ -19,7 +19,7 @@ never exists, so Envoy answers its share of requests with 500 as the spec asks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from infergate.gateway.model import (
     index,
     meta,
     named_container_port,
-    pod_ready_ip,
+    pod_serving_ip,
     ref_permitted,
     str_map,
     valid_port,
@@ -116,6 +116,7 @@ class _ReadyPod:
     ip: str
     labels: Mapping[str, str]
     obj: Obj
+    terminating: bool = False
 
 
 @dataclass
@@ -138,26 +139,34 @@ class Catalog:
     def __post_init__(self) -> None:
         self.services = index(self.objects.services)
         self.pool_objects = index(self.objects.inference_pools)
-        # Ready pods, read once, indexed by (namespace, label, value): selecting a pool's
+        # Serving pods, read once, indexed by (namespace, label, value): selecting a pool's
         # or a Service's pods costs the size of its smallest label bucket, not the fleet.
         self._by_label: dict[tuple[str, str, str], list[_ReadyPod]] = {}
         for pod in self.objects.pods:
-            ip = pod_ready_ip(pod)
-            if ip is None:
+            serving = pod_serving_ip(pod)
+            if serving is None:
                 continue
             m = meta(pod)
-            ready = _ReadyPod(ip, m.labels, pod)
+            ready = _ReadyPod(serving[0], m.labels, pod, terminating=serving[1])
             for label, value in m.labels.items():
                 self._by_label.setdefault((m.namespace, label, value), []).append(ready)
 
-    def _select(self, namespace: str, selector: dict[str, str]) -> list[_ReadyPod]:
+    def _select(
+        self, namespace: str, selector: dict[str, str], *, terminating: bool = False
+    ) -> list[_ReadyPod]:
         """Ready pods of ``namespace`` whose labels include all of ``selector`` (an empty
-        selector selects nothing: neither a pool nor a Service selects a whole namespace)."""
+        selector selects nothing: neither a pool nor a Service selects a whole namespace);
+        with ``terminating``, terminating pods that still pass readiness too."""
         if not selector:
             return []
         buckets = [self._by_label.get((namespace, k, v), []) for k, v in selector.items()]
         smallest = min(buckets, key=len)
-        return [p for p in smallest if all(p.labels.get(k) == v for k, v in selector.items())]
+        return [
+            p
+            for p in smallest
+            if (terminating or not p.terminating)
+            and all(p.labels.get(k) == v for k, v in selector.items())
+        ]
 
     # --- backendRefs -------------------------------------------------------------
 
@@ -208,7 +217,7 @@ class Catalog:
             return _invalid(weight, c.UNSUPPORTED_PROTOCOL, message)
         name = f"service/{key[0]}/{key[1]}/{port}"
         if name not in self.resources:
-            endpoints = self._service_endpoints(service, service_port)
+            endpoints, _ = self._service_endpoints(service, service_port)
             self.resources[name] = Resources(
                 self._service_cluster(name, http2=protocol in H2C),
                 load_assignment(name, endpoints),
@@ -290,10 +299,14 @@ class Catalog:
         pool.epp_authority = f"{svc.name}.{svc.namespace}.svc:{number}"
         if pool.epp_cluster not in self.resources:
             tls = self.options.epp_tls and service_port.get("appProtocol") not in H2C
-            endpoints = self._service_endpoints(service, service_port)
+            # A terminating EPP that still passes readiness stays, DEGRADED: it serves
+            # through its preStop, and the Envoy's health checks see it withdraw; until a
+            # new EPP passes them it is the one host left (an operator that is late sees a
+            # new EPP's readiness and the old one's deletion at once).
+            endpoints, degraded = self._service_endpoints(service, service_port, terminating=True)
             self.resources[pool.epp_cluster] = Resources(
                 self._epp_cluster(pool.epp_cluster, f"{svc.name}.{svc.namespace}.svc", tls),
-                load_assignment(pool.epp_cluster, endpoints),
+                load_assignment(pool.epp_cluster, endpoints, degraded),
             )
 
     def _epp_service(
@@ -336,19 +349,24 @@ class Catalog:
     # --- Services ----------------------------------------------------------------
 
     def _service_endpoints(
-        self, service: Obj, service_port: dict[str, Any]
-    ) -> list[tuple[str, int]]:
+        self, service: Obj, service_port: dict[str, Any], *, terminating: bool = False
+    ) -> tuple[list[tuple[str, int]], set[tuple[str, int]]]:
         """Ready pods behind a Service's selector, at the port's targetPort (named
-        targetPorts resolved per pod)."""
+        targetPorts resolved per pod), and which of them are terminating (only with
+        ``terminating``: terminating pods whose readiness still passes are included)."""
         # A Service without a selector (hand-made Endpoints) is not followed: no pods.
         selector = str_map(as_dict(service.get("spec")).get("selector"))
         target = service_port.get("targetPort", service_port.get("port"))
         out: set[tuple[str, int]] = set()
-        for pod in self._select(meta(service).namespace, selector):
+        leaving: set[tuple[str, int]] = set()
+        namespace = meta(service).namespace
+        for pod in self._select(namespace, selector, terminating=terminating):
             port = _target_port(pod.obj, target)
             if port is not None:
                 out.add((pod.ip, port))
-        return sorted(out)
+                if pod.terminating:
+                    leaving.add((pod.ip, port))
+        return sorted(out), leaving
 
     # --- clusters ----------------------------------------------------------------
 
@@ -436,9 +454,23 @@ def _is_tls_protocol(protocol: str) -> bool:
     return protocol.lower() in ("https", "tls", "kubernetes.io/wss", "wss", "grpcs", "h2")
 
 
-def load_assignment(name: str, endpoints: Iterable[tuple[str, int]]) -> Obj:
-    """The ClusterLoadAssignment of an EDS cluster (an empty one is valid: 503s)."""
-    lb_endpoints = [{"endpoint": {"address": envoy.socket_address(h, p)}} for h, p in endpoints]
+def load_assignment(
+    name: str,
+    endpoints: Iterable[tuple[str, int]],
+    degraded: Collection[tuple[str, int]] = (),
+) -> Obj:
+    """The ClusterLoadAssignment of an EDS cluster (an empty one is valid: 503s).
+
+    ``degraded`` endpoints get Envoy's ``health_status: DEGRADED``: used only while too
+    few healthy hosts are left (a host still failing its first active health check is not
+    healthy). Not DRAINING: Envoy counts that as unhealthy, and with panic routing off it
+    would never be used."""
+    lb_endpoints: list[Obj] = []
+    for host, port in endpoints:
+        entry: Obj = {"endpoint": {"address": envoy.socket_address(host, port)}}
+        if (host, port) in degraded:
+            entry["health_status"] = "DEGRADED"
+        lb_endpoints.append(entry)
     return {
         "cluster_name": name,
         "endpoints": [{"lb_endpoints": lb_endpoints}] if lb_endpoints else [],

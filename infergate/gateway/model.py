@@ -148,10 +148,11 @@ def _expression_matches(expression: dict[str, Any], labels: Mapping[str, str]) -
     return None
 
 
-def pod_ready_ip(pod: Obj) -> str | None:
-    """The pod's IP when it may receive traffic: Ready, not terminating, a valid IP."""
-    if dig(pod, "metadata", "deletionTimestamp"):
-        return None
+def pod_serving_ip(pod: Obj) -> tuple[str, bool] | None:
+    """The pod's IP while its Ready condition holds (a valid IP), and whether the pod is
+    terminating: Kubernetes' EndpointSlice ``serving`` and ``terminating`` conditions
+    (KEP-1672). ``ready`` is serving and not terminating; a terminating pod stays
+    serving until its readiness probe fails (it keeps serving through a preStop hook)."""
     ready = any(
         as_dict(c).get("type") == "Ready" and as_dict(c).get("status") == "True"
         for c in as_list(dig(pod, "status", "conditions"))
@@ -163,7 +164,7 @@ def pod_ready_ip(pod: Obj) -> str | None:
         ipaddress.ip_address(ip)
     except ValueError:
         return None
-    return ip
+    return ip, bool(dig(pod, "metadata", "deletionTimestamp"))
 
 
 def named_container_port(pod: Obj, name: str) -> int | None:

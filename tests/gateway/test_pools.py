@@ -207,6 +207,36 @@ def test_epp_cluster_transport_and_health() -> None:
     assert "transport_socket" not in epp and "health_checks" not in epp
 
 
+def test_terminating_epp_stays_degraded_while_still_ready() -> None:
+    """An EPP rollout seen late: the new EPP Ready and the old one deleted in one pass.
+    The old one, terminating but still passing readiness (Kubernetes' ``serving``), stays
+    in the EPP cluster as DEGRADED (used while the new one has not passed Envoy's health
+    check); once its readiness fails it leaves. Pool and Service endpoints drop a
+    terminating pod at once."""
+
+    def deleted(p: dict[str, Any]) -> dict[str, Any]:
+        p["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+        return p
+
+    def statuses(t: Translation, name: str) -> dict[str, str | None]:
+        cla = snapshot_resources(t.snapshots[GW], ENDPOINT_TYPE)[name]
+        return {
+            e["endpoint"]["address"]["socket_address"]["address"]: e.get("health_status")
+            for group in cla["endpoints"]
+            for e in group["lb_endpoints"]
+        }
+
+    new = pod("primary-epp-1", "10.0.3.9", {"app": "primary-epp"})
+    old = deleted(pod("primary-epp-0", "10.0.3.1", {"app": "primary-epp"}))
+    engine = deleted(pod("primary-9", "10.0.1.9", {"app": "primary"}))
+    t = run(pods=(new, old, engine))
+    assert statuses(t, "epp/apps/primary-epp/9002") == {"10.0.3.1": "DEGRADED", "10.0.3.9": None}
+    assert endpoints(t, "pool/apps/primary") == []
+    withdrawn = deleted(pod("primary-epp-0", "10.0.3.1", {"app": "primary-epp"}, ready=False))
+    t = run(pods=(new, withdrawn))
+    assert statuses(t, "epp/apps/primary-epp/9002") == {"10.0.3.9": None}
+
+
 def test_multiple_rules_different_pools() -> None:
     """GIE's HTTPRouteMultipleRulesDifferentPools: each rule reaches its own pool through
     its own EPP."""
