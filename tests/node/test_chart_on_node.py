@@ -340,6 +340,7 @@ def _roll(node: Node, deployment: str) -> tuple[set[str], set[str]]:
 
 
 def _assert_all_complete(result: dict[str, Any]) -> None:
+    print("stream load:", json.dumps(result))  # the counts, shown with -rA
     started = result["started"]
     assert started > 0, result
     assert result["outcomes"] == {"complete": started}, result
