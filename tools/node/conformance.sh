@@ -32,6 +32,7 @@ bash "$here/probe.sh" up
 trap 'bash "$here/probe.sh" down' EXIT
 # shellcheck disable=SC1091
 source "$W/node.env"   # NETNS, KUBECONFIG, CONTAINERD_SOCKET, TOOLS, ENVOY_IMAGE
+export KUBECONFIG  # node.env only assigns it; helm and kubectl read it from the environment
 ctr=(ctr --address "$CONTAINERD_SOCKET" -n k8s.io)
 
 import_layout() {  # import_layout NAME: build/images/NAME as ghcr.io/infergate/NAME:<its tag>
