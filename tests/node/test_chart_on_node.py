@@ -369,7 +369,8 @@ def test_epp_rolling_update_under_streaming_load_fails_no_request(
 ) -> None:
     """20 streamed completions a second while the pool's EPP Deployment is rolled (the
     operator's maxUnavailable 0, maxSurge 1): the new EPP is Ready before the old one is
-    deleted; the old one serves on while the Gateway's EDS drops it (preStop), then sends
+    deleted; the old one serves on (preStop), DEGRADED in the Gateway's EDS while still
+    Ready (used only until Envoy has health-checked the new one), then sends
     GOAWAY and lets its ext-proc streams finish. Every stream completes."""
     load = _StreamLoad(node, gateway_url)
     try:
