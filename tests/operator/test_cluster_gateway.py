@@ -31,7 +31,7 @@ import yaml
 from infergate.gateway.bootstrap import ADMIN_CLUSTER
 from infergate.gateway.translate import SHADOWED
 from infergate.operator import constants as c
-from infergate.operator.gateway.objects import proxy_name
+from infergate.operator.gateway.objects import ENVOY_CONTAINER, proxy_name
 from infergate.procs import ManagedProcess, ProcessGroup, free_port, http_ready
 from tests.support.controlplane import Cluster
 
@@ -270,7 +270,8 @@ def run_proxy(gw: GatewayEnv, name: str, envoy_binary: Path) -> tuple[ManagedPro
             host["endpoint"]["address"]["socket_address"]["port_value"] = admin
     path = gw.cluster.workdir / f"{proxy}-{uuid.uuid4().hex[:4]}.yaml"
     path.write_text(yaml.safe_dump(bootstrap))
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    (container,) = [k for k in containers if k["name"] == ENVOY_CONTAINER]  # beside its drainer
     args = [re.sub(r"\$\(POD_IP\)", "127.0.0.1", a) for a in container["args"]]
     args[args.index("--config-path") + 1] = str(path)
     process = gw.processes.start(
