@@ -18,7 +18,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.kube import KubeApi
+import httpx
+
+from conformance import topology as topo
+from conformance.kube import KubeApi, api_client_for
 
 #: Single model-server pods can be stopped and started behind the API server's back.
 STOP_PODS = "stop-pods"
@@ -123,3 +126,13 @@ class Driver(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop whatever the driver started."""
+
+
+def connect(kubeconfig: str | None, gateway_class: str) -> tuple[KubeApi, httpx.Client]:
+    """The API and HTTP clients of a driver whose cluster is already running (``cluster``,
+    ``node``), with the suite's base objects applied for ``gateway_class``. The
+    ``controlplane`` driver starts its own API server and applies its objects later."""
+    kube = KubeApi(api_client_for(kubeconfig))
+    print(f"[conformance] applying {topo.BASE_MANIFEST.name} (GatewayClass {gateway_class})")
+    kube.apply_all(topo.base_objects(gateway_class))
+    return kube, httpx.Client(timeout=30.0)

@@ -16,12 +16,10 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from conformance import topology as topo
-from conformance.drivers.base import ENDPOINT_SLICES, Driver, Reply, Request
+from conformance.drivers.base import ENDPOINT_SLICES, Driver, Reply, Request, connect
 from conformance.drivers.controlplane import send_http
-from conformance.kube import KubeApi, api_client_for, wait_for
+from conformance.kube import KubeApi, wait_for
 from infergate.procs import ProcessGroup, free_port, tcp_ready
 
 GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
@@ -38,11 +36,8 @@ class ClusterDriver(Driver):
         if self.kubectl is None:
             raise RuntimeError("the cluster driver needs `kubectl` on PATH (for port-forward)")
         self.group = ProcessGroup()
-        self._kube = KubeApi(api_client_for())
-        self._http = httpx.Client(timeout=30.0)
         self._forwards: dict[tuple[str, str], str] = {}
-        print(f"[conformance] applying {topo.BASE_MANIFEST.name} (GatewayClass {gateway_class})")
-        self._kube.apply_all(topo.base_objects(gateway_class))
+        self._kube, self._http = connect(None, gateway_class)
 
     @property
     def kube(self) -> KubeApi:

@@ -31,12 +31,18 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from conformance import topology as topo
-from conformance.drivers.base import ENDPOINT_SLICES, STOP_PODS, Driver, Pod, Reply, Request
+from conformance.drivers.base import (
+    ENDPOINT_SLICES,
+    STOP_PODS,
+    Driver,
+    Pod,
+    Reply,
+    Request,
+    connect,
+)
 from conformance.drivers.controlplane import _join, _status_address, send_http
-from conformance.kube import KubeApi, api_client_for, wait_for
+from conformance.kube import KubeApi, wait_for
 
 WORKDIR = Path(os.environ.get("INFERGATE_NODE_WORKDIR", "/var/tmp/infergate-node"))
 
@@ -74,10 +80,7 @@ class NodeDriver(Driver):
                 f"the node driver must run inside {self.env['NETNS']} (ClusterIPs and pod IPs "
                 "route only there): use tools/node/conformance.sh"
             )
-        self._kube = KubeApi(api_client_for(self.env["KUBECONFIG"]))
-        self._http = httpx.Client(timeout=30.0)
-        print(f"[conformance] applying {topo.BASE_MANIFEST.name} (GatewayClass {gateway_class})")
-        self._kube.apply_all(topo.base_objects(gateway_class))
+        self._kube, self._http = connect(self.env["KUBECONFIG"], gateway_class)
 
     @property
     def kube(self) -> KubeApi:
