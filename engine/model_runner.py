@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -67,6 +68,8 @@ class TorchModelRunner:
         self._logprobs: dict[str, TokenLogprob] = {}
         self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
         self.lora: TorchLoRA | None = None  # set by lora.runner.attach_torch_lora
+        self.cpu_threads: int | None = None  # torch threads for the steps (CPU only)
+        self._threads_on: int | None = None  # the thread they were applied on
 
     @classmethod
     def from_model_dir(
@@ -87,19 +90,23 @@ class TorchModelRunner:
     ) -> TorchModelRunner:
         """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache.
 
-        On CPU this also sets torch's intra-op threads for the process (`cpu_threads`,
+        On CPU this also picks torch's intra-op threads for the steps (`cpu_threads`,
         else ``OMP_NUM_THREADS`` when set, else one per 512 of hidden size): a small
         model's ops are too short to amortize a thread team, and on a shared machine
         idle-waiting threads cost 10x; the quantized matmuls do split well, so a
-        deployment that gives the engine cores says so with ``OMP_NUM_THREADS``.
+        deployment that gives the engine cores says so with ``OMP_NUM_THREADS``. The
+        model loads on one thread, and the team is made by the thread that runs the
+        steps (see `_own_threads`).
         """
         cfg = ModelConfig.from_model_dir(model_dir)
         dev = resolve_device(device)
+        threads = None
         if dev.type == "cpu":
             env = os.environ.get("OMP_NUM_THREADS", "")
             wanted = cpu_threads or (int(env) if env.isdigit() else 0)
             wanted = wanted or max(1, cfg.hidden_size // 512)
-            torch.set_num_threads(max(1, min(wanted, os.cpu_count() or 1)))
+            threads = max(1, min(wanted, os.cpu_count() or 1))
+            torch.set_num_threads(1)
         dt = resolve_dtype(dtype, cfg, dev)
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
@@ -137,7 +144,7 @@ class TorchModelRunner:
             num_blocks,
             block_size,
         )
-        return cls(
+        runner = cls(
             model,
             cfg,
             block_size=block_size,
@@ -147,6 +154,23 @@ class TorchModelRunner:
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
         )
+        runner.cpu_threads = threads
+        return runner
+
+    def _own_threads(self) -> None:
+        """Give the thread that runs the steps its team of `cpu_threads` (once per thread).
+
+        OpenMP (libgomp) keeps one team per thread that starts parallel work. When the
+        teams' threads together outnumber the cores, every team stops spinning between
+        parallel regions and sleeps on a futex instead, and a decode step (~300 short
+        regions) ran 2x slower: the server loads on its main thread and steps on the
+        engine thread. So the model loads single-threaded (no team), and the stepping
+        thread makes the only team.
+        """
+        ident = threading.get_ident()
+        if self.cpu_threads is not None and self._threads_on != ident:
+            torch.set_num_threads(self.cpu_threads)
+            self._threads_on = ident
 
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute every scheduled token's KV; sample where `sample` is set."""
@@ -209,6 +233,7 @@ class TorchModelRunner:
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the forward pass; logits [num sampled seqs, vocab] of each sampled seq's
         last token (float32), in batch order."""
+        self._own_threads()
         self._validate(batch)
         self._copy_blocks(batch.block_copies)
         seqs = [s for s in batch.seqs if s.token_ids]

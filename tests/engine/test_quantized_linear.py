@@ -13,6 +13,7 @@ greedy tokens wherever the float32 path's choice is not a near tie.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import gguf
@@ -190,15 +191,28 @@ def test_quantization_flag_is_checked(tiny_model_dir: Path, tmp_path: Path) -> N
 def test_omp_num_threads_sets_the_cpu_threads(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A deployment's OMP_NUM_THREADS wins over the hidden-size default (1 here)."""
+    """A deployment's OMP_NUM_THREADS wins over the hidden-size default (1 here); the
+    model loads on one thread, and the thread that runs the steps gets the team."""
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     try:
-        TorchModelRunner.from_model_dir(tiny_model_dir, num_blocks=4, device="cpu")
-        assert torch.get_num_threads() == min(2, os.cpu_count() or 1)
+        runner = TorchModelRunner.from_model_dir(tiny_model_dir, num_blocks=4, device="cpu")
+        assert runner.cpu_threads == min(2, os.cpu_count() or 1)
+        assert torch.get_num_threads() == 1  # loading made no thread team
+        seen: list[int] = []
+
+        def step() -> None:
+            greedy = SamplingParams(temperature=0.0)
+            runner.execute(ScheduledBatch([ScheduledSeq("r", [5, 6], 0, [0], True, greedy)]))
+            seen.append(torch.get_num_threads())
+
+        worker = threading.Thread(target=step)
+        worker.start()
+        worker.join()
+        assert seen == [runner.cpu_threads]
         monkeypatch.delenv("OMP_NUM_THREADS")
-        TorchModelRunner.from_model_dir(tiny_model_dir, num_blocks=4, device="cpu")
-        assert torch.get_num_threads() == 1
+        runner = TorchModelRunner.from_model_dir(tiny_model_dir, num_blocks=4, device="cpu")
+        assert runner.cpu_threads == 1
     finally:
         torch.set_num_threads(before)
 
