@@ -48,6 +48,8 @@ class Row:
     hit: float
     ttft: tuple[float, float, float]
     sim_lag: float
+    #: CPU ms over the run per thread name (``comm``), summed over the replicas.
+    threads: dict[str, float]
 
     @property
     def cpu_ms_per_decision(self) -> float:
@@ -59,6 +61,32 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_ns(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
+    """Per thread of ``pids``: its name and ns on CPU (``/proc/PID/task/TID/schedstat``)."""
+    threads: dict[tuple[int, int], tuple[str, int]] = {}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                    name = comm.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                    threads[(pid, int(tid))] = (name, int(stat.read().split()[0]))
+            except OSError:  # the thread ended meanwhile
+                continue
+    return threads
+
+
+def _thread_ms(
+    before: dict[tuple[int, int], tuple[str, int]], after: dict[tuple[int, int], tuple[str, int]]
+) -> dict[str, float]:
+    """CPU ms per thread name between two :func:`_thread_ns` samples (new threads whole)."""
+    by_name: dict[str, float] = {}
+    for key, (name, ns) in after.items():
+        spent = ns - before.get(key, (name, 0))[1]
+        by_name[name] = by_name.get(name, 0.0) + spent / 1e6
+    return by_name
 
 
 def _epp_pids(stack: LocalStack) -> list[int]:
@@ -87,10 +115,12 @@ def run_row(replicas: int, args: argparse.Namespace, tokens: lab.Tokens) -> Row:
         urls = [f"{u}/metrics" for u in stack.engine_urls]
         before = [lab.scrape_counters(u) for u in urls]
         cpu0 = sum(_cpu_seconds(pid) for pid in pids)
+        threads0 = _thread_ns(pids)
         report = asyncio.run(
             lab._drive(workload, samples, base_url, stack.model_name, args.rate, spec)
         )
         cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu0
+        threads = _thread_ms(threads0, _thread_ns(pids))
         after = [lab.scrape_counters(u) for u in urls]
     finally:
         stack.stop()
@@ -105,6 +135,7 @@ def run_row(replicas: int, args: argparse.Namespace, tokens: lab.Tokens) -> Row:
         result.prefix_hit_rate,
         (result.ttft_p50_ms, result.ttft_p90_ms, result.ttft_p99_ms),
         result.sim_lag,
+        threads,
     )
 
 
@@ -118,6 +149,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cores", default="1", help="taskset core list every EPP runs on")
+    parser.add_argument(
+        "--threads",
+        action="store_true",
+        help="also print each row's CPU per thread name (schedstat)",
+    )
     parser.add_argument("--output-dir", type=lab.Path, default=lab.Path("/tmp/epp-replicas"))
     args = parser.parse_args()
     counts = [int(c) for c in args.replicas.split(",")]
@@ -138,6 +174,13 @@ def main() -> None:
                 f"sim lag {row.sim_lag:.1%}",
                 flush=True,
             )
+            if args.threads:
+                busiest = sorted(row.threads.items(), key=lambda kv: -kv[1])
+                print(
+                    "  threads, ms summed over replicas: "
+                    + ", ".join(f"{name} {ms:.0f}" for name, ms in busiest if ms >= 0.5),
+                    flush=True,
+                )
     base = [r for r in rows if r.replicas == counts[0]]
     base_cpu = sum(r.cpu_s for r in base) / max(1, sum(r.requests for r in base))
     base_hit = sum(r.hit for r in base) / len(base)

@@ -150,6 +150,7 @@ class Epp:
         self._h2: H2Server | None = None  # --grpc-server h2: the same on the event loop
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
+        self._health_h2: H2Server | None = None  # the health port, with --grpc-server h2
         self._health = health_aio.HealthServicer()
         self._metrics_http: Any = None
         self._stop = asyncio.Event()
@@ -220,29 +221,28 @@ class Epp:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         return self._grpc
 
-    def _h2_server(self) -> H2Server:
-        """ext-proc, EDS and health on the event loop's own HTTP/2 server (epp/server/h2.py)."""
+    def _h2_server(self, health_only: bool = False) -> H2Server:
+        """ext-proc, EDS and health on the event loop's own HTTP/2 server (epp/server/h2.py);
+        ``health_only``: health alone, for the health port."""
         from envoy.service.discovery.v3 import discovery_pb2
         from envoy.service.ext_proc.v3 import external_processor_pb2
         from infergate.epp.server.h2 import H2Server, Method
 
         health_request = health_pb2.HealthCheckRequest.FromString
-        return H2Server(
-            {
-                "/envoy.service.ext_proc.v3.ExternalProcessor/Process": Method(
-                    "ext_proc",
-                    lambda: self.ext_proc,
-                    external_processor_pb2.ProcessingRequest.FromString,
-                ),
-                "/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints": Method(
-                    "stream", self.eds.StreamEndpoints, discovery_pb2.DiscoveryRequest.FromString
-                ),
-                "/grpc.health.v1.Health/Check": Method("unary", self._health.Check, health_request),
-                "/grpc.health.v1.Health/Watch": Method("unary", self._health.Watch, health_request),
-            },
-            max_message=64 << 20,
-            max_streams=self.options.max_streams,
-        )
+        methods = {
+            "/grpc.health.v1.Health/Check": Method("unary", self._health.Check, health_request),
+            "/grpc.health.v1.Health/Watch": Method("unary", self._health.Watch, health_request),
+        }
+        if not health_only:
+            methods["/envoy.service.ext_proc.v3.ExternalProcessor/Process"] = Method(
+                "ext_proc",
+                lambda: self.ext_proc,
+                external_processor_pb2.ProcessingRequest.FromString,
+            )
+            methods["/envoy.service.endpoint.v3.EndpointDiscoveryService/StreamEndpoints"] = Method(
+                "stream", self.eds.StreamEndpoints, discovery_pb2.DiscoveryRequest.FromString
+            )
+        return H2Server(methods, max_message=64 << 20, max_streams=self.options.max_streams)
 
     async def _start_h2(self) -> None:
         o = self.options
@@ -256,6 +256,31 @@ class Epp:
             self.grpc_port = await self._h2.start(o.host, o.grpc_port, context, o.reuse_port)
         except OSError as error:
             raise OSError(f"cannot bind gRPC port {o.grpc_port}: {error}") from None
+
+    async def _start_h2_health(self) -> None:
+        """The health port on the event loop too, with ext-proc on h2: a grpc.aio server
+        for health alone kept grpc's threads running, ~6 ms of CPU per 15 s idle that every
+        replica paid (docs/benchmarks/scale.md, "Replicas")."""
+        o = self.options
+        self._health_h2 = self._h2_server(health_only=True)
+        try:
+            self.health_port = await self._health_h2.start(
+                o.host, o.grpc_health_port, None, o.reuse_port
+            )
+        except OSError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_health_port}: {error}") from None
+
+    def _bind_grpc_health(self) -> None:
+        """The health port on grpc.aio (with ext-proc on grpc.aio too); started in start()."""
+        o = self.options
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        try:
+            self.health_port = self._health_server.add_insecure_port(
+                f"{o.host}:{o.grpc_health_port}"
+            )
+        except RuntimeError as error:
+            raise OSError(f"cannot bind gRPC port {o.grpc_health_port}: {error}") from None
 
     async def _start_grpc(self) -> None:
         o = self.options
@@ -277,14 +302,10 @@ class Epp:
             await self._start_h2()
         else:
             await self._start_grpc()
-        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", int(o.reuse_port))])
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-        try:
-            self.health_port = self._health_server.add_insecure_port(
-                f"{o.host}:{o.grpc_health_port}"
-            )
-        except RuntimeError as error:
-            raise OSError(f"cannot bind gRPC port {o.grpc_health_port}: {error}") from None
+        if self._h2 is not None:
+            await self._start_h2_health()
+        else:
+            self._bind_grpc_health()
         if self.grpc_port == 0 or self.health_port == 0:
             raise OSError(f"cannot bind gRPC ports {o.grpc_port}/{o.grpc_health_port}")
         await self._update_health()
@@ -311,7 +332,8 @@ class Epp:
             await self._kube.start()
         if self._grpc is not None:
             await self._grpc.start()
-        await self._health_server.start()
+        if self._health_server is not None:
+            await self._health_server.start()
         log.info(
             "endpoint picker serving ext-proc (%s) on %s:%d, health on %d, metrics on %d; "
             "%d endpoints",
@@ -350,6 +372,8 @@ class Epp:
             await self._h2.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(0)
+        if self._health_h2 is not None:
+            await self._health_h2.stop(0)
         if self._kube is not None:
             await self._kube.stop()
         await self.collectors.stop()

@@ -37,6 +37,7 @@ import msgspec
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.datalayer.endpoint_tasks import ZmqSubscriptions
 from infergate.epp.datalayer.zmq_feed import ZmqFeed
+from infergate.epp.datalayer.zmtp import ZmtpFeed
 from infergate.epp.types import Endpoint
 
 from infergate.wire.completions import (
@@ -85,7 +86,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
         self.superseded = 0
         #: Times the records feeds' readers ran (the wakeups this replica pays).
         self.wakeups = 0
-        self._lazy: dict[str, ZmqFeed] = {}  # endpoint key -> its lazily read feed
+        self._lazy: dict[str, ZmtpFeed] = {}  # endpoint key -> its lazily read feed
         self._decoder = msgspec.msgpack.Decoder(CompletionBatch)
         super().__init__(datastore, "completions")
         datastore.on_refresh(self.refresh)
@@ -139,7 +140,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
         lazy_topics = [LOAD_TOPIC] if self.on_load is not None else []
         if self.on_admitted is not None:
             lazy_topics.append(ADMITTED_TOPIC)
-        lazy = ZmqFeed(self._zmq, url, lazy_topics, MAX_FRAME) if lazy_topics else None
+        lazy = ZmtpFeed(endpoint.address, port, lazy_topics, MAX_FRAME) if lazy_topics else None
         loop = asyncio.get_running_loop()
 
         def drain() -> None:
@@ -159,14 +160,10 @@ class CompletionSubscriptions(ZmqSubscriptions):
         loop.add_reader(descriptors[1], redial)
         if lazy is not None:
             self._lazy[endpoint.key] = lazy
-            # Its monitor only: a dropped connection is redialled at once, not at a decision.
-            descriptors.append(lazy.descriptors()[1])
-            loop.add_reader(descriptors[2], lazy.redial)
+            lazy.start()
         try:
             drain()  # what arrived before the readers were added
             redial()
-            if lazy is not None:
-                lazy.redial()
             await loop.create_future()  # until the endpoint leaves (cancelled)
         finally:
             for descriptor in descriptors:
@@ -194,7 +191,7 @@ class CompletionSubscriptions(ZmqSubscriptions):
             except Exception:  # a sink's bug must not stop the decision or other feeds
                 log.exception("feed of %s failed", key)
 
-    def _read_lazy(self, key: str, feed: ZmqFeed) -> None:
+    def _read_lazy(self, key: str, feed: ZmtpFeed) -> None:
         latest: bytes | None = None
         for frames in feed.read():
             if frames[0] == LOAD_TOPIC:
