@@ -41,9 +41,10 @@ from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.server.eds import EndpointDiscovery
 from infergate.epp.server.extproc import ExtProcServer, Limits
 from infergate.epp.types import Endpoint
-from prometheus_client import start_http_server
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from infergate.epp.server.h2 import H2Server
 
 log = logging.getLogger("infergate.epp")
@@ -151,8 +152,11 @@ class Epp:
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health_h2: H2Server | None = None  # the health port, with --grpc-server h2
+        #: The record sweep's wait while nothing is in flight (see _expire_records).
+        self._sweep_idle: asyncio.Future[None] | None = None
+        self.datastore.on_refresh(self._wake_sweep)
         self._health = health_aio.HealthServicer()
-        self._metrics_http: Any = None
+        self._metrics_http: WSGIServer | None = None
         self._stop = asyncio.Event()
         self._withdrawn = False
         self._tasks: list[asyncio.Task[Any]] = []
@@ -193,10 +197,26 @@ class Epp:
         self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
 
     async def _expire_records(self) -> None:
+        """Give up lost records every second while a request is routed or awaits its
+        record. With none, wait for a refresh of the datastore (a decision, the
+        collector's check) that finds one: a replica with nothing in flight is not woken
+        every second for nothing (every replica paid those wakeups)."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(1.0)
             self.ext_proc.expire_records(loop.time())
+            if not self._in_flight():
+                self._sweep_idle = loop.create_future()
+                await self._sweep_idle
+
+    def _in_flight(self) -> bool:
+        return bool(self.ext_proc.routed or self.ext_proc.awaiting)
+
+    def _wake_sweep(self) -> None:
+        """A datastore refresher: resume the record sweep once something is in flight."""
+        idle = self._sweep_idle
+        if idle is not None and not idle.done() and self._in_flight():
+            idle.set_result(None)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
@@ -311,10 +331,8 @@ class Epp:
         await self._update_health()
         self.datastore.subscribe(self._on_endpoints)
         if o.metrics_port >= 0:
-            self._metrics_http = start_http_server(
-                o.metrics_port, addr=o.host, registry=self.metrics.registry
-            )
-            self.metrics_port = self._metrics_http[0].server_port
+            self._metrics_http = _serve_metrics(o.host, o.metrics_port, self.metrics.registry)
+            self.metrics_port = self._metrics_http.server_port
         await self.scheduler.start()
         await self.collectors.start()
         self.completions.start()
@@ -323,6 +341,7 @@ class Epp:
             self._tasks.append(asyncio.create_task(self._watch_endpoints(o.endpoints_file)))
         if o.objectives_file is not None:
             self._tasks.append(asyncio.create_task(self._watch_objectives(o.objectives_file)))
+        await asyncio.sleep(0)  # the watches register now: a write just after start is seen
         if o.pool_name:
             from infergate.epp.datalayer.discovery.kube import KubeDiscovery
 
@@ -387,11 +406,34 @@ class Epp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._metrics_http is not None:
-            server, thread = self._metrics_http
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=2)
+            asyncio.get_running_loop().remove_reader(self._metrics_http.fileno())
+            self._metrics_http.server_close()
             self._metrics_http = None
+
+
+def _serve_metrics(host: str, port: int, registry: Any) -> WSGIServer:
+    """prometheus_client's metrics server, accepting on the event loop. Its
+    ``start_http_server`` runs ``serve_forever`` in a thread that wakes every 0.5 s to look
+    for a shutdown, ~1.8 ms of CPU per 15 s idle that every replica paid
+    (docs/benchmarks/scale.md, "Replicas"). A scrape is still answered on a thread of its
+    own (``ThreadingWSGIServer``), off the loop."""
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client.exposition import (
+        ThreadingWSGIServer,
+        _get_best_family,
+        _SilentHandler,
+        make_wsgi_app,
+    )
+
+    class Server(ThreadingWSGIServer):
+        """A class of its own: the address family is set on it (as prometheus_client does)."""
+
+    Server.address_family, addr = _get_best_family(host, port)
+    server = make_server(addr, port, make_wsgi_app(registry), Server, handler_class=_SilentHandler)
+    server.timeout = 0  # handle_request: the loop saw a connection waiting, never block
+    asyncio.get_running_loop().add_reader(server.fileno(), server.handle_request)
+    return server
 
 
 def _native_installed() -> bool:
