@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from infergate.engine.async_engine import AsyncEngine, EngineDeadError
@@ -119,6 +120,21 @@ def _add_api_routes(app: FastAPI, models: OpenAIServingModels,
         return await chat.create(request)
 
 
+async def load_async_backend() -> None:
+    """Load anyio's backend for the running event loop now, not on the first streamed
+    response.
+
+    Starlette's ``StreamingResponse`` runs in an anyio task group, and anyio imports its
+    asyncio backend (a large module) on first use. That import held the event loop for
+    150-350 ms of the first streamed request on each engine, with the step loop's first
+    steps overrunning their modelled time beside it: on the routing lab's 2-core machine
+    the first request per engine took 330-500 ms where the rest took 146, which set the
+    p99 of a 120-request cell for every router (docs/benchmarks/routing.md).
+    """
+    async with anyio.create_task_group():
+        pass
+
+
 def build_app(
     engine: AsyncEngine,
     tokenizer: Tokenizer,
@@ -134,6 +150,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await load_async_backend()
         engine.start()
         try:
             yield
