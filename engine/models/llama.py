@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..attention.base import AttentionContext
+from . import fused_decode
 from .config import ModelConfig
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 from .quantized import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, packable
@@ -43,7 +44,7 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj.forward(x)
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -57,7 +58,7 @@ class Attention(nn.Module):
             qk = self.rope.rotate(positions, qk)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = ctx.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj.forward(o.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -71,8 +72,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn.forward(positions, self.input_layernorm.forward(h), ctx)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
 class DecoderModel(nn.Module):
@@ -87,14 +88,20 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, i, self.rope, qk_norm) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Whether decode steps can take fused_decode's path, for the projections whose
+        # first module has the id `fused_checked` (LoRA may swap them after loading).
+        self.fused_ok = False
+        self.fused_checked: int | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if fused_decode.applies(self, h, ctx):
+            return fused_decode.decode(self, h, ctx)
         for layer in self.layers:
-            h = layer(positions, h, ctx)
-        return self.norm(h)
+            h = layer.forward(positions, h, ctx)
+        return self.norm.forward(h)
 
 
 # Hugging Face tensor name fragment → (our fused parameter, shard index).

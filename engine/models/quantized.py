@@ -249,20 +249,24 @@ class QuantizedLinear(nn.Module):
         self.parts = [None] * len(self.parts)  # the blocks are not kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.packed is not None and self.scales_zeros is not None, "not loaded"
         # dtype checks in Python: a no-op .to() still costs a dispatch, ~240 a step.
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.dtype != torch.bfloat16:
             flat = flat.to(torch.bfloat16)
-        if self.wide:
-            flat = torch.cat([flat, flat], dim=-1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = self.matmul_bf16(flat)
         out_dtype = self.out_dtype or x.dtype
         if out_dtype != torch.bfloat16:
             y = y.to(out_dtype)
-        if y.shape[-1] != self.out_features:  # rows padded to 16
-            y = y[:, : self.out_features]
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def matmul_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` of bfloat16 rows [M, in] as the kernel gives it: bfloat16 [M, out]
+        (a view when the rows were padded to 16)."""
+        assert self.packed is not None and self.scales_zeros is not None, "not loaded"
+        if self.wide:
+            x = torch.cat([x, x], dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return y if y.shape[-1] == self.out_features else y[:, : self.out_features]
 
     def refine_top(self, x: torch.Tensor, y: torch.Tensor, k: int = 8) -> torch.Tensor:
         """`y` = self(x) as float32 with each row's `k` largest recomputed in float32 from

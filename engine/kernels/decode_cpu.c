@@ -1,0 +1,190 @@
+/* The glue of a CPU decode step, one call each instead of 5-20 torch ops.
+ *
+ * A decode step of a small model on CPU spends more time dispatching the small ops
+ * between its matmuls (norms, rotary, attention over a handful of cache blocks, SwiGLU's
+ * product, residual adds) than in them. These loops do the same arithmetic as the torch
+ * path in engine/models, on the same layouts, in float32 with bfloat16 where that path
+ * rounds to bfloat16 (the quantized matmul's inputs and outputs), so the results agree
+ * to rounding. Loaded by engine/kernels/cpu_decode.py (built at first use with the
+ * system's C compiler); every pointer and size is checked there.
+ *
+ * Layouts: bf16 values are uint16_t; the KV cache of one layer is
+ * [num_blocks, 2, block_size, kv_heads, head_dim] (keys then values of each block).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* out[r] = bf16(x[r] / sqrt(mean(x[r]^2) + eps) * w) for each of `rows` rows of n. */
+static void norm_row(const float *x, const float *w, uint16_t *out, int64_t n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(x[i] * inv * w[i]);
+}
+
+void rms_norm_bf16(const float *x, const float *w, uint16_t *out, int64_t rows, int64_t n,
+                   float eps) {
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * n, w, out + r * n, n, eps);
+}
+
+/* The residual add of a bfloat16 delta into h (in place), then h's norm: h += delta;
+ * out = bf16(rms_norm(h) * w). */
+void add_rms_norm_bf16(float *h, const uint16_t *delta, const float *w, uint16_t *out,
+                       int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * n;
+        const uint16_t *dr = delta + r * n;
+        for (int64_t i = 0; i < n; i++) hr[i] += bf16_to_f32(dr[i]);
+        norm_row(hr, w, out + r * n, n, eps);
+    }
+}
+
+/* SwiGLU's product: out = bf16(bf16(silu(gate)) * up) for gate|up rows of 2*inter. */
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64_t rows,
+                   int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * stride;
+        const uint16_t *u = g + inter;
+        uint16_t *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            float x = bf16_to_f32(g[i]);
+            float s = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
+            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* Neox rotation of one head in place: (a, b) -> (a cos - b sin, b cos + a sin). */
+static void rotate(float *x, const float *cs, int64_t half) {
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half], c = cs[i], s = cs[half + i];
+        x[i] = a * c - b * s;
+        x[i + half] = b * c + a * s;
+    }
+}
+
+/* q|k|v rows (bf16, `stride` apart) -> rotated queries (float32 [T, heads, dim]) and the
+ * rotated key and the value of each token written to its cache slot. `table` rows are
+ * cos|sin of each position (float32 [positions, dim]). cache_bf16 selects the cache's
+ * element type (0: float32, 1: bfloat16). Returns -1 when out of memory. */
+int rope_store(const uint16_t *qkv, int64_t stride, const float *table, const int64_t *pos,
+                const int64_t *slots, int64_t tokens, int64_t heads, int64_t kv_heads,
+                int64_t dim, int64_t block_size, float *q_out, void *cache, int cache_bf16) {
+    int64_t half = dim / 2, kv = kv_heads * dim;
+    float *k = malloc(sizeof(float) * (size_t)kv);
+    if (k == NULL) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *row = qkv + t * stride;
+        const float *cs = table + pos[t] * dim;
+        float *q = q_out + t * heads * dim;
+        for (int64_t i = 0; i < heads * dim; i++) q[i] = bf16_to_f32(row[i]);
+        for (int64_t i = 0; i < kv; i++) k[i] = bf16_to_f32(row[heads * dim + i]);
+        for (int64_t h = 0; h < heads; h++) rotate(q + h * dim, cs, half);
+        for (int64_t h = 0; h < kv_heads; h++) rotate(k + h * dim, cs, half);
+        const uint16_t *v = row + heads * dim + kv;
+        int64_t block = slots[t] / block_size, off = slots[t] % block_size;
+        int64_t key_at = ((block * 2) * block_size + off) * kv;
+        int64_t value_at = ((block * 2 + 1) * block_size + off) * kv;
+        if (cache_bf16) {
+            uint16_t *c = cache;
+            for (int64_t i = 0; i < kv; i++) {
+                c[key_at + i] = f32_to_bf16(k[i]);
+                c[value_at + i] = v[i];
+            }
+        } else {
+            float *c = cache;
+            for (int64_t i = 0; i < kv; i++) {
+                c[key_at + i] = k[i];
+                c[value_at + i] = bf16_to_f32(v[i]);
+            }
+        }
+    }
+    free(k);
+    return 0;
+}
+
+static inline float cache_at(const void *cache, int cache_bf16, int64_t i) {
+    return cache_bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+}
+
+/* One query head over its sequence's keys and values: softmax(q.K * scale) V. */
+static void attend_head(const float *q, const void *cache, int cache_bf16,
+                        const int32_t *table, int64_t len, int64_t block_size, int64_t kv,
+                        int64_t dim, float scale, float *scores, float *acc) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        int64_t base = ((int64_t)table[t / block_size] * 2 * block_size + t % block_size) * kv;
+        float dot = 0.0f;
+        if (cache_bf16) {
+            const uint16_t *key = (const uint16_t *)cache + base;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < dim; i++) dot += q[i] * bf16_to_f32(key[i]);
+        } else {
+            const float *key = (const float *)cache + base;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < dim; i++) dot += q[i] * key[i];
+        }
+        scores[t] = dot * scale;
+        if (scores[t] > top) top = scores[t];
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        scores[t] = expf(scores[t] - top);
+        total += scores[t];
+    }
+    memset(acc, 0, sizeof(float) * (size_t)dim);
+    for (int64_t t = 0; t < len; t++) {
+        int64_t base = ((int64_t)table[t / block_size] * 2 * block_size + block_size +
+                        t % block_size) * kv;
+        float p = scores[t] / total;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) acc[i] += p * cache_at(cache, cache_bf16, base + i);
+    }
+}
+
+/* Attention of one query token per sequence over its paged cache (grouped heads: query
+ * head h reads kv head h / (heads / kv_heads)); `head_off` is the head's offset in the
+ * cache row. Writes bf16 [seqs, heads * dim]. Returns -1 when out of memory. */
+int decode_attention(const float *q, const void *cache, int cache_bf16, const int32_t *tables,
+                      int64_t table_stride, const int32_t *seq_lens, int64_t seqs,
+                      int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                      float scale, uint16_t *out) {
+    int64_t longest = 1, kv = kv_heads * dim, group = heads / kv_heads;
+    for (int64_t s = 0; s < seqs; s++)
+        if (seq_lens[s] > longest) longest = seq_lens[s];
+    float *scores = malloc(sizeof(float) * (size_t)(longest + dim));
+    if (scores == NULL) return -1;
+    float *acc = scores + longest;
+    for (int64_t s = 0; s < seqs; s++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const char *head_cache = (const char *)cache +
+                (h / group) * dim * (cache_bf16 ? 2 : 4);
+            attend_head(q + (s * heads + h) * dim, head_cache, cache_bf16,
+                        tables + s * table_stride, seq_lens[s], block_size, kv, dim, scale,
+                        scores, acc);
+            uint16_t *o = out + (s * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(acc[i]);
+        }
+    }
+    free(scores);
+    return 0;
+}
