@@ -6,8 +6,10 @@ and the client: 3 more processes slowed everything, whatever the routing did. Th
 measures what replication itself costs, with every replica set pinned by ``taskset`` to
 the same core set (``--cores``, one core by default) as the single EPP:
 
-* **CPU per decision, summed over the replicas**: Σ (utime + stime) of every EPP process
-  over the run ÷ the requests routed. Each replica pays its own background work (its
+* **CPU per decision, summed over the replicas**: Σ CPU time of every thread of every EPP
+  process over the run (``/proc/PID/task/TID/schedstat``, in ns: ``/proc/PID/stat``
+  counts whole clock ticks per process, so 4 processes rounded off up to 40 ms of a
+  ~400 ms row) ÷ the requests routed. ``--threads`` prints it per thread. Each replica pays its own background work (its
   process's idle timers and threads, receiving every engine's load reports and the
   admission records that carry prefixes, read at its decisions), so N replicas cost more
   per decision than one; the target is at most 1.15× one replica's.
@@ -48,44 +50,42 @@ class Row:
     hit: float
     ttft: tuple[float, float, float]
     sim_lag: float
-    #: CPU ms over the run per thread name (``comm``), summed over the replicas.
-    threads: dict[str, float]
+    #: CPU ms and timeslices over the run per thread name, summed over the replicas.
+    threads: dict[str, tuple[float, int]]
 
     @property
     def cpu_ms_per_decision(self) -> float:
         return 1e3 * self.cpu_s / max(1, self.requests)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of ``pid`` (/proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+Threads = dict[tuple[int, int], tuple[str, int, int]]
 
 
-def _thread_ns(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
-    """Per thread of ``pids``: its name and ns on CPU (``/proc/PID/task/TID/schedstat``)."""
-    threads: dict[tuple[int, int], tuple[str, int]] = {}
+def _thread_ns(pids: list[int]) -> Threads:
+    """Per thread of ``pids``: its name (``main`` for the main thread), ns on CPU and
+    timeslices run (``/proc/PID/task/TID/schedstat``: a slice is about a wakeup)."""
+    threads: Threads = {}
     for pid in pids:
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-                    name = comm.read().strip()
+                    name = "main" if int(tid) == pid else comm.read().strip()
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                    threads[(pid, int(tid))] = (name, int(stat.read().split()[0]))
+                    ns, _wait, slices = stat.read().split()[:3]
             except OSError:  # the thread ended meanwhile
                 continue
+            threads[(pid, int(tid))] = (name, int(ns), int(slices))
     return threads
 
 
-def _thread_ms(
-    before: dict[tuple[int, int], tuple[str, int]], after: dict[tuple[int, int], tuple[str, int]]
-) -> dict[str, float]:
-    """CPU ms per thread name between two :func:`_thread_ns` samples (new threads whole)."""
-    by_name: dict[str, float] = {}
-    for key, (name, ns) in after.items():
-        spent = ns - before.get(key, (name, 0))[1]
-        by_name[name] = by_name.get(name, 0.0) + spent / 1e6
+def _thread_ms(before: Threads, after: Threads) -> dict[str, tuple[float, int]]:
+    """CPU ms and timeslices per thread name between two :func:`_thread_ns` samples
+    (threads that started meanwhile whole, those that ended not at all)."""
+    by_name: dict[str, tuple[float, int]] = {}
+    for key, (name, ns, slices) in after.items():
+        _, ns0, slices0 = before.get(key, (name, 0, 0))
+        ms, count = by_name.get(name, (0.0, 0))
+        by_name[name] = (ms + (ns - ns0) / 1e6, count + slices - slices0)
     return by_name
 
 
@@ -114,13 +114,12 @@ def run_row(replicas: int, args: argparse.Namespace, tokens: lab.Tokens) -> Row:
         _pin(pids, args.cores)
         urls = [f"{u}/metrics" for u in stack.engine_urls]
         before = [lab.scrape_counters(u) for u in urls]
-        cpu0 = sum(_cpu_seconds(pid) for pid in pids)
         threads0 = _thread_ns(pids)
         report = asyncio.run(
             lab._drive(workload, samples, base_url, stack.model_name, args.rate, spec)
         )
-        cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu0
         threads = _thread_ms(threads0, _thread_ns(pids))
+        cpu = sum(ms for ms, _ in threads.values()) / 1e3
         after = [lab.scrape_counters(u) for u in urls]
     finally:
         stack.stop()
@@ -175,10 +174,10 @@ def main() -> None:
                 flush=True,
             )
             if args.threads:
-                busiest = sorted(row.threads.items(), key=lambda kv: -kv[1])
+                busiest = sorted(row.threads.items(), key=lambda kv: -kv[1][0])
                 print(
-                    "  threads, ms summed over replicas: "
-                    + ", ".join(f"{name} {ms:.0f}" for name, ms in busiest if ms >= 0.5),
+                    "  threads, CPU ms / timeslices summed over replicas: "
+                    + ", ".join(f"{name} {ms:.0f}/{n}" for name, (ms, n) in busiest if ms >= 0.5),
                     flush=True,
                 )
     base = [r for r in rows if r.replicas == counts[0]]

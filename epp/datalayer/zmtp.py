@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 log = logging.getLogger("infergate.epp.datalayer.zmtp")
 
@@ -80,52 +80,71 @@ def subscriptions(topics: Iterable[bytes]) -> bytes:
 
 
 class FrameParser:
-    """Messages out of a ZMTP 3 byte stream, the greeting first; fed in pieces."""
+    """Messages out of a ZMTP 3 byte stream, the greeting first; fed in pieces.
+
+    Every report of every engine passes through here, in every replica, so it is written
+    for that: a read usually holds whole messages and is sliced as it came, and only an
+    incomplete tail is kept (a large frame arriving over several reads is copied once it
+    is complete, not at every read)."""
 
     def __init__(self, max_frame: int) -> None:
         self.max_frame = max_frame
-        self._buffer = bytearray()
+        self._buffer = bytearray()  # an incomplete tail
+        self._need = 0  # the bytes that tail must reach before it can hold a new frame
         self._greeted = False
         #: Commands received (the publisher's READY is the first).
         self.commands = 0
         self._frames: list[bytes] = []  # the message being read (its earlier frames)
 
-    def feed(self, data: bytes) -> Iterator[list[bytes]]:
+    def feed(self, data: bytes) -> list[list[bytes]]:
         """The whole messages ``data`` completes; raises :class:`ZmtpError` on a bad stream."""
-        buffer = self._buffer
-        buffer += data
+        if self._buffer:
+            self._buffer += data
+            if len(self._buffer) < self._need:
+                return []
+            data = bytes(self._buffer)
+            self._buffer.clear()
         start = 0
         if not self._greeted:
-            if len(buffer) < GREETING_SIZE:
-                return
-            if buffer[0] != 0xFF or buffer[9] != 0x7F or buffer[10] < 3:
+            if len(data) < GREETING_SIZE:
+                self._buffer += data
+                self._need = GREETING_SIZE
+                return []
+            if data[0] != 0xFF or data[9] != 0x7F or data[10] < 3:
                 raise ZmtpError("not a ZMTP 3 greeting")
             self._greeted, start = True, GREETING_SIZE
-        end = len(buffer)
-        try:
-            while start + 2 <= end:
-                flags = buffer[start]
-                if flags & LONG:
-                    if start + 9 > end:
-                        break
-                    size, header = int.from_bytes(buffer[start + 1 : start + 9], "big"), 9
-                else:
-                    size, header = buffer[start + 1], 2
-                if size > self.max_frame:
-                    raise ZmtpError(f"a frame of {size} bytes (at most {self.max_frame})")
-                if start + header + size > end:
+        end, max_frame = len(data), self.max_frame
+        messages: list[list[bytes]] = []
+        frames = self._frames
+        need = 0
+        while start + 2 <= end:
+            flags = data[start]
+            if flags & LONG:
+                if start + 9 > end:
+                    need = 9
                     break
-                body = bytes(buffer[start + header : start + header + size])
-                start += header + size
-                if flags & COMMAND:
-                    self.commands += 1
-                    continue  # READY, PING: nothing a reader needs
-                self._frames.append(body)
+                size, body = int.from_bytes(data[start + 1 : start + 9], "big"), start + 9
+            else:
+                size, body = data[start + 1], start + 2
+            if size > max_frame:
+                raise ZmtpError(f"a frame of {size} bytes (at most {max_frame})")
+            stop = body + size
+            if stop > end:
+                need = stop - start
+                break
+            if flags & COMMAND:
+                self.commands += 1  # READY, PING: nothing a reader needs
+            else:
+                frames.append(data[body:stop])
                 if not flags & MORE:
-                    message, self._frames = self._frames, []
-                    yield message
-        finally:
-            del buffer[:start]
+                    messages.append(frames)
+                    frames = []
+            start = stop
+        self._frames = frames
+        if start < end:
+            self._buffer += memoryview(data)[start:]
+            self._need = need
+        return messages
 
 
 class ZmtpFeed:
@@ -190,34 +209,31 @@ class ZmtpFeed:
                 pass
         await loop.sock_sendall(sock, self._subscriptions)
 
-    def read(self) -> Iterator[list[bytes]]:
+    def read(self) -> list[list[bytes]]:
         """Every whole message received so far, without blocking. A connection found lost
         (or sending what is not ZMTP) is closed and dialled again."""
         sock = self._sock
-        if sock is None:
-            return
-        parser = self._parser
-        data = b""  # first what a reader that stopped early left parsed but not taken
-        while True:
-            try:
-                for message in parser.feed(data):
-                    self.read_count += 1
-                    yield message
-            except ZmtpError as error:
-                self._lost(str(error))
-                return
-            if data and len(data) < RECV_BYTES:
-                return  # what the kernel held is read
+        messages: list[list[bytes]] = []
+        while sock is not None:
             try:
                 data = sock.recv(RECV_BYTES)
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as error:
-                self._lost(f"{error}")
-                return
+                self._lost(str(error))
+                break
             if not data:
                 self._lost("closed by the engine")
-                return
+                break
+            try:
+                messages += self._parser.feed(data)
+            except ZmtpError as error:
+                self._lost(str(error))
+                break
+            if len(data) < RECV_BYTES:
+                break  # what the kernel held is read
+        self.read_count += len(messages)
+        return messages
 
     def _lost(self, why: str) -> None:
         log.warning("engine feed %s dropped (%s); redialling", self.url, why)
