@@ -75,11 +75,6 @@ CURRENT: contextvars.ContextVar[Usage | None] = contextvars.ContextVar(
 """The HTTP request's ``Usage`` while its handler runs (set by :class:`CompletionReporter`)."""
 
 
-#: The longest an admission record for every replica waits for a load report to travel
-#: with (two of the engine's default load-report ticks).
-SHARED_HOLD_S = 0.02
-
-
 class CompletionPublisher(ZmqPublisher):
     """Publishes records from a background thread, batching whatever queued meanwhile."""
 
@@ -106,22 +101,17 @@ class CompletionPublisher(ZmqPublisher):
 
     def _run(self) -> None:
         self._load_seq = count()
-        self._shared: list[CompletionRecord] = []  # admission records held for every replica
-        self._shared_due = 0.0
         stop = False
         while not stop:
-            try:
-                first = self._queue.get(timeout=self._hold())
-            except queue.Empty:  # no load report came in time: the prefixes go alone
-                self._flush_shared()
-                continue
+            first = self._queue.get()
             if first is None:
                 break
             records: list[CompletionRecord] = []
             item = first
             while True:
                 if isinstance(item, load.LoadReport):  # the socket is this thread's alone
-                    self._flush_shared()  # just ahead of the report: one wakeup for both
+                    self._send_records(records)  # what was queued before it goes first
+                    records = []
                     self._send_load(item)
                 else:
                     records.append(item)
@@ -134,37 +124,30 @@ class CompletionPublisher(ZmqPublisher):
                 if item is None:
                     stop = True
                     break
-            if records:
-                self._send_records(records)
-        self._flush_shared()
+            self._send_records(records)
         self._sock.close(linger=0)
 
-    def _hold(self) -> float | None:
-        """How long the queue may be waited on: until the held prefixes are due."""
-        return None if not self._shared else max(0.0, self._shared_due - time.monotonic())
-
     def _send_records(self, records: list[CompletionRecord]) -> None:
-        """One batch per routing replica, on its own topic, now; and the admission
-        records that carry prefix hashes once more, for every replica, held for the next
-        load report (:mod:`infergate.wire.completions`, "Topics"). A replica is sent the
-        records of the requests it routed, not every replica's; the prefixes the others
-        routed reach it with a load report, which their admission changes anyway (within
-        a tick), so the two cost it one wakeup of its ZMQ thread rather than two."""
+        """One batch per routing replica, on its own topic, and the admission records that
+        carry prefix hashes once more, for every replica (:mod:`infergate.wire.completions`,
+        "Topics"), at once. A replica is sent the records of the requests it routed, not
+        every replica's. The prefixes the others routed wait, unread, in its socket until
+        its next decision reads them (the EPP's lazily read feed): they cost it no wakeup,
+        so they are not held back for a load report to travel with, which left another
+        replica blind to them for up to 20 ms more (docs/benchmarks/scale.md, "Replicas")."""
+        if not records:
+            return
         by_owner: dict[str, list[CompletionRecord]] = {}
+        shared: list[CompletionRecord] = []
         for record in records:
             by_owner.setdefault(owner(record.key), []).append(record)
             if record.status == ADMITTED and record.prefix:
-                if not self._shared:
-                    self._shared_due = time.monotonic() + SHARED_HOLD_S
-                self._shared.append(record)
+                shared.append(record)
         now = time.time()
         for key_owner, mine in by_owner.items():
             self._send(CompletionBatch(ts=now, records=mine), records_topic(key_owner))
-
-    def _flush_shared(self) -> None:
-        if self._shared:
-            self._send(CompletionBatch(ts=time.time(), records=self._shared), ADMITTED_TOPIC)
-            self._shared = []
+        if shared:
+            self._send(CompletionBatch(ts=now, records=shared), ADMITTED_TOPIC)
 
 
 class CompletionReporter:

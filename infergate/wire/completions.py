@@ -39,8 +39,8 @@ own records alone and ZMQ filters the rest at the engine: a replica pays for the
 requests it routed, not for every replica's. (A subscriber of plain :data:`TOPIC` still
 receives every record.) An admission record that carries prefix hashes goes out a
 second time, in a batch on :data:`ADMITTED_TOPIC` that every replica reads, lazily,
-before its next decision (:mod:`infergate.epp.datalayer.completions`); the engine holds
-it (up to 20 ms) for its next load report, to travel with it. PUB/SUB drops
+before its next decision (:mod:`infergate.epp.datalayer.completions`), at once (read
+lazily, it costs a replica no wakeup, so holding it back would only delay it). PUB/SUB drops
 what a subscriber is not connected for, so the EPP bounds how long it waits for a
 record. The publisher is :mod:`infergate.engine.completion_events`; the subscriber
 :mod:`infergate.epp.datalayer.completions`.

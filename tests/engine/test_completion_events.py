@@ -23,6 +23,7 @@ from infergate.engine.completion_events import (
 from infergate.engine.kv_events import bind_endpoint
 
 from infergate.procs import free_port
+from infergate.wire import load
 from infergate.wire.completions import (
     ADMITTED,
     ADMITTED_TOPIC,
@@ -192,6 +193,42 @@ def test_each_replica_is_sent_its_own_records_and_every_replica_the_prefixes() -
     finally:
         mine.close(0)
         shared.close(0)
+        context.term()
+        publisher.close()
+
+
+def _load_report() -> load.LoadReport:
+    return load.LoadReport(
+        sent_at=time.time(), tick=0.01, heartbeat=0.5, waiting=1, running=0, kv_usage=0.0,
+        block_size=16, num_gpu_blocks=64, max_lora=0, running_adapters=[],
+        waiting_adapters=[], prefill_seconds_sum=0.0, prefill_count=0.0,
+        prompt_tokens_total=0.0, prefix_hits_total=0.0, prefix_queries_total=0.0,
+    )  # fmt: skip
+
+
+def test_prefixes_for_every_replica_go_out_in_order_not_held_for_a_load_report() -> None:
+    """An admission record's prefixes reach the other replicas ahead of the load report
+    the engine queued after it: replicas read both lazily, at a decision, so nothing is
+    gained by holding the prefixes for a report to travel with, and a replica deciding
+    meanwhile would not know where the prefix went."""
+    port = free_port()
+    publisher = CompletionPublisher(bind_endpoint("127.0.0.1", port))
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    try:
+        for topic in (ADMITTED_TOPIC, load.TOPIC):
+            sub.setsockopt(zmq.SUBSCRIBE, topic)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.3)  # PUB drops what is sent before the SUB joins
+        packed = decode_prefix(encode_prefix([7, 8]))
+        for n in range(1500):  # keep the publisher's thread busy: what follows queues up
+            publisher.publish(CompletionRecord(f"bbbb-{n:x}", 200, 5, 1, 0, 1.0))
+        publisher.publish(CompletionRecord("aaaa-1", ADMITTED, 5, 0, 0, 1.0, packed))
+        publisher.publish_load(_load_report())
+        assert sub.poll(5000)
+        assert [sub.recv_multipart()[0] for _ in range(2)] == [ADMITTED_TOPIC, load.TOPIC]
+    finally:
+        sub.close(0)
         context.term()
         publisher.close()
 
