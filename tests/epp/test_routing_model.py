@@ -850,3 +850,34 @@ async def test_a_long_prefix_is_worth_its_attention_to_its_holder() -> None:
     token, and the attention-aware cost waits; the straight line copies the prefix."""
     assert await _long_holder_or_cold() == "B"
     assert await _long_holder_or_cold(attentionContextTokens=0) == "A"
+
+
+async def _holder_over_the_bound(backlog_s: float, **params: object) -> tuple[bool, bool]:
+    """Four endpoints, the first holding a 3,500-token prefix with 9 requests in flight
+    against 3, 2 and 1 (over the bound of 5) and ``backlog_s`` of queued prefill; the
+    second, equally over the bound, holds nothing. Returns whether the bounded-load
+    filter (``params``) keeps the holder, and the non-holder."""
+    states, ctx, _scorer, now = latency_fleet(4, 2000, decodeSecondsPerRequest=0.0)
+    text = "h" * 14_000 + " q"
+    prefix = ctx.extras["prefix_index"]
+    holder, busy = states[0], states[1]
+    prefix.index.add(holder.key, prefix_hashes(prefix, text))
+    for state, load in zip(states, (9, 9, 1, 1), strict=True):
+        state.in_flight_requests = load
+    holder.prefill_busy_until = now[0] + backlog_s
+    bounded = plugin("bounded-load-filter", ctx, loadFactor=1.25, loadSlack=0, **params)
+    r = InferenceRequest("r", {}, prompt_text=text, model="m", target_model="m")
+    cycle = CycleState()
+    await prefix.prepare(cycle, r, states)
+    kept = bounded.filter(cycle, r, list(states))
+    assert states[2] in kept and states[3] in kept
+    return holder in kept, busy in kept
+
+
+async def test_bounded_load_keeps_a_holder_whose_queue_is_cheaper_than_recomputing() -> None:
+    # Recomputing the 3,500-token prefix elsewhere costs ~0.11 s; the holder's queue is
+    # 30 ms: kept with keepCheaperHolders, removed by the plain request-count bound.
+    assert await _holder_over_the_bound(0.03, keepCheaperHolders=True) == (True, False)
+    assert await _holder_over_the_bound(0.03) == (False, False)
+    # A queue longer than the recompute: removed either way.
+    assert await _holder_over_the_bound(0.5, keepCheaperHolders=True) == (False, False)

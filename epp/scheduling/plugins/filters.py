@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 from infergate.epp.scheduling.plugins.base import Filter, register
 from infergate.epp.types import CycleState, EndpointState, InferenceRequest
@@ -90,6 +92,19 @@ class HeaderBasedTestingFilter(Filter):
         return chosen
 
 
+#: ``PluginContext.extras`` key of the configured latency model (the predicted-latency
+#: scorer registers itself there), which the bounded-load filter may consult.
+LATENCY_MODEL = "latency_model"
+
+
+class LatencyModel(Protocol):
+    def predict(
+        self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
+    ) -> list[tuple[float, float]]:
+        """Per endpoint: (predicted TTFT seconds, uncached tokens)."""
+        ...
+
+
 def endpoint_load(state: EndpointState) -> int:
     """Requests on an endpoint, whoever sent them (:meth:`EndpointState.load`: the
     engine's last report corrected by this EPP's picks and finishes since)."""
@@ -110,6 +125,14 @@ class BoundedLoadParams(BaseModel):
         description="Requests allowed above the scaled fair share: at low load a few "
         "requests more on a cache holder build no queue (continuous batching runs them "
         "together), so the bound only bites once the fleet is busy.",
+    )
+    keepCheaperHolders: bool = Field(
+        False,
+        description="Keep an endpoint over the bound that holds more of the request's "
+        "prefix than every endpoint within it, when the predicted-latency scorer's cost "
+        "model predicts an earlier first token there than on any endpoint within the "
+        "bound (its queue costs less than recomputing the prefix). Without that scorer "
+        "in the config this does nothing.",
     )
 
 
@@ -140,4 +163,39 @@ class BoundedLoadFilter(Filter):
         factor = float(self.params.loadFactor)  # type: ignore[attr-defined]
         slack = int(self.params.loadSlack)  # type: ignore[attr-defined]
         bound = math.ceil(factor * (sum(loads) + 1) / len(endpoints)) + slack
-        return [e for e, load in zip(endpoints, loads, strict=True) if load <= bound]
+        kept = [e for e, load in zip(endpoints, loads, strict=True) if load <= bound]
+        if self.params.keepCheaperHolders and len(kept) < len(endpoints):  # type: ignore[attr-defined]
+            return self._with_cheaper_holders(cycle, request, endpoints, kept)
+        return kept
+
+    def _with_cheaper_holders(
+        self,
+        cycle: CycleState,
+        request: InferenceRequest,
+        endpoints: list[EndpointState],
+        kept: list[EndpointState],
+    ) -> list[EndpointState]:
+        """``kept`` plus the removed endpoints holding more of the request's prefix than
+        any kept one, where the latency model predicts them sooner than every kept one.
+
+        A request count is a poor measure of a queue when prompts differ by 100x (a
+        trace's 2k-token follow-up and its 60k-token new conversation): at 20-45
+        requests on every engine the bound removed holders whose queue was shorter than
+        the recompute their hit saves, and half of a bursty trace window's recomputed
+        blocks were such requests (docs/benchmarks/routing.md)."""
+        model: LatencyModel | None = self.context.extras.get(LATENCY_MODEL)
+        if model is None:
+            return kept
+        cached: dict[str, float] = dict(cycle.get("prefix.cached_tokens") or {})
+        for key, tokens in (cycle.get("precise.cached_tokens") or {}).items():
+            cached[key] = max(cached.get(key, 0.0), float(tokens))
+        best = max((cached.get(e.key, 0.0) for e in kept), default=0.0)
+        inside = {e.key for e in kept}
+        holders = [e for e in endpoints if e.key not in inside and cached.get(e.key, 0.0) > best]
+        if not holders:
+            return kept
+        predicted = model.predict(cycle, request, [*kept, *holders])
+        sooner = min(t for t, _ in predicted[: len(kept)])
+        late = predicted[len(kept) :]
+        inside |= {e.key for e, (t, _) in zip(holders, late, strict=True) if t < sooner}
+        return [e for e in endpoints if e.key in inside]

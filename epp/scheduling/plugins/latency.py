@@ -162,7 +162,7 @@ from typing import Any
 from infergate.epp.framework.requestcontrol import PreRequest, ResponseComplete, ResponseInfo
 from infergate.epp.prefill_cost import PrefillCost
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
-from infergate.epp.scheduling.plugins.filters import endpoint_load
+from infergate.epp.scheduling.plugins.filters import LATENCY_MODEL, endpoint_load
 from infergate.epp.types import Claim, CycleState, EndpointState, InferenceRequest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -374,6 +374,7 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
         self.running = RunningPrefixes()
         #: When this EPP's recent picks were made, oldest first (``work externality``).
         self._pick_times: list[float] = []
+        context.extras.setdefault(LATENCY_MODEL, self)  # the bounded-load filter asks it
 
     @property
     def reuse(self) -> float:
