@@ -44,6 +44,10 @@ from infergate.epp.types import Endpoint, Metrics
 log = logging.getLogger("infergate.epp.datalayer.collector")
 
 
+#: How early a decision's refresh may do the push watch's check (it then needs no wakeup).
+PIGGYBACK_S = 0.5
+
+
 class Collectors:
     def __init__(
         self,
@@ -116,15 +120,24 @@ class _PushWatch:
     endpoints whose pushes stopped; the rest wait on, to their new deadlines. A pool of N
     heartbeating engines costs about one wakeup per heartbeat grace, not N: every
     replica pays these wakeups whether it routes or not.
+
+    A refresh of the datastore (a decision) within :data:`PIGGYBACK_S` of that deadline
+    does the check there and then, since it has just read the feeds, and the timer moves
+    on: a replica that routes is not woken for the watch at all (each such wakeup cost
+    ~0.25 ms on a shared core, docs/benchmarks/scale.md, "Replicas").
     """
 
     def __init__(self, datastore: Datastore, interval: float) -> None:
         self.datastore = datastore
         self.interval = interval  # the closest two checks may be
         self.checks = 0
+        #: Checks a decision's refresh did (no wakeup of their own).
+        self.piggybacked = 0
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0  # when the timer fires, on the monotonic clock
+        self._checking = False
+        datastore.on_refresh(self._on_refresh)
 
     async def stopped(self, key: str) -> None:
         """Return once ``key``'s pushes have stopped (or it left the pool)."""
@@ -157,10 +170,23 @@ class _PushWatch:
             self._timer.cancel()
             self._timer = None
 
-    def _check(self) -> None:
+    def _on_refresh(self) -> None:
+        """After the feeds were read for a decision: check now if the timer is due soon."""
+        if self._timer is None or self._checking or time.monotonic() < self._due - PIGGYBACK_S:
+            return
+        self._timer.cancel()
+        self.piggybacked += 1
+        self._check(refresh=False)
+
+    def _check(self, refresh: bool = True) -> None:
         self._timer = None
         self.checks += 1
-        self.datastore.refresh()
+        if refresh:
+            self._checking = True  # its own refresh must not check again
+            try:
+                self.datastore.refresh()
+            finally:
+                self._checking = False
         now = time.monotonic()
         for key, waiter in list(self._waiting.items()):
             state = self.datastore.get(key)

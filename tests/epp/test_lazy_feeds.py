@@ -187,3 +187,25 @@ async def test_a_replica_wakes_for_its_own_records_and_reads_the_others_prefixes
 
     await eventually(ended)
     assert epp.completions.wakeups > woken
+
+
+async def test_a_replica_that_decides_is_not_woken_by_the_push_watch(
+    epp_factory: EppFactory, engines: Any
+) -> None:
+    """The liveness check of pushing endpoints rides on the decisions' refreshes when they
+    come often enough; its timer wakes the replica only when none does."""
+    fleet = engines(2)
+    epp = await epp_factory(static_endpoints=fleet.endpoints)
+    await _reporting(epp, fleet, 0, 0)
+    await _reporting(epp, fleet, 1, 0)
+    watch = epp.collectors._pushes
+    await eventually(lambda: watch.checks > 0)  # the endpoints wait on the watch now
+    checks, piggybacked = watch.checks, watch.piggybacked
+    for _ in range(30):  # 3 s of heartbeats, a decision's refresh every 0.1 s
+        for engine in range(2):
+            fleet.send(engine, load.TOPIC, _report(0))
+        epp.datastore.refresh()
+        await asyncio.sleep(0.1)
+    assert watch.checks - checks >= 2  # the pushes were checked...
+    assert watch.checks - checks == watch.piggybacked - piggybacked  # ...by the decisions alone
+    assert all(s.metrics.pushed for s in epp.datastore.all())
