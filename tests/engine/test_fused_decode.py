@@ -89,14 +89,15 @@ def test_decode_attention_matches_sdpa_over_the_paged_cache(dtype: torch.dtype) 
     close_bf16(ours, _reference_attention(q, cache, tables, seq_lens, 0.35))
 
 
-def test_rope_store_rotates_and_writes_each_slot() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_store_rotates_and_writes_each_slot(dtype: torch.dtype) -> None:
     heads, kv_heads, dim, bs = 4, 2, 8, 4
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
     angles = torch.rand(10, dim // 2, generator=g) * 3
     table = torch.cat([angles.cos(), angles.sin()], dim=-1)
     positions, slots = torch.tensor([3, 9]), torch.tensor([5, 22])
-    cache = torch.zeros(8, 2, bs, kv_heads, dim)
+    cache = torch.zeros(8, 2, bs, kv_heads, dim, dtype=dtype)
     step = cpu_decode.DecodeStep(
         positions=positions, slots=slots, tables=torch.zeros(2, 1, dtype=torch.int32),
         seq_lens=torch.tensor([1, 1]), table=table, block_size=bs, num_blocks=8,
@@ -114,8 +115,8 @@ def test_rope_store_rotates_and_writes_each_slot() -> None:
     k = rotate(flat[:, heads * dim : (heads + kv_heads) * dim].view(2, kv_heads, dim))
     v = flat[:, (heads + kv_heads) * dim :].view(2, kv_heads, dim)
     for t, slot in enumerate(slots.tolist()):
-        torch.testing.assert_close(cache[slot // bs, 0, slot % bs], k[t])
-        torch.testing.assert_close(cache[slot // bs, 1, slot % bs], v[t])
+        torch.testing.assert_close(cache[slot // bs, 0, slot % bs], k[t].to(dtype))
+        torch.testing.assert_close(cache[slot // bs, 1, slot % bs], v[t].to(dtype))
     assert int((cache != 0).sum()) == 2 * 2 * kv_heads * dim  # nothing else written
 
 
