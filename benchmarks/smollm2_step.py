@@ -7,7 +7,8 @@ machine load; the figure is the median step of the best round (the least disturb
 other work on a shared machine). Also prints each runner's weight bytes. Asserts nothing.
 
     python benchmarks/smollm2_step.py [--batch 1 8 32] [--steps 32] [--rounds 3]
-        [--quantization gguf none] [--threads 2] [--profile gguf:1] [--kernels]
+        [--quantization gguf none] [--kv-cache-dtype bfloat16 float32] [--threads 2]
+        [--profile gguf:1] [--kernels]
 
 To time an older checkout the same way: ``git archive REV engine infergate | tar -x -C
 DIR``, then ``PYTHONPATH=DIR python benchmarks/smollm2_step.py --quantization default``.
@@ -141,6 +142,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quantization", nargs="+", default=["gguf", "none"])
+    ap.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        help="one runner per dtype and quantization",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--profile", help="QUANTIZATION:BATCH: print an op profile instead")
     ap.add_argument("--kernels", action="store_true", help="time single projections instead")
@@ -155,11 +162,13 @@ def main() -> None:
     # "default" passes no --quantization: the runner's own default, which lets this script
     # time a checkout from before the flag existed (float32) against this one.
     runners = {
-        q: TorchModelRunner.from_model_dir(
+        q if len(args.kv_cache_dtype) == 1 else f"{q}/kv-{kv}": TorchModelRunner.from_model_dir(
             model_dir, block_size=BLOCK, num_blocks=blocks, device="cpu", dtype="float32",
             cpu_threads=args.threads, **({} if q == "default" else {"quantization": q}),
+            **({} if kv == "auto" else {"kv_cache_dtype": kv}),
         )
         for q in args.quantization
+        for kv in args.kv_cache_dtype
     }  # fmt: skip
     if args.profile:
         q, b = args.profile.split(":")

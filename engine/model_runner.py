@@ -23,11 +23,11 @@ from .lora.runner import TorchLoRA
 from .models import LlamaForCausalLM, ModelConfig
 from .sampler import Sampler
 from .structured_output.matcher import apply_grammar_bitmask
-from .weights import load_model, resolve_device, resolve_dtype
+from .weights import load_model, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 log = logging.getLogger(__name__)
 
-CPU_KV_CACHE_BYTES = 512 * 1024**2  # CPU budget when num_blocks is not given
+CPU_KV_CACHE_BYTES = 128 * 1024**2  # CPU budget when neither blocks nor bytes are given
 CPU_MAX_FULL_SEQS = 32  # ... but never more than this many max-length sequences' worth
 
 
@@ -46,6 +46,7 @@ class TorchModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int = 2048,
         backend: AttentionBackend | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         if block_size <= 0 or num_blocks <= 0:
             raise ValueError("block_size and num_blocks must be positive")
@@ -60,9 +61,11 @@ class TorchModelRunner:
         self.eos_token_ids: tuple[int, ...] = config.eos_token_ids
         self.vocab_size = config.vocab_size
         self.backend = backend or get_backend("torch")
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # the attention backend reads it back
         shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=device)
+            for _ in range(config.num_layers)
         ]
         self.sampler = Sampler(device)
         self._logprobs: dict[str, TokenLogprob] = {}
@@ -87,6 +90,8 @@ class TorchModelRunner:
         seed: int = 0,
         cpu_threads: int | None = None,
         quantization: str = "auto",
+        kv_cache_dtype: str = "auto",
+        kv_cache_memory_bytes: int | None = None,
     ) -> TorchModelRunner:
         """Load `model_dir` (config.json + safetensors, or dummy weights) and size the cache.
 
@@ -97,6 +102,9 @@ class TorchModelRunner:
         deployment that gives the engine cores says so with ``OMP_NUM_THREADS``. The
         model loads on one thread, and the team is made by the thread that runs the
         steps (see `_own_threads`).
+
+        The KV cache takes `kv_cache_dtype` (`weights.resolve_kv_cache_dtype`) and, unless
+        `num_blocks` is given, `kv_cache_memory_bytes` (default: `_auto_num_blocks`).
         """
         cfg = ModelConfig.from_model_dir(model_dir)
         dev = resolve_device(device)
@@ -108,6 +116,9 @@ class TorchModelRunner:
             threads = max(1, min(wanted, os.cpu_count() or 1))
             torch.set_num_threads(1)
         dt = resolve_dtype(dtype, cfg, dev)
+        kv_dt = resolve_kv_cache_dtype(kv_cache_dtype, dt, dev)
+        if kv_cache_memory_bytes is not None and kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {kv_cache_memory_bytes}")
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
         elif max_model_len < 1:
@@ -135,14 +146,18 @@ class TorchModelRunner:
                 max_model_len,
                 gpu_memory_utilization,
                 max_num_batched_tokens,
+                kv_dt,
+                kv_cache_memory_bytes,
             )
         log.info(
-            "loaded %s on %s (%s): %d KV blocks of %d tokens",
+            "loaded %s on %s (%s): %d KV blocks of %d tokens (%s, %.0f MiB)",
             cfg.architecture,
             dev,
             dt,
             num_blocks,
             block_size,
+            kv_dt,
+            num_blocks * kv_block_bytes(cfg, block_size, kv_dt) / 2**20,
         )
         runner = cls(
             model,
@@ -153,6 +168,7 @@ class TorchModelRunner:
             dtype=dt,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_dtype=kv_dt,
         )
         runner.cpu_threads = threads
         return runner
@@ -334,11 +350,23 @@ def _auto_num_blocks(
     max_model_len: int,
     gpu_memory_utilization: float,
     max_num_batched_tokens: int,
+    kv_dtype: torch.dtype | None = None,
+    memory_bytes: int | None = None,
 ) -> int:
-    """KV capacity: a fixed budget on CPU; on CUDA, what the utilization target leaves
-    after weights and a reserve for activations (refined by the GPU work later)."""
-    per_block = kv_block_bytes(cfg, block_size, dtype)
+    """KV capacity in blocks of `kv_dtype` (default `dtype`): `memory_bytes` when given
+    (vLLM's ``--kv-cache-memory-bytes``, on any device); else on CPU a fixed budget, at
+    least one max_model_len sequence and at most CPU_MAX_FULL_SEQS of them; on CUDA, what
+    the utilization target leaves after weights and a reserve for activations."""
+    per_block = kv_block_bytes(cfg, block_size, kv_dtype or dtype)
     blocks_per_seq = -(-max_model_len // block_size)
+    if memory_bytes is not None:
+        if memory_bytes < per_block * blocks_per_seq:
+            raise ValueError(
+                f"--kv-cache-memory-bytes {memory_bytes} holds {memory_bytes // per_block} "
+                f"blocks, fewer than one {max_model_len}-token sequence's {blocks_per_seq} "
+                f"({per_block * blocks_per_seq} bytes); raise it or lower max_model_len"
+            )
+        return memory_bytes // per_block
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free

@@ -139,6 +139,19 @@ class ServeOptions:
     num_gpu_blocks_override: int | None = option(
         "--num-gpu-blocks-override", default=None, min=1, help="KV cache size in blocks."
     )
+    kv_cache_memory_bytes: int | None = option(
+        "--kv-cache-memory-bytes",
+        default=None,
+        min=1,
+        help="KV cache size in bytes (vLLM's flag); default on CUDA: what "
+        "--gpu-memory-utilization leaves, on CPU: 256 MiB, at least one --max-model-len "
+        "sequence. --num-gpu-blocks-override wins over it.",
+    )
+    kv_cache_dtype: str = option(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype; bfloat16 for a float32 model on CPU), bfloat16 or float32.",
+    )
     enable_prefix_caching: bool = option(
         "--enable-prefix-caching/--no-enable-prefix-caching",
         default=True,
@@ -287,6 +300,13 @@ def check_vllm_flags(opts: ServeOptions) -> None:
     if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
         raise ServeError("--enable-auto-tool-choice requires --tool-call-parser to be set")
     _policy(opts.scheduling_policy)
+    from infergate.engine.weights import KV_CACHE_DTYPES
+
+    if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ServeError(
+            f"--kv-cache-dtype {opts.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)} "
+            "(fp8 caches are not supported)"
+        )
 
 
 def _policy(value: str) -> SchedulingPolicy:
@@ -509,6 +529,8 @@ def _runner(
             device=opts.device,
             load_format=opts.load_format,
             quantization=opts.quantization,
+            kv_cache_dtype=opts.kv_cache_dtype,
+            kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             max_model_len=opts.max_model_len,
             max_num_batched_tokens=opts.max_num_batched_tokens,
             gpu_memory_utilization=opts.gpu_memory_utilization,

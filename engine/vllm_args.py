@@ -24,8 +24,6 @@ NO_OPS: dict[str, tuple[bool, str]] = {
 }
 #: vLLM's names for flags ``engine serve`` calls otherwise.
 RENAMED = {"--uvicorn-log-level": "--log-level"}
-#: KV-cache dtypes this engine honours (``auto``: the model's dtype).
-KV_CACHE_DTYPES = ("auto",)
 
 
 class VllmArgsError(ValueError):
@@ -51,14 +49,6 @@ def normalize(args: Sequence[str], options: Mapping[str, bool]) -> tuple[list[st
         name = RENAMED.get(name, name)
         if name == "--model":
             model, i = _value(args, i, name, inline if eq else None)
-            continue
-        if name == "--kv-cache-dtype":
-            value, i = _value(args, i, name, inline if eq else None)
-            if value not in KV_CACHE_DTYPES:
-                raise VllmArgsError(
-                    f"--kv-cache-dtype {value}: this engine keeps the KV cache in the model's "
-                    f"dtype; only {', '.join(KV_CACHE_DTYPES)} is supported"
-                )
             continue
         if name in NO_OPS:
             takes_value, why = NO_OPS[name]

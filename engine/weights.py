@@ -7,14 +7,17 @@ checkpoint — so a large model never exists twice in memory.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .models import LlamaForCausalLM, ModelConfig, model_class
 
@@ -24,6 +27,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 #: ``--quantization``: auto (gguf for a GGUF served on CPU, else none); gguf (keep a
 #: GGUF's quantized weights packed, models/quantized.py); none (dequantize to --dtype).
 QUANTIZATIONS = ("auto", "gguf", "none")
+#: ``--kv-cache-dtype``: vLLM's ``auto`` and ``bfloat16``, and ``float32`` (not vLLM's: the
+#: way back to a float32 cache on CPU, where ``auto`` stores a float32 model's KV in bfloat16).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -61,6 +67,33 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
         return _DTYPES[dtype.removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r} (choose auto, {', '.join(_DTYPES)})") from None
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype (``--kv-cache-dtype``): "auto" is the model's dtype, except
+    a float32 model on CPU keeps bfloat16 KV: half the bytes for the same tokens, at no
+    step-time cost (attention reads the cache back in float32; figures in
+    docs/benchmarks/engine.md)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if kv_cache_dtype == "auto":
+        return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else dtype
+    return _DTYPES[kv_cache_dtype]
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere
+    nothing). Loading frees ~115 MiB of transients (a GGUF's dequantized and packed
+    copies) that glibc otherwise keeps resident in the heap for the server's lifetime."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -138,6 +171,27 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+class _SkipInit(TorchFunctionMode):
+    """Skips ``torch.nn.init`` while a model is built on the meta device.
+
+    A meta tensor holds no values, so initializing one does nothing useful, and
+    ``normal_`` on meta (``nn.Embedding``'s init) runs torch's Python reference, which
+    imports ``torch._dynamo``: triton, sympy and inductor's config, 144 MiB of resident
+    memory in an engine that never compiles (measured on SmolLM2).
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def load_model(
     model_dir: str | Path,
     cfg: ModelConfig,
@@ -156,7 +210,7 @@ def load_model(
     gguf = load_format == "gguf" or (load_format == "auto" and _gguf_weights(model_dir) is not None)
     packed = resolve_quantization(quantization, gguf, device)
     cls = model_class(cfg)
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), _default_dtype(dtype), _SkipInit():
         model = cls(cfg)
         if packed:
             dense = model.quantize_modules(tensor_types(_gguf_path(model_dir)))
@@ -175,6 +229,7 @@ def load_model(
         else:
             model.load_weights(iter_safetensors(model_dir))
     model.prepare_buffers(device)
+    release_freed_memory()
     return model.eval().requires_grad_(False)
 
 

@@ -3,7 +3,10 @@
 Single-token queries (decodes, and 1-token prefill chunks) are batched into one
 `scaled_dot_product_attention` call over their gathered blocks with a key-length mask;
 longer chunks (prefills, with or without cached prefix) run one call each with a causal
-mask offset by the cached context. Per-step planning happens once in `prepare`.
+mask offset by the cached context. Per-step planning happens once in `prepare`. A cache
+kept in a narrower dtype than the queries (``--kv-cache-dtype bfloat16`` under a float32
+model) is widened as it is gathered: only the storage is rounded, attention runs in the
+queries' dtype (in the copy that splitting keys from values makes anyway).
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ class TorchAttentionBackend:
             out[plan.single_rows] = self._single(q[plan.single_rows], kv_cache, plan, scale)
         for c in plan.chunks:
             kv = kv_cache[c.blocks]  # [nb, 2, bs, Hkv, D]
-            keys = kv[:, 0].flatten(0, 1)[: c.seq_len].transpose(0, 1).unsqueeze(0)
-            vals = kv[:, 1].flatten(0, 1)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+            keys = kv[:, 0].to(q.dtype).flatten(0, 1)[: c.seq_len].transpose(0, 1).unsqueeze(0)
+            vals = kv[:, 1].to(q.dtype).flatten(0, 1)[: c.seq_len].transpose(0, 1).unsqueeze(0)
             qs = q[c.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             o = F.scaled_dot_product_attention(
                 qs,
@@ -119,8 +122,9 @@ class TorchAttentionBackend:
         """Attention of 1-token queries q [S, Hq, D], batched over their gathered blocks."""
         assert plan.single_tables is not None
         kv = kv_cache[plan.single_tables]  # [S, W, 2, bs, Hkv, D]
-        keys = kv[:, :, 0].flatten(1, 2).transpose(1, 2)  # [S, Hkv, W*bs, D]
-        vals = kv[:, :, 1].flatten(1, 2).transpose(1, 2)
+        # Widening on the K/V split is the copy that flattening the blocks makes anyway.
+        keys = kv[:, :, 0].to(q.dtype).flatten(1, 2).transpose(1, 2)  # [S, Hkv, W*bs, D]
+        vals = kv[:, :, 1].to(q.dtype).flatten(1, 2).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=plan.single_mask, scale=scale, enable_gqa=True
         )

@@ -52,7 +52,9 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int = NEW_TOKENS) -> li
 
 
 def lora_runner(d: Path, loras: list[Path], max_loras: int = 2) -> TorchModelRunner:
-    runner = TorchModelRunner.from_model_dir(d, block_size=4, num_blocks=512, device="cpu")
+    runner = TorchModelRunner.from_model_dir(
+        d, block_size=4, num_blocks=512, device="cpu", kv_cache_dtype="float32"
+    )
     lora = attach_torch_lora(runner, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=4)
     for i, path in enumerate(loras):
         lora.manager.add(f"lora-{i}", str(path))

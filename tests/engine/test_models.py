@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from infergate.engine.interfaces import ScheduledBatch, ScheduledSeq
-from infergate.engine.model_runner import TorchModelRunner, kv_block_bytes
+from infergate.engine.model_runner import CPU_KV_CACHE_BYTES, TorchModelRunner, kv_block_bytes
 from infergate.engine.models import ModelConfig, UnsupportedModelError, model_class
 from infergate.engine.models.layers import rope_inv_freq
 from infergate.engine.tiny_model import make_tiny_model
@@ -46,7 +48,8 @@ def test_auto_num_blocks_on_cpu_is_bounded(tiny_model_dir: Path) -> None:
     r = TorchModelRunner.from_model_dir(tiny_model_dir, device="cpu", max_model_len=512)
     per_seq = 512 // r.block_size
     assert per_seq <= r.num_blocks <= 32 * per_seq
-    assert r.num_blocks * kv_block_bytes(r.config, r.block_size, r.dtype) <= 512 * 2**20
+    per_block = kv_block_bytes(r.config, r.block_size, r.kv_cache_dtype)
+    assert r.num_blocks * per_block <= max(CPU_KV_CACHE_BYTES, per_seq * per_block)
 
 
 def test_sharded_checkpoint_loads_the_same_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -172,3 +175,18 @@ def test_runner_rejects_inconsistent_steps(tiny_model_dir: Path) -> None:
     # An empty step and a non-sampling chunk are fine.
     assert r.execute(ScheduledBatch([])) == []
     assert r.execute(ScheduledBatch([ScheduledSeq("a", [1, 2], 0, [0], False)])) == [None]
+
+
+def test_loading_a_model_imports_no_compiler(tiny_model_dir: Path) -> None:
+    """Building the model on the meta device skips torch.nn.init: Embedding's normal_ on
+    meta would import torch._dynamo (triton, sympy: ~144 MiB resident) in an engine that
+    never compiles."""
+    code = (
+        "import sys\n"
+        "from infergate.engine.model_runner import TorchModelRunner\n"
+        f"TorchModelRunner.from_model_dir({str(tiny_model_dir)!r}, device='cpu', num_blocks=4)\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton', 'sympy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -107,7 +107,9 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int = NEW_TOKENS) -> li
 
 
 def runner_for(d: Path, block_size: int) -> TorchModelRunner:
-    return TorchModelRunner.from_model_dir(d, block_size=block_size, num_blocks=256, device="cpu")
+    return TorchModelRunner.from_model_dir(
+        d, block_size=block_size, num_blocks=256, device="cpu", kv_cache_dtype="float32"
+    )
 
 
 def test_logits_match_transformers_at_every_position(model) -> None:

@@ -46,7 +46,9 @@ def run(core: EngineCore, requests: list[Request]) -> dict[str, RequestOutput]:
 def test_engine_matches_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
     d: Path = request.getfixturevalue(fixture)
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    runner = TorchModelRunner.from_model_dir(d, block_size=4, num_blocks=128, device="cpu")
+    runner = TorchModelRunner.from_model_dir(
+        d, block_size=4, num_blocks=128, device="cpu", kv_cache_dtype="float32"
+    )
     # Budget 6: every prompt below is prefilled in several chunks, next to decodes.
     core = EngineCore(
         runner,

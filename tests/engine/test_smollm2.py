@@ -102,13 +102,13 @@ def hf_greedy(hf: Any, prompt: list[int], eos: frozenset[int]) -> tuple[list[int
 
 
 def make_core(model_dir: Path, tok: Tokenizer, **kw: Any) -> EngineCore:
-    """The engine on the weights dequantized to float32 (``--quantization none``): the
-    math transformers does (the packed path is checked in test_quantized_linear.py)."""
+    """The engine on the weights dequantized to float32 (``--quantization none``) and a
+    float32 KV cache: the math transformers does (the packed path is checked in test_quantized_linear.py)."""
     num_blocks = kw.pop("num_blocks", 256)
     quantization = kw.pop("quantization", "none")
     runner = TorchModelRunner.from_model_dir(
         model_dir, block_size=16, num_blocks=num_blocks, device="cpu", dtype="float32",
-        quantization=quantization,
+        quantization=quantization, kv_cache_dtype="float32",
     )  # fmt: skip
     return EngineCore(runner, SchedulerConfig(max_model_len=512, **kw), tokenizer=tok)
 

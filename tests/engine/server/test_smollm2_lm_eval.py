@@ -60,7 +60,8 @@ def _serve(smollm2_gguf: Path, infergate_cli: list[str], *extra: str) -> Iterato
 
 @pytest.fixture(scope="module")
 def plain_smollm2(smollm2_gguf: Path, infergate_cli: list[str]) -> Iterator[Server]:
-    with _serve(smollm2_gguf, infergate_cli, "--quantization", "none") as server:
+    with _serve(smollm2_gguf, infergate_cli, "--quantization", "none",
+                "--kv-cache-dtype", "float32") as server:  # fmt: skip
         yield server
 
 
