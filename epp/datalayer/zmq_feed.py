@@ -1,9 +1,10 @@
 """One ZMQ SUB socket to one engine's PUB socket, read without blocking, redialled when dropped.
 
-The completion feed (:mod:`infergate.epp.datalayer.completions`) keeps two per engine:
-one read by the event loop as messages arrive (this replica's own records), one read
-only when a decision is about to be made (load reports, the other replicas' admission
-records). Both need the same care:
+The completion feed (:mod:`infergate.epp.datalayer.completions`) reads this replica's
+own records with one, by the event loop as messages arrive. (What is read only at a
+decision, the load reports and the other replicas' admission records, comes over plain
+TCP instead, :mod:`infergate.epp.datalayer.zmtp`: libzmq's I/O thread would receive it
+as it arrives.) It needs care:
 
 * Reading: a plain (not asyncio) socket, drained with ``NOBLOCK`` while ``EVENTS`` says
   something is queued. pyzmq's asyncio socket makes a future and a task step per
