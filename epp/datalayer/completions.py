@@ -10,11 +10,12 @@ not grow with the response's length and Envoy can send it no response body at al
 Endpoints that report: the endpoint label ``infergate.io/completion-events-port`` names
 the port, or ``default_port`` applies to every endpoint. Endpoints without either are not
 subscribed and the EPP finishes their requests at the response headers (no usage), as
-before. Two ZMQ SUB sockets per reporting endpoint (:class:`ZmqFeed`), because what
-they carry is needed at different moments:
+before. Two subscriptions per reporting endpoint, because what they carry is needed at
+different moments:
 
 * **this replica's records** (its ``owner``'s topic,
-  :func:`~infergate.wire.completions.records_topic`): read as they arrive, since a record
+  :func:`~infergate.wire.completions.records_topic`; a ZMQ SUB socket,
+  :class:`ZmqFeed`): read as they arrive, since a record
   ends a request. ZMQ filters the other replicas' records out at the engine, so a
   replica is woken for the requests it routed only.
 * **load reports and the other replicas' admission records** (``on_load``, see
@@ -24,7 +25,8 @@ they carry is needed at different moments:
   newest load report is applied. Read as they arrived, they cost a replica a wakeup per
   message of every engine, ~190 us each on a shared core, so N replicas paid N times the
   background work (docs/benchmarks/scale.md, "Replicas"); read at the decision, the view
-  is as fresh and the wakeups are gone.
+  is as fresh and the wakeups are gone. Over plain TCP (:class:`ZmtpFeed`), not a ZMQ
+  socket, whose I/O thread would still receive each message as it came.
 """
 
 from __future__ import annotations
