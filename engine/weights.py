@@ -216,9 +216,11 @@ def load_model(
             dense = model.quantize_modules(tensor_types(_gguf_path(model_dir)))
             for module, why in sorted(dense.items()):
                 log.info("%s stays dense: %s", module, why)
-    model = model.to_empty(device=device)
+    # `to_empty`, but with torch.empty: empty_like of a meta tensor runs torch's Python
+    # reference, which imports sympy (34 MiB resident) for its stride logic.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     dense_head = isinstance(model.lm_head, torch.nn.Linear)
-    if cfg.tie_word_embeddings and dense_head:  # to_empty materializes the shared tensor twice
+    if cfg.tie_word_embeddings and dense_head:  # _apply materializes the shared tensor twice
         model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         if load_format == "dummy":
