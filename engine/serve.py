@@ -144,7 +144,7 @@ class ServeOptions:
         default=None,
         min=1,
         help="KV cache size in bytes (vLLM's flag); default on CUDA: what "
-        "--gpu-memory-utilization leaves, on CPU: 256 MiB, at least one --max-model-len "
+        "--gpu-memory-utilization leaves, on CPU: 128 MiB, at least one --max-model-len "
         "sequence. --num-gpu-blocks-override wins over it.",
     )
     kv_cache_dtype: str = option(

@@ -180,7 +180,7 @@ def test_runner_rejects_inconsistent_steps(tiny_model_dir: Path) -> None:
 def test_loading_a_model_imports_no_compiler(tiny_model_dir: Path) -> None:
     """Building the model on the meta device skips torch.nn.init and materializes it with
     torch.empty: Embedding's normal_ and empty_like on meta would import torch._dynamo,
-    triton and sympy (~180 MiB resident) in an engine that never compiles."""
+    triton and sympy (~144 MiB resident) in an engine that never compiles."""
     code = (
         "import sys\n"
         "from infergate.engine.model_runner import TorchModelRunner\n"
