@@ -107,12 +107,13 @@ def sim_server(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Serve
 
 @pytest.fixture(scope="session")
 def real_server(tiny_model_dir: Path, infergate_cli: list[str]) -> Iterator[Server]:
-    """The real tiny model on CPU; a 8-token budget forces chunked prefill."""
+    """The real tiny model on CPU; a 8-token budget forces chunked prefill. Float32 KV
+    too: the tests on it compare with transformers' float32 math."""
     with ProcessGroup() as group:
         yield _start(
             group, infergate_cli, "engine-real", tiny_model_dir,
             "--device", "cpu", "--dtype", "float32", "--max-num-batched-tokens", "8",
-            "--num-gpu-blocks-override", "256",
+            "--num-gpu-blocks-override", "256", "--kv-cache-dtype", "float32",
         )  # fmt: skip
 
 
