@@ -23,7 +23,8 @@ with the other server). Each round ends with transformers' ``generate`` in this 
 at concurrency 1 on the same GGUF dequantized to float32, with ``--threads`` torch threads
 (``smollm2_cpu.hf_run``). On a shared machine run two rounds: the ratios of one round are
 the comparable figures. Both servers get ``OMP_NUM_THREADS=--threads`` (the engine's CPU
-threads) and llama.cpp ``--n_threads``/``--n_threads_batch``.
+threads) and llama.cpp ``--n_threads``/``--n_threads_batch``, and the same context length
+(``CONTEXT``: llama.cpp's ``--n_ctx``, the engine's ``--max-model-len``).
 
 The peer is llama.cpp through ``llama-cpp-python[server]`` (``make llamacpp``; builds
 llama.cpp from C++ source, in its own venv: ``--llama-python``). Its server runs one
@@ -211,15 +212,20 @@ class PeakRss:
         self._thread.join()
 
 
+#: Both servers' context length (llama.cpp's ``--n_ctx``, the engine's ``--max-model-len``).
+CONTEXT = 2048
+
+
 def server_argv(name: str, gguf: Path, port: int, args: argparse.Namespace) -> list[str]:
-    """The command line of one server, both on the same GGUF and thread count."""
+    """The command line of one server, both on the same GGUF, thread count and context."""
     if name == "engine":
         return [sys.executable, "-m", "infergate.cli", "engine", "serve", str(gguf),
                 "--port", str(port), "--served-model-name", "smollm2", "--device", "cpu",
-                "--max-num-seqs", str(max(args.concurrency)), *args.engine_arg]  # fmt: skip
+                "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", str(CONTEXT),
+                *args.engine_arg]  # fmt: skip
     return [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
             "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
-            "--n_threads_batch", str(args.threads), "--n_ctx", "2048", "--model_alias",
+            "--n_threads_batch", str(args.threads), "--n_ctx", str(CONTEXT), "--model_alias",
             "smollm2", "--interrupt_requests", "False"]  # fmt: skip
 
 
@@ -245,7 +251,10 @@ def run_phase(
     """One server started for one measurement (`phase`: a concurrency, or None for the 1k
     TTFTs), warmed up, measured under the RSS sampler into `run`, and stopped."""
     with serving(name, gguf, args.port or free_port(), args) as (base, pid), PeakRss(pid) as rss:
-        asyncio.run(measure(base, 2, 4, bias))  # allocators, kernels, prompt templates
+        # Allocators, kernels, prompt templates: one request of the measured length, then
+        # two at once (a fresh engine's first ~100 steps ran slower); both get the same.
+        asyncio.run(measure(base, 1, args.tokens, bias))
+        asyncio.run(measure(base, 2, 4, bias))
         if phase is None:
             asyncio.run(ttft_1k(base, prompts_1k[:1], bias))
             run.ttft_1k = asyncio.run(ttft_1k(base, prompts_1k[1:], bias))

@@ -122,42 +122,65 @@ int rope_store(const uint16_t *qkv, int64_t stride, const float *table, const in
     return 0;
 }
 
-static inline float cache_at(const void *cache, int cache_bf16, int64_t i) {
-    return cache_bf16 ? bf16_to_f32(((const uint16_t *)cache)[i]) : ((const float *)cache)[i];
+/* One cached row (a key or a value of one kv head) as float32 in `out`. */
+static void load_row(const void *cache, int cache_bf16, int64_t at, int64_t dim, float *out) {
+    if (cache_bf16) {
+        const uint16_t *src = (const uint16_t *)cache + at;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) {
+            uint32_t u = (uint32_t)src[i] << 16;
+            float f;
+            memcpy(&f, &u, sizeof f);
+            out[i] = f;
+        }
+    } else {
+        memcpy(out, (const float *)cache + at, sizeof(float) * (size_t)dim);
+    }
 }
 
-/* One query head over its sequence's keys and values: softmax(q.K * scale) V. */
-static void attend_head(const float *q, const void *cache, int cache_bf16,
-                        const int32_t *table, int64_t len, int64_t block_size, int64_t kv,
-                        int64_t dim, float scale, float *scores, float *acc) {
-    float top = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        int64_t base = ((int64_t)table[t / block_size] * 2 * block_size + t % block_size) * kv;
-        float dot = 0.0f;
-        if (cache_bf16) {
-            const uint16_t *key = (const uint16_t *)cache + base;
+/* The `group` query heads that share one kv head, over their sequence's keys and values:
+ * softmax(q.K * scale) V, each key and value row read once for the whole group.
+ * scores: [group, len] scratch; acc: [group, dim] out; row: [dim] scratch. */
+static void attend_group(const float *q, const void *cache, int cache_bf16,
+                         const int32_t *table, int64_t len, int64_t block_size, int64_t kv,
+                         int64_t dim, int64_t group, float scale, float *scores, float *acc,
+                         float *row) {
+    /* Token t lives in block table[t / block_size] at t % block_size: walk the blocks. */
+    for (int64_t start = 0; start < len; start += block_size) {
+        int64_t key_at = (int64_t)table[start / block_size] * 2 * block_size * kv;
+        int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t off = 0; off < n; off++) {
+            load_row(cache, cache_bf16, key_at + off * kv, dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * dim;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < dim; i++) dot += q[i] * bf16_to_f32(key[i]);
-        } else {
-            const float *key = (const float *)cache + base;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < dim; i++) dot += q[i] * key[i];
+                for (int64_t i = 0; i < dim; i++) dot += qg[i] * row[i];
+                scores[g * len + start + off] = dot * scale;
+            }
         }
-        scores[t] = dot * scale;
-        if (scores[t] > top) top = scores[t];
     }
-    float total = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
-        scores[t] = expf(scores[t] - top);
-        total += scores[t];
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * len, top = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+        for (int64_t t = 0; t < len; t++) {
+            sg[t] = expf(sg[t] - top);
+            total += sg[t];
+        }
+        for (int64_t t = 0; t < len; t++) sg[t] /= total;
     }
-    memset(acc, 0, sizeof(float) * (size_t)dim);
-    for (int64_t t = 0; t < len; t++) {
-        int64_t base = ((int64_t)table[t / block_size] * 2 * block_size + block_size +
-                        t % block_size) * kv;
-        float p = scores[t] / total;
+    memset(acc, 0, sizeof(float) * (size_t)(group * dim));
+    for (int64_t start = 0; start < len; start += block_size) {
+        int64_t value_at = ((int64_t)table[start / block_size] * 2 + 1) * block_size * kv;
+        int64_t n = len - start < block_size ? len - start : block_size;
+        for (int64_t off = 0; off < n; off++) {
+            load_row(cache, cache_bf16, value_at + off * kv, dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                float p = scores[g * len + start + off], *ag = acc + g * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) acc[i] += p * cache_at(cache, cache_bf16, base + i);
+                for (int64_t i = 0; i < dim; i++) ag[i] += p * row[i];
+            }
+        }
     }
 }
 
@@ -171,20 +194,20 @@ int decode_attention(const float *q, const void *cache, int cache_bf16, const in
     int64_t longest = 1, kv = kv_heads * dim, group = heads / kv_heads;
     for (int64_t s = 0; s < seqs; s++)
         if (seq_lens[s] > longest) longest = seq_lens[s];
-    float *scores = malloc(sizeof(float) * (size_t)(longest + dim));
-    if (scores == NULL) return -1;
-    float *acc = scores + longest;
+    float *scratch = malloc(sizeof(float) * (size_t)(group * longest + group * dim + dim));
+    if (scratch == NULL) return -1;
+    float *acc = scratch + group * longest, *row = acc + group * dim;
+    size_t item = cache_bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int64_t s = 0; s < seqs; s++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const char *head_cache = (const char *)cache +
-                (h / group) * dim * (cache_bf16 ? 2 : 4);
-            attend_head(q + (s * heads + h) * dim, head_cache, cache_bf16,
-                        tables + s * table_stride, seq_lens[s], block_size, kv, dim, scale,
-                        scores, acc);
-            uint16_t *o = out + (s * heads + h) * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = f32_to_bf16(acc[i]);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const char *head_cache = (const char *)cache + (size_t)(h * dim) * item;
+            attend_group(q + (s * heads + h * group) * dim, head_cache, cache_bf16,
+                         tables + s * table_stride, seq_lens[s], block_size, kv, dim, group,
+                         scale, scratch, acc, row);
+            uint16_t *o = out + (s * heads + h * group) * dim;
+            for (int64_t i = 0; i < group * dim; i++) o[i] = f32_to_bf16(acc[i]);
         }
     }
-    free(scores);
+    free(scratch);
     return 0;
 }
