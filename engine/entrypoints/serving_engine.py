@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from infergate.engine.async_engine import AsyncEngine
@@ -30,7 +30,6 @@ from infergate.engine.tool_parsers import ToolParser, get_parser
 from infergate.engine.tool_parsers.choice import ToolPlan
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
-from xgrammar import CompiledGrammar
 
 from infergate.wire.names import PRIORITY_HEADER
 
@@ -38,6 +37,9 @@ from .config import LONG_TEXT_CHARS, ServerConfig
 from .errors import APIError, ClientGone
 from .sampling_params import check_token_ids, to_sampling_params
 from .serving_models import OpenAIServingModels
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("infergate.engine.server")
 M = TypeVar("M", bound=BaseModel)

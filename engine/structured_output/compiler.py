@@ -13,12 +13,15 @@ import json
 import re
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
 from infergate.engine.tokenizer import Tokenizer
 
 from .spec import GrammarSpec, GrammarSpecError
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 CACHE_SIZE = 256
 #: ``json_object`` means "a JSON object" (OpenAI's JSON mode, LangChain's ``json_mode``):
@@ -34,6 +37,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
     ``vocab_size`` is the model's logits width (>= the tokenizer's): ids without a token
     string are never allowed by any grammar.
     """
+    import xgrammar as xgr
+
     backend = tokenizer.backend
     encoded = [""] * vocab_size
     for token, index in backend.get_vocab(with_added_tokens=True).items():
@@ -60,16 +65,31 @@ def _message(error: Exception) -> str:
 
 
 class GrammarCompiler:
-    """Compiles :class:`GrammarSpec` s for one tokenizer; thread-safe, cached."""
+    """Compiles :class:`GrammarSpec` s for one tokenizer; thread-safe, cached.
+
+    xgrammar is imported, and its view of the vocabulary built, at the first compile (as
+    vLLM starts its structured-output backend at the first request that asks for one):
+    a server that is never asked for structured output does not hold its ~44 MiB.
+    """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_workers: int = 1) -> None:
-        self.info = tokenizer_info(tokenizer, vocab_size)
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        # xgrammar keeps its own cache too; ours also dedups compiles in flight.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_workers)
+        self.max_workers = max_workers
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], asyncio.Future[Any]] = OrderedDict()
         self.compiles = 0  # actual compiles (cache misses), for tests and metrics
+
+    @cached_property
+    def info(self) -> xgr.TokenizerInfo:
+        return tokenizer_info(self.tokenizer, self.vocab_size)
+
+    @cached_property
+    def _compiler(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
+        # xgrammar keeps its own cache too; ours also dedups compiles in flight.
+        return xgr.GrammarCompiler(self.info, max_threads=self.max_workers)
 
     def compile_sync(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """Compile now, on the calling thread; a bad grammar is a GrammarSpecError."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,8 @@ class GrammarState:
     """One request's position in its grammar."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr  # loaded by the compile that made `compiled`
+
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self.rejected = False  # a token the grammar did not allow was forced in
@@ -51,6 +56,8 @@ def apply_grammar_bitmask(
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return logits
+    import xgrammar as xgr  # a row has a grammar: a compile loaded it
+
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab)
     for i in rows:

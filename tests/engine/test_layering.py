@@ -49,6 +49,7 @@ ENGINE = LayerTable(
                 f"{E}.completion_events",
                 f"{E}.load_reports",
                 f"{E}.kv_transfer",  # the transport; blocks and service sit higher
+                f"{E}.kernels",  # the CPU decode step's C kernels
             ),
         ),
         ("model", MODEL),
