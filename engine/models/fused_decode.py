@@ -17,12 +17,12 @@ the torch path's, so the two agree to rounding (tests/engine/test_fused_decode.p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 
 from ..kernels import cpu_decode
-from .quantized import QuantizedLinear
+from .quantized import QuantizedLinear, int4_matmul
 
 if TYPE_CHECKING:
     from ..attention.base import AttentionContext
@@ -35,21 +35,62 @@ def _layers(model: DecoderModel) -> list[DecoderLayer]:
     return [cast("DecoderLayer", layer) for layer in model.layers]
 
 
-def _q(module: object) -> QuantizedLinear:
-    """A projection `applies` found quantized."""
-    return cast(QuantizedLinear, module)
+class _Matmul(NamedTuple):
+    """A packed projection's kernel arguments, read once (buffers are slow attributes)."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    wide: bool
+    out: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_matmul(x, self.packed, self.scales_zeros, self.wide, self.out).contiguous()
 
 
-def _quantized_layers(model: DecoderModel) -> bool:
-    """Whether every layer is the plain quantized Llama layer this path computes."""
+def _matmul(module: object) -> _Matmul:
+    q = cast(QuantizedLinear, module)
+    assert q.packed is not None and q.scales_zeros is not None
+    return _Matmul(q.packed, q.scales_zeros, q.wide, q.out_features)
+
+
+class _Layer(NamedTuple):
+    """What a fused step reads of one layer: no module attribute lookups per step."""
+
+    qkv: _Matmul
+    o: _Matmul
+    gate_up: _Matmul
+    down: _Matmul
+    norm_in: torch.Tensor
+    eps_in: float
+    norm_post: torch.Tensor
+    eps_post: float
+    cache: int  # index of the layer's KV cache
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    inter: int
+
+
+def _plan(model: DecoderModel) -> list[_Layer] | None:
+    """Every layer's `_Layer`, or None when a layer is not the plain quantized Llama
+    layer this path computes."""
+    plan = []
     for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if attn.q_norm is not None or not all(
             isinstance(p, QuantizedLinear) and p.complete for p in projections
         ):
-            return False
-    return True
+            return None
+        inp, post = layer.input_layernorm, layer.post_attention_layernorm
+        qkv, o, gate_up, down = map(_matmul, projections)
+        plan.append(_Layer(
+            qkv, o, gate_up, down, inp.weight.detach(), inp.eps, post.weight.detach(),
+            post.eps, attn.layer, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            attn.scale, mlp.intermediate,
+        ))  # fmt: skip
+    return plan
 
 
 def applies(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> bool:
@@ -62,9 +103,9 @@ def applies(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> bool
         return False
     key = id(_layers(model)[0].self_attn.qkv_proj)
     if model.fused_checked != key:  # once per set of modules
-        model.fused_ok = _quantized_layers(model)
+        model.fused_plan = _plan(model)
         model.fused_checked = key
-    return model.fused_ok and cpu_decode.load() is not None
+    return model.fused_plan is not None and cpu_decode.load() is not None
 
 
 def decode(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -82,26 +123,20 @@ def decode(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> torch
         seq_lens=meta.seq_lens, table=rope._table, block_size=meta.block_size,
         num_blocks=cache0.shape[0],
     )  # fmt: skip
+    plan = model.fused_plan
+    assert plan is not None
     h = h.contiguous()
-    layers = _layers(model)
-    first = layers[0].input_layernorm
-    x = kernels.rms_norm(h, first.weight, first.eps)
+    x = kernels.rms_norm(h, plan[0].norm_in, plan[0].eps_in)
     delta: torch.Tensor | None = None
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer in plan:
         if delta is not None:
-            norm = layer.input_layernorm
-            x = kernels.add_rms_norm(h, delta, norm.weight, norm.eps)
-        cache = ctx.kv_caches[attn.layer]
-        qkv = _q(attn.qkv_proj).matmul_bf16(x).contiguous()
-        q = kernels.rope_store(qkv, step, cache, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        o = kernels.attention(q, cache, step, attn.num_kv_heads, attn.scale)
-        norm = layer.post_attention_layernorm
-        x = kernels.add_rms_norm(
-            h, _q(attn.o_proj).matmul_bf16(o).contiguous(), norm.weight, norm.eps
-        )
-        act = kernels.silu_mul(_q(mlp.gate_up_proj).matmul_bf16(x).contiguous(), mlp.intermediate)
-        delta = _q(mlp.down_proj).matmul_bf16(act).contiguous()
+            x = kernels.add_rms_norm(h, delta, layer.norm_in, layer.eps_in)
+        cache = ctx.kv_caches[layer.cache]
+        q = kernels.rope_store(layer.qkv(x), step, cache, layer.heads, layer.kv_heads,
+                               layer.head_dim)  # fmt: skip
+        o = kernels.attention(q, cache, step, layer.kv_heads, layer.scale)
+        x = kernels.add_rms_norm(h, layer.o(o), layer.norm_post, layer.eps_post)
+        delta = layer.down(kernels.silu_mul(layer.gate_up(x), layer.inter))
     if delta is not None:
         h.add_(delta)
     return model.norm.forward(h)

@@ -9,6 +9,7 @@ Qwen3 dense is this model with per-head q/k RMSNorm (see qwen3.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,9 +89,9 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, i, self.rope, qk_norm) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Whether decode steps can take fused_decode's path, for the projections whose
-        # first module has the id `fused_checked` (LoRA may swap them after loading).
-        self.fused_ok = False
+        # fused_decode's per-layer plan (None: decode steps take the torch ops), for the
+        # projections whose first module has the id `fused_checked` (LoRA may swap them).
+        self.fused_plan: list[Any] | None = None
         self.fused_checked: int | None = None
 
     def forward(

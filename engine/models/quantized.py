@@ -195,6 +195,17 @@ def packable(parts: list[tuple[str, tuple[int, int]]]) -> str | None:
     return None
 
 
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, wide: bool, out: int
+) -> torch.Tensor:
+    """The kernel on bfloat16 rows `x` [M, in] (fed twice in the wide form): bfloat16
+    [M, out], a view when the weight's rows were padded to 16."""
+    if wide:
+        x = torch.cat([x, x], dim=-1)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+    return y if y.shape[-1] == out else y[:, :out]
+
+
 class QuantizedLinear(nn.Module):
     """``y = x Wᵀ (+ b)`` with W in torch's CPU int4 layout (built from GGUF blocks).
 
@@ -263,10 +274,7 @@ class QuantizedLinear(nn.Module):
         """``x Wᵀ`` of bfloat16 rows [M, in] as the kernel gives it: bfloat16 [M, out]
         (a view when the rows were padded to 16)."""
         assert self.packed is not None and self.scales_zeros is not None, "not loaded"
-        if self.wide:
-            x = torch.cat([x, x], dim=-1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-        return y if y.shape[-1] == self.out_features else y[:, : self.out_features]
+        return int4_matmul(x, self.packed, self.scales_zeros, self.wide, self.out_features)
 
     def refine_top(self, x: torch.Tensor, y: torch.Tensor, k: int = 8) -> torch.Tensor:
         """`y` = self(x) as float32 with each row's `k` largest recomputed in float32 from
