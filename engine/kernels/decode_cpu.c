@@ -32,6 +32,27 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* e^x for x <= 0 (softmax's shifted scores, silu's e^-|x|), Cephes' expf: x = n ln2 + r with |r| <=
+ * ln2/2, e^r by a degree-6 polynomial (relative error ~1e-7), times 2^n built in the
+ * exponent bits. Inline and branch-free, so the softmax loop vectorizes (libm's expf is
+ * a call per element). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* out[r] = bf16(x[r] / sqrt(mean(x[r]^2) + eps) * w) for each of `rows` rows of n. */
 static void norm_row(const float *x, const float *w, uint16_t *out, int64_t n, float eps) {
     float ss = 0.0f;
@@ -58,17 +79,21 @@ void add_rms_norm_bf16(float *h, const uint16_t *delta, const float *w, uint16_t
     }
 }
 
-/* SwiGLU's product: out = bf16(bf16(silu(gate)) * up) for gate|up rows of 2*inter. */
+/* SwiGLU's product: out = bf16(bf16(silu(gate)) * up) for gate|up rows of 2*inter, with
+ * silu(x) = x / (1 + e^-x) computed from e = e^-|x| <= 1 (x >= 0: x / (1 + e); x < 0:
+ * x e / (1 + e)), so that the loop vectorizes. */
 void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64_t rows,
                    int64_t inter) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + r * stride;
         const uint16_t *u = g + inter;
         uint16_t *o = out + r * inter;
+#pragma omp simd
         for (int64_t i = 0; i < inter; i++) {
             float x = bf16_to_f32(g[i]);
-            float s = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
-            o[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+            float e = exp_nonpositive(x < 0.0f ? x : -x);
+            float silu = (x < 0.0f ? x * e : x) / (1.0f + e);
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu)) * bf16_to_f32(u[i]));
         }
     }
 }
@@ -163,11 +188,14 @@ static void attend_group(const float *q, const void *cache, int cache_bf16,
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * len, top = -INFINITY, total = 0.0f;
         for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; t++) {
-            sg[t] = expf(sg[t] - top);
+            sg[t] = exp_nonpositive(sg[t] - top);
             total += sg[t];
         }
-        for (int64_t t = 0; t < len; t++) sg[t] /= total;
+        float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
     for (int64_t start = 0; start < len; start += block_size) {
