@@ -4,6 +4,7 @@ decode path against the torch path on a quantized tiny model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,17 +126,20 @@ def test_bad_inputs_are_refused_before_any_memory_is_touched() -> None:
         kernels().rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match=r"contiguous CPU torch\.bfloat16"):
         kernels().silu_mul(torch.ones(8, 2).bfloat16().t(), 2)
-    good = dict(
-        positions=torch.tensor([3]), slots=torch.tensor([5]),
-        tables=torch.zeros(1, 2, dtype=torch.int32), seq_lens=torch.tensor([4]),
-        table=torch.zeros(8, 4), block_size=4, num_blocks=2,
-    )  # fmt: skip
-    cpu_decode.DecodeStep(**good)  # in range
+    good = {
+        "positions": torch.tensor([3]), "slots": torch.tensor([5]),
+        "tables": torch.zeros(1, 2, dtype=torch.int32), "seq_lens": torch.tensor([4]),
+    }  # fmt: skip
+
+    def step(indices: dict[str, torch.Tensor]) -> cpu_decode.DecodeStep:
+        return cpu_decode.DecodeStep(**indices, table=torch.zeros(8, 4), block_size=4, num_blocks=2)
+
+    step(good)  # in range
     for name, bad in [("slots", torch.tensor([8])), ("positions", torch.tensor([8])),
                       ("seq_lens", torch.tensor([9])),
                       ("tables", torch.tensor([[0, 2]], dtype=torch.int32))]:  # fmt: skip
         with pytest.raises(ValueError, match="out of the cache's or the table's range"):
-            cpu_decode.DecodeStep(**{**good, name: bad})
+            step({**good, name: bad})
 
 
 def test_no_compiler_means_torch_ops(
@@ -156,10 +160,15 @@ def test_no_compiler_means_torch_ops(
 def _decode_logits(runner: TorchModelRunner, fused: bool, monkeypatch: pytest.MonkeyPatch):
     """Logits of 6 greedy decode steps of 3 sequences of different lengths at once, on
     the fused path (each step counted) or with it switched off."""
-    calls = []
+    calls: list[int] = []
     if fused:
         real = fused_decode.decode
-        monkeypatch.setattr(fused_decode, "decode", lambda *a: calls.append(1) or real(*a))
+
+        def counted(*args: Any) -> torch.Tensor:
+            calls.append(1)
+            return real(*args)
+
+        monkeypatch.setattr(fused_decode, "decode", counted)
     else:
         monkeypatch.setattr(fused_decode, "applies", lambda *a: False)
     greedy = SamplingParams(temperature=0.0)
