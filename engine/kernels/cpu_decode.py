@@ -7,18 +7,20 @@ and torch.compile took minutes per shape on this machine. Each kernel here repla
 5–20 of those ops with one loop over the same layouts; see the C file for the math.
 
 The library is compiled with the system's C compiler (``$CC``, else ``cc``) into
-``$XDG_CACHE_HOME/infergate/kernels`` (keyed by the source and flags), once per
+``$XDG_CACHE_HOME/infergate/kernels`` (keyed by the source, flags and CPU), once per
 machine. Without a compiler, or with ``INFERGATE_CPU_KERNELS=0``, `load` returns None
 and the model runs its torch ops, with a log line that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -49,10 +51,21 @@ def _cache_dir() -> Path:
     return Path(base) / "infergate" / "kernels"
 
 
+def _cpu() -> str:
+    """This CPU's instruction sets (``-march=native`` builds for them): part of the cache
+    key, so a home directory shared by other machines never loads a foreign build."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return platform.processor() or platform.machine()
+
+
 def _build(compiler: str) -> Path:
-    """The shared library for this source and these flags, compiled if not cached
-    (into a temporary name, then renamed: concurrent builds cannot see half a file)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode())
+    """The shared library for this source, these flags and this CPU, compiled if not
+    cached (into a temporary name, then renamed: concurrent builds cannot see half a
+    file)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, _cpu()]).encode())
     target = _cache_dir() / f"decode_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
