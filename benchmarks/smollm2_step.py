@@ -175,7 +175,7 @@ def main() -> None:
         profile(runners[q], int(b), args.steps)
         return
     print(f"# SmolLM2-135M-Instruct Q4_1, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cpus, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"{os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} "
           f"threads, {args.steps} decode steps, median step of the best of {args.rounds} rounds")  # fmt: skip
     for q, r in runners.items():
         print(f"# --quantization {q}: weights {weight_bytes(r) / 2**20:.0f} MiB")
