@@ -111,10 +111,22 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"{name}: need a contiguous CPU {dtype} tensor, got {t.dtype} {t.device}")
 
 
+def _check_cache(cache: torch.Tensor, step: DecodeStep, kv_heads: int, dim: int) -> None:
+    """`cache` is a layer's KV cache of the shape the step's indices were checked
+    against ([num_blocks, 2, block_size, kv_heads, dim]), in a dtype the kernels read."""
+    want = (step.num_blocks, 2, step.block_size, kv_heads, dim)
+    if tuple(cache.shape) != want or cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(
+            f"KV cache {tuple(cache.shape)} {cache.dtype}: need {want}, float32 or bfloat16"
+        )
+    _check(cache, cache.dtype, "KV cache")
+
+
 class DecodeKernels:
     """Typed wrappers: each checks dtypes, contiguity and shapes, allocates the output,
     and calls one C function. Indices (positions, slots, block tables, lengths) are
-    checked once per step by the caller (`check_step`), not once per layer."""
+    checked once per step (`DecodeStep`), not once per layer; each layer's cache is
+    checked against that step's geometry (`_check_cache`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, args in _SIGNATURES.items():
@@ -167,9 +179,10 @@ class DecodeKernels:
         """Rotated queries (float32 [T, heads, dim]) of bf16 q|k|v rows; each token's
         rotated key and its value written to its slot in `cache`."""
         _check(qkv, torch.bfloat16, "qkv")
+        _check_cache(cache, step, kv_heads, dim)
         tokens, width = qkv.shape
         assert width >= (heads + 2 * kv_heads) * dim and tokens == step.tokens
-        assert cache.is_contiguous() and cache.shape[-2:] == (kv_heads, dim)
+        assert step.table.shape[1] == dim, "rotary table rows are one head's cos ‖ sin"
         q = torch.empty(tokens, heads, dim, dtype=torch.float32)
         status = self._lib.rope_store(
             _ptr(qkv), width, _ptr(step.table), _ptr(step.positions), _ptr(step.slots),
@@ -187,7 +200,8 @@ class DecodeKernels:
         bf16 [S, heads * dim]."""
         _check(q, torch.float32, "q")
         seqs, heads, dim = q.shape
-        assert seqs == step.tokens and cache.is_contiguous()
+        _check_cache(cache, step, kv_heads, dim)
+        assert seqs == step.tokens and heads % kv_heads == 0
         out = torch.empty(seqs, heads * dim, dtype=torch.bfloat16)
         status = self._lib.decode_attention(
             _ptr(q), _ptr(cache), _CACHE_DTYPES[cache.dtype], _ptr(step.tables),
@@ -220,6 +234,7 @@ class DecodeStep:
         self.seq_lens = seq_lens.to(torch.int32).contiguous()
         self.table = table
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.tokens = self.positions.numel()
         _check(table, torch.float32, "rotary table")
         if not (self.slots.numel() == self.seq_lens.numel() == self.tables.shape[0] == self.tokens):

@@ -113,15 +113,11 @@ def decode(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> torch
     `h`; `applies` must have said yes."""
     kernels = cpu_decode.load()
     assert kernels is not None
-    meta, rope = ctx.meta, model.rope
-    if rope._table is None or rope._table.device != h.device:
-        rope.build(h.device)
-    assert rope._table is not None
-    cache0 = ctx.kv_caches[0]
+    meta = ctx.meta
     step = cpu_decode.DecodeStep(
         positions=meta.positions, slots=meta.slot_mapping, tables=meta.block_tables,
-        seq_lens=meta.seq_lens, table=rope._table, block_size=meta.block_size,
-        num_blocks=cache0.shape[0],
+        seq_lens=meta.seq_lens, table=model.rope.table_on(h.device),
+        block_size=meta.block_size, num_blocks=ctx.kv_caches[0].shape[0],
     )  # fmt: skip
     plan = model.fused_plan
     assert plan is not None

@@ -77,6 +77,14 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)
         self._table = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
 
+    def table_on(self, device: torch.device) -> torch.Tensor:
+        """The cos ‖ sin table [max_positions, head_dim] (float32) on `device`, built on
+        first use there."""
+        if self._table is None or self._table.device != device:
+            self.build(device)
+        assert self._table is not None
+        return self._table
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +105,8 @@ class RotaryEmbedding(nn.Module):
         step = self._step
         if step is not None and step[0] is positions and step[1].dtype == x.dtype:
             return step[1], step[2]
-        if self._table is None or self._table.device != x.device:
-            self.build(x.device)
-        assert self._table is not None
         half = self.head_dim // 2
-        cs = self._table[positions]
+        cs = self.table_on(x.device)[positions]
         cos, sin = cs[:, None, :half], cs[:, None, half:]
         cos2 = torch.cat([cos, cos], dim=-1).to(x.dtype)
         sin2 = torch.cat([-sin, sin], dim=-1).to(x.dtype)

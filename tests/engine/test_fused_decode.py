@@ -134,7 +134,10 @@ def test_bad_inputs_are_refused_before_any_memory_is_touched() -> None:
     def step(indices: dict[str, torch.Tensor]) -> cpu_decode.DecodeStep:
         return cpu_decode.DecodeStep(**indices, table=torch.zeros(8, 4), block_size=4, num_blocks=2)
 
-    step(good)  # in range
+    checked = step(good)  # in range
+    small = torch.zeros(1, 2, 4, 1, 4)  # a cache of fewer blocks than the step was checked for
+    with pytest.raises(ValueError, match=r"KV cache \(1, 2, 4, 1, 4\).*need \(2, 2, 4, 1, 4\)"):
+        kernels().attention(torch.zeros(1, 1, 4), small, checked, 1, 1.0)
     for name, bad in [("slots", torch.tensor([8])), ("positions", torch.tensor([8])),
                       ("seq_lens", torch.tensor([9])),
                       ("tables", torch.tensor([[0, 2]], dtype=torch.int32))]:  # fmt: skip
