@@ -178,6 +178,25 @@ async def route_buffered(
     return headers_answer, set_headers(answer, "request_body")["x-infergate-request-id"]
 
 
+COMPLETION_POST = {
+    ":method": "POST",
+    ":path": "/v1/completions",
+    "content-type": "application/json",
+}
+
+
+async def route_answered(epp: Epp, channel: grpc.aio.Channel) -> None:
+    """One completion routed and answered 200 as an event stream, its stream closed: the
+    request then waits for its engine's completion record (``awaiting``)."""
+    stream = Stream(channel)
+    await stream.send(headers(COMPLETION_POST), body(b'{"model":"m","prompt":"hi"}'))
+    await stream.recv(2)
+    await stream.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
+    await stream.recv(1)
+    await stream.close()
+    await eventually(lambda: len(epp.ext_proc.awaiting) == 1, timeout=10)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from infergate.engine.tiny_model import make_tiny_model

@@ -17,9 +17,7 @@ from infergate.epp.types import Endpoint
 
 from infergate.procs import free_port
 
-from .conftest import EngineMetrics, Stream, body, eventually, headers, response_headers
-
-POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
+from .conftest import EngineMetrics, eventually, route_answered
 
 
 async def test_a_dead_endpoints_in_flight_count_is_cleared(
@@ -35,13 +33,7 @@ async def test_a_dead_endpoints_in_flight_count_is_cleared(
     await eventually(lambda: state.metrics.updated_at > 0, timeout=30)
 
     # One request routed there and answered 200: it waits for its completion record.
-    stream = Stream(channel_for(epp))
-    await stream.send(headers(POST), body(b'{"model":"m","prompt":"hi"}'))
-    await stream.recv(2)
-    await stream.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
-    await stream.recv(1)
-    await stream.close()
-    await eventually(lambda: len(epp.ext_proc.awaiting) == 1, timeout=10)
+    await route_answered(epp, channel_for(epp))
     assert state.in_flight_requests == 1
 
     # Alive and scraped: the request stays counted.

@@ -15,9 +15,8 @@ from infergate.epp.types import Endpoint
 
 from infergate.procs import free_port
 
-from .conftest import Stream, body, eventually, headers, response_headers
+from .conftest import eventually, route_answered
 
-POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 #: Several sweep periods (1 s each).
 IDLE_S = 2.5
 
@@ -43,13 +42,7 @@ async def test_an_idle_replica_does_not_sweep_and_a_lost_record_is_still_given_u
     assert sweeps <= 1  # the first sweep finds nothing in flight and waits
 
     idle = sweeps
-    stream = Stream(channel_for(epp))
-    await stream.send(headers(POST), body(b'{"model":"m","prompt":"hi"}'))
-    await stream.recv(2)
-    await stream.send(response_headers({":status": "200", "content-type": "text/event-stream"}))
-    await stream.recv(1)
-    await stream.close()
-    await eventually(lambda: len(epp.ext_proc.awaiting) == 1, timeout=10)
+    await route_answered(epp, channel_for(epp))
     lost = epp.metrics.requests.labels("record_lost")
     before = lost._value.get()
     await eventually(lambda: not epp.ext_proc.awaiting, timeout=15)  # the sweep gave it up
