@@ -9,6 +9,7 @@ request, which frees its KV blocks.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -135,6 +136,20 @@ async def load_async_backend() -> None:
         pass
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive at start-up (the model's modules, the tokenizer, imported
+    modules: ~220,000 on SmolLM2) out of the garbage collector's reach (``gc.freeze``,
+    as vLLM does once the model is loaded).
+
+    Why: a decode step allocates a few hundred tensors, so generation-0 collections run
+    every few steps and older generations now and then; a full collection traversed
+    every start-up object and stalled a step for tens of milliseconds. Frozen objects are
+    still freed by reference counting; only what requests create is collected.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def build_app(
     engine: AsyncEngine,
     tokenizer: Tokenizer,
@@ -151,6 +166,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await load_async_backend()
+        freeze_startup_heap()
         engine.start()
         try:
             yield

@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_cpu.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

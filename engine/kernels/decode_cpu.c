@@ -12,6 +12,10 @@
  * [num_blocks, 2, block_size, kv_heads, head_dim] (keys then values of each block).
  */
 #include <math.h>
+#include <omp.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,13 +27,14 @@ static inline float bf16_to_f32(uint16_t v) {
     return f;
 }
 
-/* Round to nearest even, as torch's float -> bfloat16 conversion does. */
+/* Round to nearest even, as torch's float -> bfloat16 conversion does (a NaN stays a
+ * quiet NaN). Branch-free, so that the loops calling it vectorize. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 /* e^x for x <= 0 (softmax's shifted scores, silu's e^-|x|), Cephes' expf: x = n ln2 + r with |r| <=
@@ -51,6 +56,67 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+/* 16 bfloat16 values as float32, and 16 float32 values rounded as f32_to_bf16 does. */
+static inline f32x16 from_bf16x16(const uint16_t *src) {
+    u16x16 h;
+    memcpy(&h, src, sizeof h);
+    u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline u16x16 to_bf16x16(f32x16 f) {
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
+    u32x16 is_nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((rounded & ~is_nan) | (nan & is_nan), u16x16);
+}
+
+/* 16 cached values from `at` as float32 (a bfloat16 is a float32's upper half). */
+static inline f32x16 load16(const void *cache, int cache_bf16, int64_t at) {
+    if (cache_bf16) return from_bf16x16((const uint16_t *)cache + at);
+    f32x16 f;
+    memcpy(&f, (const float *)cache + at, sizeof f);
+    return f;
+}
+
+static inline float hsum16(f32x16 v) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float lanes[16];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int k = 8; k >= 1; k /= 2)
+        for (int j = 0; j < k; j++) lanes[j] += lanes[j + k];
+    return lanes[0];
+#endif
+}
+
+/* exp_nonpositive on 16 lanes (the same reduction and polynomial; n rounded to nearest by
+ * adding and subtracting 1.5 * 2^23, which keeps |r| <= ln2/2). */
+static inline f32x16 exp16(f32x16 x) {
+    const f32x16 lowest = x - x - 87.0f, magic = x - x + 12582912.0f;
+    i32x16 low = x < lowest;
+    x = (f32x16)(((i32x16)x & ~low) | ((i32x16)lowest & low));
+    f32x16 n = (x * 1.44269504f + magic) - magic;
+    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    f32x16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return p * (f32x16)bits;
 }
 
 /* out[r] = bf16(x[r] / sqrt(mean(x[r]^2) + eps) * w) for each of `rows` rows of n. */
@@ -88,8 +154,18 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64
         const uint16_t *g = gate_up + r * stride;
         const uint16_t *u = g + inter;
         uint16_t *o = out + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            f32x16 x = from_bf16x16(g + i), zero = x - x;
+            i32x16 negative = x < zero;
+            f32x16 minus_abs = (f32x16)(((i32x16)x & negative) | ((i32x16)(-x) & ~negative));
+            f32x16 e = exp16(minus_abs);
+            f32x16 times = (f32x16)(((i32x16)(x * e) & negative) | ((i32x16)x & ~negative));
+            u16x16 silu = to_bf16x16(times / (1.0f + e));
+            u16x16 y = to_bf16x16(from_bf16x16((const uint16_t *)&silu) * from_bf16x16(u + i));
+            memcpy(o + i, &y, sizeof y);
+        }
+        for (; i < inter; i++) {
             float x = bf16_to_f32(g[i]);
             float e = exp_nonpositive(x < 0.0f ? x : -x);
             float silu = (x < 0.0f ? x * e : x) / (1.0f + e);
@@ -147,74 +223,133 @@ int rope_store(const uint16_t *qkv, int64_t stride, const float *table, const in
     return 0;
 }
 
-/* One cached row (a key or a value of one kv head) as float32 in `out`. */
-static void load_row(const void *cache, int cache_bf16, int64_t at, int64_t dim, float *out) {
-    if (cache_bf16) {
-        const uint16_t *src = (const uint16_t *)cache + at;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) {
-            uint32_t u = (uint32_t)src[i] << 16;
-            float f;
-            memcpy(&f, &u, sizeof f);
-            out[i] = f;
+/* Scores of the `group` query heads against keys [from, to): scores[g][t - from] =
+ * scale * q_g . k_t, each key row converted once. nv = dim / 16 is a constant where
+ * this is inlined, so the group's queries stay in registers. */
+static inline void key_scores(const f32x16 *qv, const void *cache, int cache_bf16,
+                              const int32_t *table, int64_t from, int64_t to,
+                              int64_t block_size, int64_t kv, int64_t group, float scale,
+                              float *scores, const int nv) {
+    int64_t len = to - from;
+    /* Token t is row t % block_size of block table[t / block_size]: walk the blocks (one
+     * division per block, not per row). */
+    for (int64_t t = from; t < to;) {
+        int64_t off = t % block_size, n = block_size - off < to - t ? block_size - off : to - t;
+        int64_t at = ((int64_t)table[t / block_size] * 2 * block_size + off) * kv;
+        for (int64_t j = 0; j < n; j++, t++, at += kv) {
+            f32x16 k[16];
+            for (int v = 0; v < nv; v++) k[v] = load16(cache, cache_bf16, at + 16 * v);
+            for (int64_t g = 0; g < group; g++) {
+                f32x16 s = qv[g * nv] * k[0];
+                for (int v = 1; v < nv; v++) s += qv[g * nv + v] * k[v];
+                scores[g * len + t - from] = hsum16(s) * scale;
+            }
         }
-    } else {
-        memcpy(out, (const float *)cache + at, sizeof(float) * (size_t)dim);
     }
 }
 
-/* The `group` query heads that share one kv head, over their sequence's keys and values:
- * softmax(q.K * scale) V, each key and value row read once for the whole group.
- * scores: [group, len] scratch; acc: [group, dim] out; row: [dim] scratch. */
-static void attend_group(const float *q, const void *cache, int cache_bf16,
-                         const int32_t *table, int64_t len, int64_t block_size, int64_t kv,
-                         int64_t dim, int64_t group, float scale, float *scores, float *acc,
-                         float *row) {
-    /* Token t lives in block table[t / block_size] at t % block_size: walk the blocks. */
-    for (int64_t start = 0; start < len; start += block_size) {
-        int64_t key_at = (int64_t)table[start / block_size] * 2 * block_size * kv;
-        int64_t n = len - start < block_size ? len - start : block_size;
-        for (int64_t off = 0; off < n; off++) {
-            load_row(cache, cache_bf16, key_at + off * kv, dim, row);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < dim; i++) dot += qg[i] * row[i];
-                scores[g * len + start + off] = dot * scale;
-            }
-        }
+/* acc_g = sum_t p_g[t] v_t over values [from, to), one head at a time so that its nv
+ * accumulators stay in registers (the value rows, re-read per head, are in cache). */
+static inline void weigh_values(const float *p, const void *cache, int cache_bf16,
+                                const int32_t *table, int64_t from, int64_t to,
+                                int64_t block_size, int64_t kv, float *acc, const int nv) {
+    f32x16 a[16];
+    for (int v = 0; v < nv; v++) a[v] = (f32x16){0};
+    for (int64_t t = from; t < to;) {
+        int64_t off = t % block_size, n = block_size - off < to - t ? block_size - off : to - t;
+        int64_t at = (((int64_t)table[t / block_size] * 2 + 1) * block_size + off) * kv;
+        for (int64_t j = 0; j < n; j++, t++, at += kv)
+            for (int v = 0; v < nv; v++) a[v] += p[t - from] * load16(cache, cache_bf16, at + 16 * v);
     }
+    memcpy(acc, a, sizeof(f32x16) * (size_t)nv);
+}
+
+/* One work item of a decode step's attention: the `group` query heads that share one kv
+ * head, over the keys and values of positions [from, to) of their sequence. Leaves, per
+ * head g, the partial softmax state of its range (flash-decoding): top[g] = max score,
+ * total[g] = sum e^(score - top[g]), acc[g] = sum e^(score - top[g]) * value
+ * (unnormalized). scores: [group, to - from] scratch. nv = dim / 16 (dim a multiple of 16,
+ * at most 256). */
+static inline void attend_range(const float *q, const void *cache, int cache_bf16,
+                                const int32_t *table, int64_t from, int64_t to,
+                                int64_t block_size, int64_t kv, int64_t group, float scale,
+                                float *scores, float *top, float *total, float *acc,
+                                const int nv) {
+    int64_t len = to - from;
+    f32x16 qv[16 * 16]; /* group <= 16 */
+    memcpy(qv, q, sizeof(f32x16) * (size_t)(group * nv));
+    key_scores(qv, cache, cache_bf16, table, from, to, block_size, kv, group, scale, scores, nv);
     for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len, top = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < len; t++) top = sg[t] > top ? sg[t] : top;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; t++) {
-            sg[t] = exp_nonpositive(sg[t] - top);
-            total += sg[t];
+        float *sg = scores + g * len, m = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        int64_t t = 0;
+        f32x16 sums = {0};
+        for (; t + 16 <= len; t += 16) {
+            f32x16 e;
+            memcpy(&e, sg + t, sizeof e);
+            e = exp16(e - m);
+            memcpy(sg + t, &e, sizeof e);
+            sums += e;
         }
-        float inv = 1.0f / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; t++) sg[t] *= inv;
+        sum = hsum16(sums);
+        for (; t < len; t++) sum += (sg[t] = exp_nonpositive(sg[t] - m));
+        top[g] = m;
+        total[g] = sum;
+        weigh_values(sg, cache, cache_bf16, table, from, to, block_size, kv, acc + g * 16 * nv, nv);
     }
+}
+
+/* One cached element as float32. */
+static inline float cached(const void *cache, int cache_bf16, int64_t at) {
+    return cache_bf16 ? bf16_to_f32(((const uint16_t *)cache)[at]) : ((const float *)cache)[at];
+}
+
+/* attend_range for a head dim that is not a multiple of 16 (scalar: small test models). */
+static void attend_range_any(const float *q, const void *cache, int cache_bf16,
+                             const int32_t *table, int64_t from, int64_t to,
+                             int64_t block_size, int64_t kv, int64_t dim, int64_t group,
+                             float scale, float *scores, float *top, float *total,
+                             float *acc) {
+    int64_t len = to - from;
     memset(acc, 0, sizeof(float) * (size_t)(group * dim));
-    for (int64_t start = 0; start < len; start += block_size) {
-        int64_t value_at = ((int64_t)table[start / block_size] * 2 + 1) * block_size * kv;
-        int64_t n = len - start < block_size ? len - start : block_size;
-        for (int64_t off = 0; off < n; off++) {
-            load_row(cache, cache_bf16, value_at + off * kv, dim, row);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g * len + start + off], *ag = acc + g * dim;
-#pragma omp simd
-                for (int64_t i = 0; i < dim; i++) ag[i] += p * row[i];
-            }
+    for (int64_t g = 0; g < group; g++) {
+        float m = -INFINITY, sum = 0.0f, *sg = scores + g * len;
+        for (int64_t t = from; t < to; t++) {
+            int64_t at = ((int64_t)table[t / block_size] * 2 * block_size + t % block_size) * kv;
+            float d = 0.0f;
+            for (int64_t i = 0; i < dim; i++) d += q[g * dim + i] * cached(cache, cache_bf16, at + i);
+            sg[t - from] = d * scale;
+            m = sg[t - from] > m ? sg[t - from] : m;
         }
+        for (int64_t t = from; t < to; t++) {
+            int64_t at =
+                (((int64_t)table[t / block_size] * 2 + 1) * block_size + t % block_size) * kv;
+            float w = exp_nonpositive(sg[t - from] - m);
+            sum += w;
+            for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += w * cached(cache, cache_bf16, at + i);
+        }
+        top[g] = m;
+        total[g] = sum;
     }
+}
+
+/* How many ranges each (sequence, kv head) is split into: enough items for two per
+ * thread, each range at least 32 positions (a shorter one costs more to merge than it
+ * saves). */
+static int64_t attention_splits(int64_t longest, int64_t pairs, int64_t threads) {
+    int64_t want = (2 * threads + pairs - 1) / pairs, most = (longest + 31) / 32;
+    int64_t splits = want < most ? want : most;
+    return splits < 1 ? 1 : splits;
 }
 
 /* Attention of one query token per sequence over its paged cache (grouped heads: query
- * head h reads kv head h / (heads / kv_heads)); `head_off` is the head's offset in the
- * cache row. Writes bf16 [seqs, heads * dim]. Returns -1 when out of memory. */
+ * head h reads kv head h / (heads / kv_heads)). Writes bf16 [seqs, heads * dim]. The (sequence, kv head) pairs are split
+ * into position ranges (`attention_splits`), computed on the calling thread's OpenMP
+ * team (torch's runtime: the library links the libgomp that torch loaded), then merged
+ * per head: with M = max_i top_i and w_i = e^(top_i - M),
+ *     out = sum_i w_i acc_i / sum_i w_i total_i,
+ * which is softmax(q K^T scale) V over the whole sequence. Returns -1 when out of memory. */
 int decode_attention(const float *q, const void *cache, int cache_bf16, const int32_t *tables,
                       int64_t table_stride, const int32_t *seq_lens, int64_t seqs,
                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
@@ -222,20 +357,66 @@ int decode_attention(const float *q, const void *cache, int cache_bf16, const in
     int64_t longest = 1, kv = kv_heads * dim, group = heads / kv_heads;
     for (int64_t s = 0; s < seqs; s++)
         if (seq_lens[s] > longest) longest = seq_lens[s];
-    float *scratch = malloc(sizeof(float) * (size_t)(group * longest + group * dim + dim));
-    if (scratch == NULL) return -1;
-    float *acc = scratch + group * longest, *row = acc + group * dim;
+    int64_t pairs = seqs * kv_heads;
+    int64_t splits = attention_splits(longest, pairs, omp_get_max_threads());
+    int64_t items = pairs * splits, chunk = (longest + splits - 1) / splits;
+    int64_t state = group * (dim + 2); /* top, total, acc of one item */
+    float *partial = malloc(sizeof(float) * (size_t)(items * state));
+    if (partial == NULL) return -1;
     size_t item = cache_bf16 ? sizeof(uint16_t) : sizeof(float);
-    for (int64_t s = 0; s < seqs; s++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const char *head_cache = (const char *)cache + (size_t)(h * dim) * item;
-            attend_group(q + (s * heads + h * group) * dim, head_cache, cache_bf16,
-                         tables + s * table_stride, seq_lens[s], block_size, kv, dim, group,
-                         scale, scratch, acc, row);
-            uint16_t *o = out + (s * heads + h * group) * dim;
-            for (int64_t i = 0; i < group * dim; i++) o[i] = f32_to_bf16(acc[i]);
+    int failed = 0;
+#pragma omp parallel for schedule(static) reduction(| : failed)
+    for (int64_t i = 0; i < items; i++) {
+        int64_t s = i / (kv_heads * splits), h = i / splits % kv_heads, part = i % splits;
+        int64_t from = part * chunk, to = from + chunk < seq_lens[s] ? from + chunk : seq_lens[s];
+        float *p = partial + i * state;
+        if (from >= to) { /* an empty range: no weight in the merge */
+            for (int64_t g = 0; g < group; g++) p[g] = -INFINITY, p[group + g] = 0.0f;
+            continue;
+        }
+        float *scratch = malloc(sizeof(float) * (size_t)(group * (to - from)));
+        if (scratch == NULL) {
+            failed = 1;
+            continue;
+        }
+        const float *qh = q + (s * heads + h * group) * dim;
+        const void *ch = (const char *)cache + (size_t)(h * dim) * item;
+        const int32_t *tb = tables + s * table_stride;
+        float *top = p, *total = p + group, *acc = p + 2 * group;
+        if (dim == 64) /* constant nv: the accumulators live in registers */
+            attend_range(qh, ch, cache_bf16, tb, from, to, block_size, kv, group, scale,
+                         scratch, top, total, acc, 4);
+        else if (dim == 128)
+            attend_range(qh, ch, cache_bf16, tb, from, to, block_size, kv, group, scale,
+                         scratch, top, total, acc, 8);
+        else if (dim % 16 == 0 && dim <= 256 && group <= 16)
+            attend_range(qh, ch, cache_bf16, tb, from, to, block_size, kv, group, scale,
+                         scratch, top, total, acc, (int)(dim / 16));
+        else
+            attend_range_any(qh, ch, cache_bf16, tb, from, to, block_size, kv, dim, group,
+                             scale, scratch, top, total, acc);
+        free(scratch);
+    }
+    if (!failed) {
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            const float *first = partial + pair * splits * state;
+            uint16_t *o = out + pair * group * dim; /* pair = s * kv_heads + h */
+            for (int64_t g = 0; g < group; g++) {
+                float m = -INFINITY, total = 0.0f, merged[dim];
+                for (int64_t k = 0; k < splits; k++)
+                    m = first[k * state + g] > m ? first[k * state + g] : m;
+                memset(merged, 0, sizeof merged);
+                for (int64_t k = 0; k < splits; k++) {
+                    const float *p = first + k * state;
+                    if (p[group + g] == 0.0f) continue;
+                    float w = exp_nonpositive(p[g] - m);
+                    total += w * p[group + g];
+                    for (int64_t d = 0; d < dim; d++) merged[d] += w * p[2 * group + g * dim + d];
+                }
+                for (int64_t d = 0; d < dim; d++) o[g * dim + d] = f32_to_bf16(merged[d] / total);
+            }
         }
     }
-    free(scratch);
-    return 0;
+    free(partial);
+    return failed ? -1 : 0;
 }

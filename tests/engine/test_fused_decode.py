@@ -46,20 +46,29 @@ def test_norms_match_torch() -> None:
 
 
 def test_silu_mul_matches_torch() -> None:
-    gate_up = (4 * torch.randn(2, 2 * 80, generator=torch.Generator().manual_seed(1))).bfloat16()
-    gate, up = gate_up.split(80, dim=-1)
-    close_bf16(kernels().silu_mul(gate_up, 80), F.silu(gate) * up)
+    inter = 83  # five 16-wide vectors and a tail of three
+    gate_up = 4 * torch.randn(2, 2 * inter, generator=torch.Generator().manual_seed(1))
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # e^x's clamp, both signs
+    gate_up[1, inter - 2 : inter] = torch.tensor([-90.0, 90.0])  # ...in the tail too
+    gate_up = gate_up.bfloat16()
+    gate, up = gate_up.split(inter, dim=-1)
+    close_bf16(kernels().silu_mul(gate_up, inter), F.silu(gate) * up)
 
 
-def _paged(seq_lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype):
-    """A random cache of 12 blocks of 4 and each sequence's (scattered) block table."""
+def _paged(
+    seq_lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype, bs: int = 4
+):
+    """A random cache of blocks of `bs` (enough for every sequence) and each sequence's
+    (scattered) block table."""
     g = torch.Generator().manual_seed(2)
-    cache = torch.randn(12, 2, 4, kv_heads, dim, generator=g).to(dtype)
-    order = torch.randperm(12, generator=g).tolist()
-    tables = torch.zeros(len(seq_lens), 4, dtype=torch.int32)
+    width = max(-(-n // bs) for n in seq_lens)
+    blocks = width * len(seq_lens)
+    cache = torch.randn(blocks, 2, bs, kv_heads, dim, generator=g).to(dtype)
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     for s, n in enumerate(seq_lens):
-        for j in range(-(-n // 4)):
-            tables[s, j] = order[4 * s + j]
+        for j in range(-(-n // bs)):
+            tables[s, j] = order[width * s + j]
     return cache, tables
 
 
@@ -78,15 +87,34 @@ def _reference_attention(q, cache, tables, seq_lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_decode_attention_matches_sdpa_over_the_paged_cache(dtype: torch.dtype) -> None:
-    seq_lens = [1, 7, 16]
-    cache, tables = _paged(seq_lens, 6, 2, 8, dtype)
-    q = torch.randn(3, 6, 8, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize(
+    ("seq_lens", "dim", "bs"),
+    [
+        ([1, 7, 16], 8, 4),  # a head dim the vector path does not take
+        ([1, 37, 300], 64, 16),  # SmolLM2's: vectors, ranges split across threads
+        ([5, 200], 128, 16),  # Llama's
+        ([70], 48, 16),  # a multiple of 16 without a constant-width path
+    ],
+    ids=["dim8", "dim64", "dim128", "dim48"],
+)
+@pytest.mark.parametrize("threads", [1, 4])  # 4: each sequence's range split and merged
+def test_decode_attention_matches_sdpa_over_the_paged_cache(
+    dtype: torch.dtype, seq_lens: list[int], dim: int, bs: int, threads: int
+) -> None:
+    heads, kv_heads = 6, 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernel splits for the calling thread's team
+    cache, tables = _paged(seq_lens, heads, kv_heads, dim, dtype, bs)
+    q = torch.randn(len(seq_lens), heads, dim, generator=torch.Generator().manual_seed(3))
     step = cpu_decode.DecodeStep(
-        positions=torch.tensor([0, 6, 15]), slots=torch.tensor([0, 1, 2]), tables=tables,
-        seq_lens=torch.tensor(seq_lens), table=torch.zeros(16, 8), block_size=4, num_blocks=12,
+        positions=torch.tensor([n - 1 for n in seq_lens]),
+        slots=torch.arange(len(seq_lens)), tables=tables, seq_lens=torch.tensor(seq_lens),
+        table=torch.zeros(max(seq_lens), dim), block_size=bs, num_blocks=cache.shape[0],
     )  # fmt: skip
-    ours = kernels().attention(q, cache, step, 2, 0.35)
+    try:
+        ours = kernels().attention(q, cache, step, kv_heads, 0.35)
+    finally:
+        torch.set_num_threads(before)
     close_bf16(ours, _reference_attention(q, cache, tables, seq_lens, 0.35))
 
 
