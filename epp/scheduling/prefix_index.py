@@ -70,6 +70,23 @@ def python_block_hashes(seed: bytes, data: bytes, block_chars: int, max_blocks: 
     return struct.pack(f"<{len(hashes)}Q", *hashes)
 
 
+def tail_first(hashes: bytes) -> bytes:
+    """Packed hashes (8 bytes each) in reverse order: the prompt's last block first.
+
+    The index's LRU makes the hashes of one :meth:`PythonPrefixIndex.add` recent in the
+    order given, so the first is evicted first. An engine frees a finished request's
+    blocks tail first (vLLM's free queue, ``engine/core/kv_cache_manager.py``), so under
+    pressure it drops the unique suffix and then a prefix from its end, keeping the
+    shared head: added in prompt order, a full index dropped the head instead, and with
+    it every match of the group (:meth:`PythonPrefixIndex.match` counts leading blocks),
+    while the engine still held all but the tail. Recording a use tail first evicts in
+    the engine's order.
+    """
+    if len(hashes) <= 8:
+        return hashes
+    return memoryview(hashes).cast("Q")[::-1].tobytes()
+
+
 def _ints(hashes: bytes | Sequence[int]) -> Sequence[int]:
     """The index's methods take packed hashes or ints, as the native index does."""
     return unpack_hashes(hashes) if isinstance(hashes, bytes) else hashes

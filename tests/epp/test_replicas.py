@@ -111,6 +111,31 @@ async def test_bad_or_foreign_admission_records_add_nothing_and_floods_stay_boun
     assert scorer.index.size("10.0.0.1:8000") == 64
 
 
+async def test_a_full_index_forgets_a_groups_tail_not_its_head() -> None:
+    """An engine frees a request's blocks tail first, so when its cache is full it keeps
+    a group's shared head. The index must forget in that order: a replica whose index for
+    the holder overflowed (its own routing plus another replica's admission record) still
+    matches the group there. Added head first, the overflow dropped the head and, with
+    it, every match of the group: the next request went to an engine without it
+    (docs/benchmarks/scale.md, "Replicas")."""
+    scorer, datastore = _scorer(("10.0.0.1", 8000), ("10.0.0.2", 8000))
+    holder = datastore.get("10.0.0.2:8000")
+    assert holder is not None
+    prompts = [f"group {g}: ".ljust(24 * 64, "x") for g in "abc"]  # 24 blocks each
+    first = await _route(scorer, datastore, prompts[0])
+    request = InferenceRequest("r", {}, model="m", prompt_text=prompts[0])
+    scorer.pre_request(first, request, SchedulingResult("default", [holder]))
+    learned = await _route(scorer, datastore, prompts[1])
+    assert learned["prefix.blocks"] == 24
+    scorer.learn(holder.key, learned["prefix.hashes"])
+    third = await _route(scorer, datastore, prompts[2])
+    scorer.pre_request(third, request, SchedulingResult("default", [holder]))
+    assert scorer.index.size(holder.key) == 64  # 72 blocks routed there: 8 forgotten
+    again = await _route(scorer, datastore, prompts[0])
+    assert again["prefix.matches"] == {holder.key: 24 - 8}
+    assert scorer.score(again, request, datastore.all()) == [0.0, 16 / 24]
+
+
 def _state(running: int, waiting: int) -> EndpointState:
     metrics = Metrics(running=running, waiting=waiting, updated_at=time.monotonic())
     return EndpointState(Endpoint("10.0.0.1", 8000), metrics)

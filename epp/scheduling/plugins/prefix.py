@@ -4,8 +4,10 @@ The EPP cannot see the engines' KV caches, so it remembers what it sent where: t
 is cut into fixed-size character blocks (``blockSizeTokens`` × 4 characters, GIE's block
 size), each block's hash chains over the previous one and starts from a hash of the
 target model and ``cache_salt``, so equal hashes mean equal prefixes. Each endpoint keeps
-an LRU of the block hashes routed to it, recorded at pre-request. The score is the
-fraction of the request's blocks that form a cached prefix on that endpoint.
+an LRU of the block hashes routed to it, recorded at pre-request, tail first: an engine
+frees a request's blocks tail first, so a full cache loses a prefix from its end and
+keeps its head, and the index forgets in that order too. The score is the fraction of
+the request's blocks that form a cached prefix on that endpoint.
 The index and the block hashing, in Python or native where built, are
 :mod:`infergate.epp.scheduling.prefix_index`; this plugin decides what goes in and reads it.
 
@@ -54,7 +56,7 @@ from infergate.epp.framework.requestcontrol import (
     ResponseInfo,
 )
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
-from infergate.epp.scheduling.prefix_index import PrefixIndex, packed_block_hashes
+from infergate.epp.scheduling.prefix_index import PrefixIndex, packed_block_hashes, tail_first
 from infergate.epp.types import (
     RENDERED_APIS,
     CycleState,
@@ -283,7 +285,7 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
         cycle["prefix.hit_ratio"] = matched / (len(hashes) // 8)
         cycle["prefix.hit_bytes"] = min(matched * self.block_chars, prediction_chars)
         self.refresh_capacity(primary, request.target_model or request.model)
-        self.index.add(primary.key, hashes)
+        self.index.add(primary.key, tail_first(hashes))
         if self.p.shareWithReplicas:
             result.request_headers[PREFIX_HEADER] = encode_prefix(hashes)
 
@@ -296,7 +298,7 @@ class PrefixCacheScorer(PrepareData, Scorer, PreRequest, RequestAdmitted, Respon
             return 0
         hashes = packed[: self.max_blocks * 8]
         if hashes:
-            self.index.add(endpoint_key, hashes)
+            self.index.add(endpoint_key, tail_first(hashes))
             self.learned_blocks += len(hashes) // 8
         return len(hashes) // 8
 
