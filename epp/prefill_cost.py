@@ -17,9 +17,10 @@ The observations are differences of vLLM's counters over a window of scrapes (at
 ``vllm:request_prompt_tokens_sum`` × (1 − h), where ``h`` is the window's prefix-hit
 fraction: best, cached ÷ prompt tokens summed over the responses this EPP saw complete
 on that endpoint in the window (their ``usage``), which are the very requests the
-completion-time histograms describe; else Δ ``vllm:prefix_cache_hits_total`` ÷ Δ
-``vllm:prefix_cache_queries_total``. Each window contributes one equation
-``Δt ≈ base·Δn + per_token·Δu``; the fit
+completion-time histograms describe; the window's other prompt tokens (other EPP
+replicas' requests) at the engine's Δ ``vllm:prefix_cache_hits_total`` ÷ Δ
+``vllm:prefix_cache_queries_total`` less what this EPP saw (:func:`window_hit_fraction`).
+Each window contributes one equation ``Δt ≈ base·Δn + per_token·Δu``; the fit
 minimises ``Σ w_i (Δt_i − base·Δn_i − per_token·Δu_i)² + ρ_b (base − b₀)² +
 ρ_c (per_token − c₀)²``, where the weights decay by ``forget`` per finished request (the
 recent ~``1/(1−forget)`` requests dominate, so a slower or busier engine is noticed) and
@@ -50,6 +51,31 @@ PRIOR_BASE_S = 0.010
 PRIOR_PER_TOKEN_S = 50e-6
 PRIOR_REQUESTS = 4.0
 PRIOR_TOKENS = 1000.0
+
+
+def window_hit_fraction(
+    prompt: float, seen_prompt: float, seen_cached: float, hits: float, queries: float
+) -> float:
+    """The prefix-hit fraction of a window's ``prompt`` tokens (the requests that finished
+    in it): the responses this EPP saw there count exactly (``seen_cached ÷
+    seen_prompt``), the rest at the engine's own ratio for the requests this EPP did not
+    see (``(hits − seen_cached) ÷ (queries − seen_prompt)``; the engine counts at
+    admission, so where that is not positive, ``hits ÷ queries``).
+
+    One EPP sees every response, so the rest is nothing (or a request on the window's
+    edge). With N replicas each sees about 1/N of them: taken alone, one or two
+    responses stood for the window (a cold one in a window of hits, or the reverse), so
+    identical engines' ``per_token`` fits spread from 11 to 55 µs across replicas (one
+    replica: 31-40), beyond ``costTolerance``, and a cold group was placed by that noise
+    on an engine whose cache was already full (docs/benchmarks/scale.md, "Replicas")."""
+    rest = max(0.0, prompt - seen_prompt)
+    if queries <= 0.0 or rest <= 0.0:
+        fraction = seen_cached / seen_prompt if seen_prompt > 0 else 0.0
+    else:
+        others = queries - seen_prompt
+        ratio = (hits - seen_cached) / others if others > 0 else hits / queries
+        fraction = (seen_cached + rest * min(1.0, max(0.0, ratio))) / (seen_prompt + rest)
+    return min(1.0, max(0.0, fraction))
 
 
 @dataclass(slots=True)
@@ -102,18 +128,16 @@ class PrefillCost:
         dt, dn = prefill_sum - last[0], prefill_count - last[1]
         if now - self._window_start < self.window_s or dn < self.window_requests:
             return
-        seen_prompt, seen_cached = counters[5] - last[5], counters[6] - last[6]
-        queries = prefix_queries - last[4]
-        if seen_prompt > 0:
-            hit_fraction = seen_cached / seen_prompt
-        elif queries > 0:
-            hit_fraction = (prefix_hits - last[3]) / queries
-        else:
-            hit_fraction = 0.0
-        hit_fraction = min(1.0, max(0.0, hit_fraction))
-        du = max(0.0, prompt_tokens - last[2]) * (1.0 - hit_fraction)
+        prompt = max(0.0, prompt_tokens - last[2])
+        hit_fraction = window_hit_fraction(
+            prompt,
+            counters[5] - last[5],
+            counters[6] - last[6],
+            prefix_hits - last[3],
+            prefix_queries - last[4],
+        )
         self._last, self._window_start = counters, now
-        self.add(dn, du, dt)
+        self.add(dn, prompt * (1.0 - hit_fraction), dt)
 
     def add(self, dn: float, du: float, dt: float) -> None:
         """One interval: ``dn`` requests reached their first token, ``du`` uncached tokens

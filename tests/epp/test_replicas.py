@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from infergate.epp.flowcontrol.config import FlowControlConfig
 from infergate.epp.flowcontrol.controller import FlowController
 from infergate.epp.flowcontrol.metrics import FlowControlMetrics
 from infergate.epp.flowcontrol.saturation import SaturationDetector
+from infergate.epp.prefill_cost import PrefillCost
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult
 from infergate.epp.scheduling.plugins.prefix import PrefixCacheScorer
 from infergate.epp.types import CycleState, Endpoint, EndpointState, InferenceRequest, Metrics
@@ -134,6 +136,34 @@ async def test_a_full_index_forgets_a_groups_tail_not_its_head() -> None:
     again = await _route(scorer, datastore, prompts[0])
     assert again["prefix.matches"] == {holder.key: 24 - 8}
     assert scorer.score(again, request, datastore.all()) == [0.0, 16 / 24]
+
+
+def test_every_replica_learns_an_engines_prefill_cost_as_one_replica_does() -> None:
+    """Each replica sees the responses (cached tokens) of only its own requests, about
+    1/N of an engine's. Reading a window's hit fraction from those alone, one or two
+    responses stood for the window, and identical engines' per-token costs spread 5x
+    across replicas, so cold groups were placed by that noise. The requests a replica
+    did not see count at the engine's own hit ratio."""
+    rng = random.Random(0)
+    alone, replicas = PrefillCost(), [PrefillCost() for _ in range(4)]
+    seen = [[0, 0] for _ in replicas]
+    engine = [0.0] * 4  # prefill seconds, requests, prompt tokens, cached tokens
+    for cost in (alone, *replicas):
+        cost.observe_counters(0, 0, 0, 0, 0, now=0.0)
+    for window in range(1, 21):
+        for _ in range(rng.randint(4, 12)):  # tight-prefix: 2,500-token groups, 1 in 5 cold
+            prompt, cached = 2532, 0 if rng.random() < 0.2 else 2496
+            who = seen[rng.randrange(len(seen))]
+            who[0], who[1] = who[0] + prompt, who[1] + cached
+            engine = [engine[0] + 0.005 + 40e-6 * (prompt - cached), engine[1] + 1,
+                      engine[2] + prompt, engine[3] + cached]  # fmt: skip
+        s, n, p, hits = engine
+        alone.observe_counters(s, n, p, hits, p, now=2.0 * window, observed=(int(p), int(hits)))
+        for cost, (sp, sc) in zip(replicas, seen, strict=True):
+            cost.observe_counters(s, n, p, hits, p, now=2.0 * window, observed=(sp, sc))
+    assert alone.per_token == pytest.approx(40e-6, rel=0.1)
+    for cost in replicas:
+        assert cost.per_token == pytest.approx(alone.per_token, rel=0.1)
 
 
 def _state(running: int, waiting: int) -> EndpointState:
