@@ -11,7 +11,9 @@ other work on a shared machine). Also prints each runner's weight bytes. Asserts
         [--profile gguf:1] [--kernels]
 
 To time an older checkout the same way: ``git archive REV engine infergate | tar -x -C
-DIR``, then ``PYTHONPATH=DIR python benchmarks/smollm2_step.py --quantization default``.
+DIR && mv DIR/engine DIR/infergate/engine`` (``infergate.engine`` is ``engine/`` only in
+an install), then ``PYTHONPATH=DIR python benchmarks/smollm2_step.py`` (add
+``--quantization default`` for a checkout from before that flag).
 """
 
 from __future__ import annotations

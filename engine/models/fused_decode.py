@@ -65,17 +65,27 @@ class _Layer(NamedTuple):
     norm_post: torch.Tensor
     eps_post: float
     cache: int  # index of the layer's KV cache
-    heads: int
-    kv_heads: int
-    head_dim: int
     scale: float
-    inter: int
 
 
-def _plan(model: DecoderModel) -> list[_Layer] | None:
-    """Every layer's `_Layer`, or None when a layer is not the plain quantized Llama
-    layer this path computes."""
-    plan = []
+class Plan(NamedTuple):
+    """Every layer's `_Layer`, and the geometry they share."""
+
+    layers: list[_Layer]
+    geometry: cpu_decode.Geometry
+
+
+def _norm_weight(weight: torch.Tensor, hidden: int) -> torch.Tensor | None:
+    """The weight as the kernels read it (float32 [hidden], contiguous), or None."""
+    w = weight.detach()
+    ok = w.dtype == torch.float32 and w.is_contiguous() and w.numel() == hidden
+    return w if ok and w.device.type == "cpu" else None
+
+
+def _plan(model: DecoderModel) -> Plan | None:
+    """The step's plan, or None when a layer is not the plain quantized Llama layer this
+    path computes (or the layers differ in shape)."""
+    layers, shapes = [], set()
     for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -83,14 +93,20 @@ def _plan(model: DecoderModel) -> list[_Layer] | None:
             isinstance(p, QuantizedLinear) and p.complete for p in projections
         ):
             return None
-        inp, post = layer.input_layernorm, layer.post_attention_layernorm
-        qkv, o, gate_up, down = map(_matmul, projections)
-        plan.append(_Layer(
-            qkv, o, gate_up, down, inp.weight.detach(), inp.eps, post.weight.detach(),
-            post.eps, attn.layer, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            attn.scale, mlp.intermediate,
+        hidden = cast(QuantizedLinear, attn.o_proj).out_features
+        inp = _norm_weight(layer.input_layernorm.weight, hidden)
+        post = _norm_weight(layer.post_attention_layernorm.weight, hidden)
+        if inp is None or post is None:
+            return None
+        shapes.add(cpu_decode.Geometry(
+            hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate
         ))  # fmt: skip
-    return plan
+        qkv, o, gate_up, down = map(_matmul, projections)
+        layers.append(_Layer(
+            qkv, o, gate_up, down, inp, layer.input_layernorm.eps, post,
+            layer.post_attention_layernorm.eps, attn.layer, attn.scale,
+        ))  # fmt: skip
+    return Plan(layers, shapes.pop()) if len(shapes) == 1 else None
 
 
 def applies(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> bool:
@@ -112,27 +128,26 @@ def decode(model: DecoderModel, h: torch.Tensor, ctx: AttentionContext) -> torch
     """Final hidden states (float32 [S, hidden]) of a decode step whose embeddings are
     `h`; `applies` must have said yes."""
     kernels = cpu_decode.load()
-    assert kernels is not None
+    plan = cast("Plan | None", model.fused_plan)
+    assert kernels is not None and plan is not None
     meta = ctx.meta
     step = cpu_decode.DecodeStep(
         positions=meta.positions, slots=meta.slot_mapping, tables=meta.block_tables,
         seq_lens=meta.seq_lens, table=model.rope.table_on(h.device),
         block_size=meta.block_size, num_blocks=ctx.kv_caches[0].shape[0],
     )  # fmt: skip
-    plan = model.fused_plan
-    assert plan is not None
     h = h.contiguous()
-    x = kernels.rms_norm(h, plan[0].norm_in, plan[0].eps_in)
-    delta: torch.Tensor | None = None
-    for layer in plan:
-        if delta is not None:
-            x = kernels.add_rms_norm(h, delta, layer.norm_in, layer.eps_in)
-        cache = ctx.kv_caches[layer.cache]
-        q = kernels.rope_store(layer.qkv(x), step, cache, layer.heads, layer.kv_heads,
-                               layer.head_dim)  # fmt: skip
-        o = kernels.attention(q, cache, step, layer.kv_heads, layer.scale)
-        x = kernels.add_rms_norm(h, layer.o(o), layer.norm_post, layer.eps_post)
-        delta = layer.down(kernels.silu_mul(layer.gate_up(x), layer.inter))
-    if delta is not None:
-        h.add_(delta)
+    caches = [ctx.kv_caches[layer.cache] for layer in plan.layers]
+    run = cpu_decode.StepKernels(kernels, step, caches, plan.geometry, h)
+    first = plan.layers[0]
+    x = kernels.rms_norm(h, first.norm_in, first.eps_in)
+    for i, layer in enumerate(plan.layers):
+        o = run.rope_attention(layer.qkv(x), i, layer.scale)
+        x = run.add_rms_norm(layer.o(o), layer.norm_post, layer.eps_post)
+        delta = layer.down(run.silu_mul(layer.gate_up(x)))
+        if i + 1 < len(plan.layers):
+            nxt = plan.layers[i + 1]
+            x = run.add_rms_norm(delta, nxt.norm_in, nxt.eps_in)
+        else:
+            h.add_(delta)
     return model.norm.forward(h)

@@ -91,7 +91,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # fused_decode's per-layer plan (None: decode steps take the torch ops), for the
         # projections whose first module has the id `fused_checked` (LoRA may swap them).
-        self.fused_plan: list[Any] | None = None
+        self.fused_plan: Any = None
         self.fused_checked: int | None = None
 
     def forward(

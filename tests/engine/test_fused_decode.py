@@ -173,6 +173,32 @@ def test_bad_inputs_are_refused_before_any_memory_is_touched() -> None:
             step({**good, name: bad})
 
 
+def test_a_steps_kernels_refuse_what_the_step_was_not_checked_for() -> None:
+    """The per-step path checks caches and hidden states once, then each matmul output."""
+    step = cpu_decode.DecodeStep(
+        positions=torch.tensor([3]), slots=torch.tensor([5]),
+        tables=torch.zeros(1, 2, dtype=torch.int32), seq_lens=torch.tensor([4]),
+        table=torch.zeros(8, 4), block_size=4, num_blocks=2,
+    )  # fmt: skip
+    g = cpu_decode.Geometry(hidden=8, heads=2, kv_heads=1, head_dim=4, inter=6)
+    cache, h = torch.zeros(2, 2, 4, 1, 4), torch.zeros(1, 8)
+    with pytest.raises(ValueError, match=r"KV cache \(1, 2, 4, 1, 4\)"):
+        cpu_decode.StepKernels(kernels(), step, [cache, cache[:1]], g, h)
+    with pytest.raises(ValueError, match="hidden states"):
+        cpu_decode.StepKernels(kernels(), step, [cache], g, torch.zeros(2, 8))
+    run = cpu_decode.StepKernels(kernels(), step, [cache], g, h)
+    with pytest.raises(ValueError, match=r"q\|k\|v: need contiguous bf16 \[1, >= 16\]"):
+        run.rope_attention(torch.zeros(1, 12, dtype=torch.bfloat16), 0, 1.0)  # too narrow
+    with pytest.raises(ValueError, match="residual delta of width 4"):
+        run.add_rms_norm(torch.zeros(1, 4, dtype=torch.bfloat16), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match=r"gate\|up: need contiguous bf16"):
+        run.silu_mul(torch.zeros(1, 24, dtype=torch.bfloat16)[:, ::2])  # strided
+    with pytest.raises(ValueError, match="residual delta: need contiguous bf16"):
+        run.add_rms_norm(torch.zeros(1, 8), torch.ones(8), 1e-5)  # float32
+    out = run.silu_mul(torch.zeros(1, 12, dtype=torch.bfloat16))
+    assert out.shape == (1, 6) and not out.any()
+
+
 def test_no_compiler_means_torch_ops(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
