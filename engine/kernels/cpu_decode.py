@@ -43,6 +43,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "silu_mul_bf16": [_P, _I, _P, _I, _I],
     "rope_store": [_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, ctypes.c_int],
     "decode_attention": [_P, _P, ctypes.c_int, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P],
+    "q8_0_matmul": [_P, _I, _I, _P, _I, _P],
 }
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -212,6 +213,21 @@ class DecodeKernels:
         if status != 0:
             raise MemoryError("decode_attention: out of memory")
         return out
+
+
+    def q8_0_matmul(self, blocks: torch.Tensor, cols: int, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ in float32 [M, rows] for float32 rows x [M, cols] and W as GGUF Q8_0
+        blocks (uint8 [rows, cols / 32 * 34]): the dequantized weights' exact dot products."""
+        _check(blocks, torch.uint8, "Q8_0 blocks")
+        _check(x, torch.float32, "x")
+        rows = blocks.shape[0]
+        if cols % 32 or blocks.dim() != 2 or blocks.shape[1] != cols // 32 * 34:
+            raise ValueError(f"Q8_0 blocks {tuple(blocks.shape)} do not hold {cols} columns")
+        if x.dim() != 2 or x.shape[1] != cols:
+            raise ValueError(f"x {tuple(x.shape)}: need [M, {cols}]")
+        y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        self._lib.q8_0_matmul(_ptr(blocks), rows, cols, _ptr(x), x.shape[0], _ptr(y))
+        return y
 
 
 class DecodeStep:

@@ -13,7 +13,7 @@
  */
 #include <math.h>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -419,4 +419,70 @@ int decode_attention(const float *q, const void *cache, int cache_bf16, const in
     }
     free(partial);
     return failed ? -1 : 0;
+}
+
+/* IEEE half -> float (GGUF's block scales), subnormals included. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf, NaN */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else {
+        float f = (float)man * 5.9604644775390625e-8f; /* 2^-24 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* 16 int8 codes as float32 (intrinsics where there are: GCC scalarizes the generic
+ * int8 -> int32 conversion). */
+static inline f32x16 codes16(const uint8_t *src) {
+    f32x16 f;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    memcpy(&f, &v, sizeof f);
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)src);
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    memcpy(&f, &lo, sizeof lo);
+    memcpy((char *)&f + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; i++) f[i] = (float)(int8_t)src[i];
+#endif
+    return f;
+}
+
+/* y[i, r] = sum over r's Q8_0 blocks b of d_b * (q_b . x_i[32 b : 32 b + 32]), in float32,
+ * for `m` rows x_i of `cols` floats against `rows` weight rows of cols / 32 blocks (34
+ * bytes each: an IEEE half d, then 32 int8 codes q). The exact dot products of the
+ * dequantized weights (to float32 rounding): an lm_head kept as GGUF's Q8_0 read once,
+ * on the calling thread's team, rows split between its threads. */
+void q8_0_matmul(const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t m,
+                 float *y) {
+    int64_t blocks = cols / 32, row_bytes = blocks * 34;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * cols;
+            f32x16 acc = {0};
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint8_t *block = row + b * 34;
+                uint16_t half;
+                memcpy(&half, block, sizeof half);
+                f32x16 x0, x1;
+                memcpy(&x0, xi + 32 * b, sizeof x0);
+                memcpy(&x1, xi + 32 * b + 16, sizeof x1);
+                f32x16 s = codes16(block + 2) * x0 + codes16(block + 18) * x1;
+                acc += f16_to_f32(half) * s;
+            }
+            y[i * rows + r] = hsum16(acc);
+        }
+    }
 }

@@ -133,10 +133,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        if isinstance(self.lm_head, QuantizedLinear):  # exact values for the top candidates
-            return self.lm_head.refine_top(hidden, logits)
-        return logits
+        if isinstance(self.lm_head, QuantizedLinear):
+            return self.lm_head.logits(hidden)
+        return self.lm_head(hidden)
 
     def prepare_buffers(self, device: torch.device) -> None:
         """Build non-parameter state (the RoPE table) on the device the weights live on."""

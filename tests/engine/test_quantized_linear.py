@@ -23,8 +23,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from infergate.engine.gguf_model import prepare_model_dir
 from infergate.engine.interfaces import SamplingParams, ScheduledBatch, ScheduledSeq
+from infergate.engine.kernels import cpu_decode
 from infergate.engine.model_runner import TorchModelRunner
 from infergate.engine.models.quantized import (
+    EXACT_ROWS,
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedTensor,
@@ -226,15 +228,60 @@ def test_lora_on_quantized_projections_is_refused(tiny_model_dir: Path, tmp_path
 
 
 def test_head_refines_its_top_logits_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The packed head's bfloat16 outputs make near candidates equal; each row's top 8
-    logits are recomputed in float32 from the GGUF values, as the float32 path's head
-    computes them, so a greedy choice between them is float32's."""
+    """Beyond `EXACT_ROWS` rows the packed head's bfloat16 outputs make near candidates
+    equal; each row's top 8 logits are recomputed in float32 from the GGUF values, as the
+    float32 path's head computes them, so a greedy choice between them is float32's."""
     packed = _runner(write_gguf(tiny_model_dir, tmp_path / "m.gguf", Q.Q8_0), tmp_path, "gguf")
     head = packed.model.lm_head
     assert isinstance(head, QuantizedLinear) and head.blocks is not None
-    hidden = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0)) * 4
+    hidden = torch.randn(
+        EXACT_ROWS + 2, head.in_features, generator=torch.Generator().manual_seed(0)
+    )
+    hidden *= 4
     logits = packed.model.compute_logits(hidden)
     exact = F.linear(hidden, head.blocks.dequantize())
     top = head(hidden).topk(8, dim=-1).indices  # the candidates the kernel's output ranks
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
     assert logits.dtype == torch.float32
+
+
+@pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler to build the kernels")
+def test_a_q8_0_head_gives_every_logit_exactly_at_decode_batches(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Up to `EXACT_ROWS` rows a Q8_0 head reads its GGUF blocks directly
+    (`cpu_decode.q8_0_matmul`): every logit is the dequantized weights' float32 dot
+    product, not only the top 8."""
+    packed = _runner(write_gguf(tiny_model_dir, tmp_path / "m.gguf", Q.Q8_0), tmp_path, "gguf")
+    head = packed.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.blocks is not None
+    assert EXACT_ROWS >= 1
+    hidden = torch.randn(EXACT_ROWS, head.in_features, generator=torch.Generator().manual_seed(1))
+    for rows in (1, EXACT_ROWS):
+        exact = F.linear(hidden[:rows], head.blocks.dequantize())
+        torch.testing.assert_close(
+            packed.model.compute_logits(hidden[:rows]), exact, rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.skipif(cpu_decode.load() is None, reason="no C compiler to build the kernels")
+def test_q8_0_kernel_is_the_dequantized_matmul() -> None:
+    """gguf's own Q8_0 blocks (scales of every magnitude, subnormal halves included) at
+    1-3 rows, against the float32 matmul of gguf's dequantized values."""
+    t = quantized(Q.Q8_0, 70, 160, seed=4)
+    raw = t.raw.clone()
+    raw[0, 0:2] = torch.tensor([1, 0], dtype=torch.uint8)  # a subnormal half scale (2^-24)
+    raw[1, 34:36] = torch.tensor([0, 0xBC], dtype=torch.uint8)  # -1.0
+    t = QuantizedTensor("Q8_0", raw, t.shape)
+    kernels = cpu_decode.load()
+    assert kernels is not None
+    for rows in (1, 3):
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        expected = F.linear(x, reference(t))
+        torch.testing.assert_close(
+            kernels.q8_0_matmul(t.raw, 160, x), expected, rtol=1e-5, atol=1e-6
+        )
+    with pytest.raises(ValueError, match=r"do not hold 96 columns"):
+        kernels.q8_0_matmul(t.raw, 96, torch.zeros(1, 96))
+    with pytest.raises(ValueError, match=r"need \[M, 160\]"):
+        kernels.q8_0_matmul(t.raw, 160, torch.zeros(1, 150))
