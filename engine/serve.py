@@ -743,8 +743,10 @@ def serve(opts: ServeOptions) -> None:
         stream=sys.stderr,
     )
     import uvicorn
+    from infergate.engine.entrypoints.api_server import freeze_startup_heap
 
     app = build(opts)
+    freeze_startup_heap()
     log.info("serving on http://%s:%d (OpenAI API under /v1)", opts.host, opts.port)
     uvicorn.run(
         app,

@@ -139,7 +139,9 @@ async def load_async_backend() -> None:
 def freeze_startup_heap() -> None:
     """Move every object alive at start-up (the model's modules, the tokenizer, imported
     modules: ~220,000 on SmolLM2) out of the garbage collector's reach (``gc.freeze``,
-    as vLLM does once the model is loaded).
+    as vLLM does once the model is loaded). Called by the server process
+    (``engine.serve.serve``), not by the app: a test process that builds many apps would
+    freeze each one's garbage for good.
 
     Why: a decode step allocates a few hundred tensors, so generation-0 collections run
     every few steps and older generations now and then; a full collection traversed
@@ -166,7 +168,6 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await load_async_backend()
-        freeze_startup_heap()
         engine.start()
         try:
             yield

@@ -269,14 +269,14 @@ static inline void weigh_values(const float *p, const void *cache, int cache_bf1
  * head g, the partial softmax state of its range (flash-decoding): top[g] = max score,
  * total[g] = sum e^(score - top[g]), acc[g] = sum e^(score - top[g]) * value
  * (unnormalized). scores: [group, to - from] scratch. nv = dim / 16 (dim a multiple of 16,
- * at most 256). */
+ * at most 256; group * nv at most 256). */
 static inline void attend_range(const float *q, const void *cache, int cache_bf16,
                                 const int32_t *table, int64_t from, int64_t to,
                                 int64_t block_size, int64_t kv, int64_t group, float scale,
                                 float *scores, float *top, float *total, float *acc,
                                 const int nv) {
     int64_t len = to - from;
-    f32x16 qv[16 * 16]; /* group <= 16 */
+    f32x16 qv[256]; /* group * nv <= 256: the caller checks */
     memcpy(qv, q, sizeof(f32x16) * (size_t)(group * nv));
     key_scores(qv, cache, cache_bf16, table, from, to, block_size, kv, group, scale, scores, nv);
     for (int64_t g = 0; g < group; g++) {
@@ -344,8 +344,8 @@ static int64_t attention_splits(int64_t longest, int64_t pairs, int64_t threads)
 }
 
 /* Attention of one query token per sequence over its paged cache (grouped heads: query
- * head h reads kv head h / (heads / kv_heads)). Writes bf16 [seqs, heads * dim]. The (sequence, kv head) pairs are split
- * into position ranges (`attention_splits`), computed on the calling thread's OpenMP
+ * head h reads kv head h / (heads / kv_heads)). Writes bf16 [seqs, heads * dim]. The
+ * (sequence, kv head) pairs are split into position ranges (`attention_splits`), computed on the calling thread's OpenMP
  * team (torch's runtime: the library links the libgomp that torch loaded), then merged
  * per head: with M = max_i top_i and w_i = e^(top_i - M),
  *     out = sum_i w_i acc_i / sum_i w_i total_i,
@@ -383,13 +383,15 @@ int decode_attention(const float *q, const void *cache, int cache_bf16, const in
         const void *ch = (const char *)cache + (size_t)(h * dim) * item;
         const int32_t *tb = tables + s * table_stride;
         float *top = p, *total = p + group, *acc = p + 2 * group;
-        if (dim == 64) /* constant nv: the accumulators live in registers */
+        /* attend_range holds the group's queries in 256 vectors of 16 */
+        int vectors = dim % 16 == 0 && dim <= 256 && group * (dim / 16) <= 256;
+        if (vectors && dim == 64) /* constant nv: the accumulators live in registers */
             attend_range(qh, ch, cache_bf16, tb, from, to, block_size, kv, group, scale,
                          scratch, top, total, acc, 4);
-        else if (dim == 128)
+        else if (vectors && dim == 128)
             attend_range(qh, ch, cache_bf16, tb, from, to, block_size, kv, group, scale,
                          scratch, top, total, acc, 8);
-        else if (dim % 16 == 0 && dim <= 256 && group <= 16)
+        else if (vectors)
             attend_range(qh, ch, cache_bf16, tb, from, to, block_size, kv, group, scale,
                          scratch, top, total, acc, (int)(dim / 16));
         else

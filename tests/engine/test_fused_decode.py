@@ -88,20 +88,26 @@ def _reference_attention(q, cache, tables, seq_lens, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    ("seq_lens", "dim", "bs"),
+    ("seq_lens", "dim", "bs", "heads", "kv_heads"),
     [
-        ([1, 7, 16], 8, 4),  # a head dim the vector path does not take
-        ([1, 37, 300], 64, 16),  # SmolLM2's: vectors, ranges split across threads
-        ([5, 200], 128, 16),  # Llama's
-        ([70], 48, 16),  # a multiple of 16 without a constant-width path
+        ([1, 7, 16], 8, 4, 6, 2),  # a head dim the vector path does not take
+        ([1, 37, 300], 64, 16, 6, 2),  # SmolLM2's: vectors, ranges split across threads
+        ([5, 200], 128, 16, 6, 2),  # Llama's
+        ([70], 48, 16, 6, 2),  # a multiple of 16 without a constant-width path
+        ([40], 128, 16, 36, 1),  # a group too large for the vectors' registers: scalar
     ],
-    ids=["dim8", "dim64", "dim128", "dim48"],
+    ids=["dim8", "dim64", "dim128", "dim48", "group36"],
 )
 @pytest.mark.parametrize("threads", [1, 4])  # 4: each sequence's range split and merged
 def test_decode_attention_matches_sdpa_over_the_paged_cache(
-    dtype: torch.dtype, seq_lens: list[int], dim: int, bs: int, threads: int
+    dtype: torch.dtype,
+    seq_lens: list[int],
+    dim: int,
+    bs: int,
+    heads: int,
+    kv_heads: int,
+    threads: int,
 ) -> None:
-    heads, kv_heads = 6, 2
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the kernel splits for the calling thread's team
     cache, tables = _paged(seq_lens, heads, kv_heads, dim, dtype, bs)
