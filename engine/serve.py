@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -736,6 +737,22 @@ def _attach_lora(opts: ServeOptions, runner: Any, modules: list[Any]) -> Any:
     return manager
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive at start-up (the model's modules, the tokenizer, imported
+    modules: ~220,000 on SmolLM2) out of the garbage collector's reach (``gc.freeze``,
+    as vLLM does once the model is loaded). Here, in the server process, not in the app's
+    lifespan: a test process that builds many apps would freeze each one's garbage for
+    good.
+
+    Why: a decode step allocates a few hundred tensors, so generation-0 collections run
+    every few steps and older generations now and then; a full collection traversed
+    every start-up object and stalled a step for tens of milliseconds. Frozen objects are
+    still freed by reference counting; only what requests create is collected.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def serve(opts: ServeOptions) -> None:
     logging.basicConfig(
         level=opts.log_level.upper(),
@@ -743,7 +760,6 @@ def serve(opts: ServeOptions) -> None:
         stream=sys.stderr,
     )
     import uvicorn
-    from infergate.engine.entrypoints.api_server import freeze_startup_heap
 
     app = build(opts)
     freeze_startup_heap()

@@ -9,7 +9,6 @@ request, which frees its KV blocks.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -134,22 +133,6 @@ async def load_async_backend() -> None:
     """
     async with anyio.create_task_group():
         pass
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive at start-up (the model's modules, the tokenizer, imported
-    modules: ~220,000 on SmolLM2) out of the garbage collector's reach (``gc.freeze``,
-    as vLLM does once the model is loaded). Called by the server process
-    (``engine.serve.serve``), not by the app: a test process that builds many apps would
-    freeze each one's garbage for good.
-
-    Why: a decode step allocates a few hundred tensors, so generation-0 collections run
-    every few steps and older generations now and then; a full collection traversed
-    every start-up object and stalled a step for tens of milliseconds. Frozen objects are
-    still freed by reference counting; only what requests create is collected.
-    """
-    gc.collect()
-    gc.freeze()
 
 
 def build_app(
