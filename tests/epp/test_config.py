@@ -28,13 +28,13 @@ def test_default_profile_is_predicted_latency_fed_by_the_prefix_index() -> None:
     (profile,) = scheduler.profiles
     weights = {scorer.type_name: weight for scorer, weight in profile.scorers}
     # LoRA affinity is neutral unless a request is for an adapter (test_routing_model.py);
-    # response affinity keeps only the holder of a named previous response, before the
-    # load bound (test_responses_routing.py).
+    # response affinity keeps only the holder of a named previous response
+    # (test_responses_routing.py). No request-count bound since the trace family
+    # (docs/benchmarks/routing.md); the filter is still a plugin (test_routing_model.py).
     assert weights == {"predicted-latency-scorer": 1, "lora-affinity-scorer": 2}
     assert [f.type_name for f in profile.filters] == [
         "response-affinity-filter",
         "candidate-sampling-filter",
-        "bounded-load-filter",
     ]
     # The prefix index is in no profile but still runs its lifecycle hooks.
     hooks = Hooks(scheduler.plugins.values())

@@ -1,6 +1,6 @@
 """Responses API and Anthropic Messages bodies in the EPP: their parsers, prefix hashing
 over a conversation's turns, and previous-response affinity (the scorer, its place in the
-default profile next to the bounded-load filter, and the route tag the Director sends)."""
+default profile, and the route tag the Director sends)."""
 
 from __future__ import annotations
 
@@ -351,7 +351,7 @@ def test_requests_naming_a_response_in_their_path_go_to_its_holder() -> None:
 
 async def test_default_profile_sends_a_follow_up_to_its_holder_however_loaded() -> None:
     """Only the holder's store has the conversation: another engine could only answer 404,
-    so the holder is kept even far over the bounded-load filter's allowance."""
+    so the holder is kept however loaded, where the scorer alone would go elsewhere."""
     ctx = context()
     for state in ctx.datastore.all():
         state.metrics.updated_at = time.monotonic()
@@ -362,7 +362,7 @@ async def test_default_profile_sends_a_follow_up_to_its_holder_however_loaded() 
         holder.in_flight_requests = in_flight
         result = await scheduler.schedule(chained(holder.endpoint), states, CycleState())
         assert result.primary is holder
-    # A first turn is placed by load: the busy holder is filtered out.
+    # A first turn is placed by load: the busy holder loses on predicted latency.
     first_turn = parse({"model": "m", "input": "hello"})
     assert (await scheduler.schedule(first_turn, states, CycleState())).primary is not holder
     # A holder that is gone (not a candidate) leaves the choice to the other plugins.
