@@ -18,6 +18,10 @@ from tests.support.probes import metric_sum, wait_for
 PROMPTS = 400
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("cache"))
@@ -39,6 +43,9 @@ def test_ctrl_c_prints_a_partial_summary_and_exits_130(
          "--request-rate", "20", "--input-len", "16", "--output-len", "16", "--disable-tqdm",
          "--result-file", str(result_file)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # As from a terminal: a test run started in the background (`pytest &`) ignores
+        # SIGINT, which its children inherit, and Python then installs no Ctrl-C handler.
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         wait_for(
