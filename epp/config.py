@@ -120,21 +120,21 @@ schedulingProfiles:
 """
 
 #: infergate's default, chosen on the routing lab's workload matrix and its trace family
-#: (docs/benchmarks/routing.md, ``infergate bench routing --matrix standard`` and ``--matrix
-#: trace``): the predicted-latency scorer decides (the calibrated prefix index feeds it: it
-#: runs for its prepare/pre-request/response hooks without a weight of its own); LoRA
-#: affinity counts only for requests to adapters on engines that report adapter slots.
-#: No request-count bound (``bounded-load-filter``): on traces whose prompts differ 100x
-#: it removed the engines with the most requests in flight (short prompts, decoding)
-#: while their prefill queues were the shortest, and the scorer's burst accounting keeps
-#: a burst from piling onto one engine. Response affinity runs first: a Responses turn
-#: that names ``previous_response_id`` goes to the engine holding it (another engine's
-#: store cannot answer it), whatever its load. The picker names up to 4 endpoints, best
-#: first: the rest are the gateway's fallbacks when the best one refuses the connection
-#: (an engine killed since its last scrape). On pools of more than 64 endpoints the
-#: candidate-sampling filter keeps the prefix and adapter holders plus 32 random others
-#: (power of d choices), so a decision's cost does not grow with the pool; smaller pools
-#: are kept whole.
+#: (docs/benchmarks/routing.md, ``infergate bench routing --matrix standard`` and
+#: ``--matrix trace``): the predicted-latency scorer decides (the calibrated prefix index
+#: feeds it: it runs for its prepare/pre-request/response hooks without a weight of its
+#: own); LoRA affinity counts only for requests to adapters on engines that report adapter
+#: slots. No request-count bound (``bounded-load-filter``): on traces whose prompts differ
+#: 100x it removed the engines with the most requests in flight (short prompts, decoding),
+#: often while their prefill queues were shorter than those of engines it kept; the
+#: scorer's burst accounting keeps a burst from piling onto one engine. Response affinity
+#: runs first: a Responses turn that names ``previous_response_id`` goes to the engine
+#: holding it (another engine's store cannot answer it), whatever its load. The picker
+#: names up to 4 endpoints, best first: the rest are the gateway's fallbacks when the best
+#: one refuses the connection (an engine killed since its last scrape). On pools of more
+#: than 64 endpoints the candidate-sampling filter keeps the prefix and adapter holders
+#: plus 32 random others (power of d choices), so a decision's cost does not grow with the
+#: pool; smaller pools are kept whole.
 DEFAULT_CONFIG_YAML = """\
 apiVersion: inference.networking.x-k8s.io/v1alpha1
 kind: EndpointPickerConfig
