@@ -345,9 +345,9 @@ static int64_t attention_splits(int64_t longest, int64_t pairs, int64_t threads)
 
 /* Attention of one query token per sequence over its paged cache (grouped heads: query
  * head h reads kv head h / (heads / kv_heads)). Writes bf16 [seqs, heads * dim]. The
- * (sequence, kv head) pairs are split into position ranges (`attention_splits`), computed on the calling thread's OpenMP
- * team (torch's runtime: the library links the libgomp that torch loaded), then merged
- * per head: with M = max_i top_i and w_i = e^(top_i - M),
+ * (sequence, kv head) pairs are split into position ranges (`attention_splits`), computed
+ * on the calling thread's OpenMP team (torch's runtime: the library links the libgomp that
+ * torch loaded), then merged per head: with M = max_i top_i and w_i = e^(top_i - M),
  *     out = sum_i w_i acc_i / sum_i w_i total_i,
  * which is softmax(q K^T scale) V over the whole sequence. Returns -1 when out of memory. */
 int decode_attention(const float *q, const void *cache, int cache_bf16, const int32_t *tables,
