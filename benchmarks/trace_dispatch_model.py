@@ -149,7 +149,9 @@ def dispatch(requests: Sequence[traces.TraceRequest], policy: Policy, profile: P
              engines: int) -> tuple[list[float], float]:  # fmt: skip
     """Each request's TTFT under ``policy``, and the hit fraction of prompt tokens."""
     fleet = Fleet(profile, engines)
-    ttfts, picks, hit = [], [], 0
+    ttfts: list[float] = []
+    picks: list[float] = []
+    hit = 0
     for r in requests:
         now = r.timestamp_ms / 1000.0
         cands = []
@@ -180,7 +182,8 @@ def central(requests: Sequence[traces.TraceRequest], profile: Profile, engines: 
         cached = min(held * traces.TRACE_BLOCK_TOKENS, r.input_length)
         hit += cached
         jobs.append((r.timestamp_ms / 1000.0, fleet.work(max(1, r.input_length - cached), cached)))
-    free, queue, order, ttfts, i = [0.0] * engines, [], itertools.count(), [], 0
+    free, order, ttfts, i = [0.0] * engines, itertools.count(), [], 0
+    queue: list[tuple[float, int, float, float]] = []
     while i < len(jobs) or queue:
         e = min(range(engines), key=free.__getitem__)
         while i < len(jobs) and (jobs[i][0] <= free[e] or not queue):
@@ -199,14 +202,25 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def windows(args: argparse.Namespace) -> list[tuple[str, list[traces.TraceRequest]]]:
+    """The windows to model: ``--trace``'s ``--window``s, then the ``--cell``s (every trace
+    cell when neither is given)."""
     out = []
     if args.trace:
-        trace = traces.read_trace(Path(args.trace))
-        for window in traces.parse_windows(args.window or []):
-            out.append((f"{Path(args.trace).stem}@{window.label}", traces.in_window(trace, window)))
+        if not args.window:
+            raise SystemExit("--trace needs at least one --window START:SECONDS")
+        try:
+            trace = traces.read_trace(Path(args.trace))
+            chosen = traces.parse_windows(args.window)
+        except (traces.TraceError, ValueError) as error:
+            raise SystemExit(str(error)) from None
+        for window in chosen:
+            requests = traces.in_window(trace, window)
+            if not requests:
+                raise SystemExit(f"no request of {args.trace} falls in {window.label}")
+            out.append((f"{Path(args.trace).stem}@{window.label}", requests))
     cells = {cell.name: cell for cell in TRACE}
     names = args.cell if args.cell or args.trace else list(cells)
-    for name in names:
+    for name in names or []:
         if name not in cells:
             raise SystemExit(f"unknown cell {name!r}: one of {', '.join(cells)}")
         trace, window = cells[name].requests()
@@ -219,9 +233,11 @@ def main() -> None:
     parser.add_argument("--cell", action="append", help="a --matrix trace cell (all by default)")
     parser.add_argument("--trace", help="a Mooncake-format trace, with --window")
     parser.add_argument("--window", action="append", help="START:SECONDS of --trace")
-    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--engines", type=int, default=4, help="engines in the fleet (>= 1)")
     parser.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES))
     args = parser.parse_args()
+    if args.engines < 1:
+        parser.error("--engines must be at least 1")
     profile = PROFILES[args.profile]
     policies: dict[str, Callable[[Sequence[traces.TraceRequest]], tuple[list[float], float]]] = {
         "least-work": lambda rs: dispatch(rs, least_work, profile, args.engines),
