@@ -27,6 +27,10 @@ Policies:
   engine with the longest match when it covers over half the prompt; else the engine
   whose routed-prefix tree is smallest (requests complete after ``DECODE_STEP_S`` per
   output token, for the counts).
+* ``hold-release``: requests held in the router while every engine has more than
+  ``--hold-seconds`` of prefill queued; when the least-queued engine's queue falls to
+  that, the held request with the least ``arrival + --hold-beta x work`` leaves, placed
+  by the cost model: reordering that keeps the hits (flow control could do this).
 * ``central-fcfs``: one queue feeding every engine in arrival order, every engine
   holding every block ever sent. Least-work dispatch to FCFS servers is that queue
   (the same start times), so this is least-work with every possible hit: the reference
@@ -145,6 +149,17 @@ def sglang_like(fleet: Fleet, cands: list[Candidate], r: traces.TraceRequest, no
     return min(range(fleet.engines), key=lambda e: len(fleet.trees[e]))
 
 
+def candidates(fleet: Fleet, r: traces.TraceRequest, now: float) -> list[Candidate]:
+    """Every engine's wait, work and cached tokens for ``r`` at ``now``."""
+    out = []
+    for e in range(fleet.engines):
+        cached = fleet.cached(e, r)
+        uncached = max(1, r.input_length - cached)
+        out.append(Candidate(e, max(0.0, fleet.free_at[e] - now),
+                             fleet.work(uncached, cached), cached))  # fmt: skip
+    return out
+
+
 def dispatch(requests: Sequence[traces.TraceRequest], policy: Policy, profile: Profile,
              engines: int) -> tuple[list[float], float]:  # fmt: skip
     """Each request's TTFT under ``policy``, and the hit fraction of prompt tokens."""
@@ -154,16 +169,49 @@ def dispatch(requests: Sequence[traces.TraceRequest], policy: Policy, profile: P
     hit = 0
     for r in requests:
         now = r.timestamp_ms / 1000.0
-        cands = []
-        for e in range(engines):
-            cached = fleet.cached(e, r)
-            uncached = max(1, r.input_length - cached)
-            cands.append(Candidate(e, max(0.0, fleet.free_at[e] - now),
-                                   fleet.work(uncached, cached), cached))  # fmt: skip
+        cands = candidates(fleet, r, now)
         chosen = cands[policy(fleet, cands, r, now, picks)]
         ttfts.append(fleet.place(chosen.engine, r, now, chosen.work))
         picks.append(now)
         hit += chosen.cached
+    return ttfts, hit / max(1, sum(r.input_length for r in requests))
+
+
+def hold_release(requests: Sequence[traces.TraceRequest], profile: Profile, engines: int,
+                 hold_s: float, beta: float) -> tuple[list[float], float]:  # fmt: skip
+    """Requests held in the router while every engine has more than ``hold_s`` seconds of
+    prefill queued; whenever the least-queued engine's queue falls to ``hold_s``, the held
+    request with the least ``arrival + beta x work`` (its work on its cheapest engine)
+    leaves, placed by the cost model. Reordering that keeps the hits: the engine is still
+    chosen per request, with its cache, at release."""
+    fleet = Fleet(profile, engines)
+    held: list[traces.TraceRequest] = []
+    ttfts: list[float] = []
+    picks: list[float] = []
+    hit, i = 0, 0
+
+    def release(now: float) -> None:
+        nonlocal hit
+        options = [(r, candidates(fleet, r, now)) for r in held]
+        r, cands = min(options, key=lambda o: o[0].timestamp_ms / 1000.0
+                       + beta * min(c.work for c in o[1]))  # fmt: skip
+        held.remove(r)
+        chosen = cands[cost_model(fleet, cands, r, now, picks)]
+        fleet.place(chosen.engine, r, now, chosen.work)
+        ttfts.append(fleet.free_at[chosen.engine] - r.timestamp_ms / 1000.0)
+        picks.append(now)
+        hit += chosen.cached
+
+    while i < len(requests) or held:
+        due = min(fleet.free_at) - hold_s  # when the least-queued engine reaches hold_s
+        if held and (i == len(requests) or due <= requests[i].timestamp_ms / 1000.0):
+            release(due)
+            continue
+        now = requests[i].timestamp_ms / 1000.0
+        held.append(requests[i])
+        i += 1
+        while held and min(fleet.free_at) - now <= hold_s:
+            release(now)
     return ttfts, hit / max(1, sum(r.input_length for r in requests))
 
 
@@ -234,15 +282,24 @@ def main() -> None:
     parser.add_argument("--trace", help="a Mooncake-format trace, with --window")
     parser.add_argument("--window", action="append", help="START:SECONDS of --trace")
     parser.add_argument("--engines", type=int, default=4, help="engines in the fleet (>= 1)")
+    parser.add_argument("--hold-seconds", type=float, default=0.5,
+                        help="hold-release: engines' queued prefill (s) below which one may take more")  # fmt: skip
+    parser.add_argument("--hold-beta", type=float, default=1.0,
+                        help="hold-release: seconds of precedence given up per second of work")  # fmt: skip
     parser.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES))
     args = parser.parse_args()
     if args.engines < 1:
         parser.error("--engines must be at least 1")
+    if args.hold_seconds < 0 or args.hold_beta < 0:
+        parser.error("--hold-seconds and --hold-beta must be >= 0")
     profile = PROFILES[args.profile]
     policies: dict[str, Callable[[Sequence[traces.TraceRequest]], tuple[list[float], float]]] = {
         "least-work": lambda rs: dispatch(rs, least_work, profile, args.engines),
         "cost-model": lambda rs: dispatch(rs, cost_model, profile, args.engines),
         "sglang-like": lambda rs: dispatch(rs, sglang_like, profile, args.engines),
+        "hold-release": lambda rs: hold_release(
+            rs, profile, args.engines, args.hold_seconds, args.hold_beta
+        ),
         "central-fcfs": lambda rs: central(rs, profile, args.engines, False),
         "central-sjf": lambda rs: central(rs, profile, args.engines, True),
     }
