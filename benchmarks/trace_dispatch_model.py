@@ -6,7 +6,9 @@ bursty trace cells, where infergate's p90 stayed near 0.9x sglang-router's).
 
 Each engine is one first-come-first-served prefill server, as the engine's scheduler is
 (running requests' chunks first, then the waiting queue in order), with an LRU of the
-trace's 512-token blocks as large as the profile's KV cache. A request's service time is
+trace's 512-token blocks as large as the profile's KV cache (a prompt's blocks count as
+cached from its placement on; the least recently used go first, a prompt's tail before
+its head, as the engine frees them). A request's service time is
 the lab profile's prefill of its uncached tokens ``u`` after ``c`` cached ones::
 
     work(u, c) = step + u·a + u·(c + u/2)·p
@@ -103,7 +105,7 @@ class Fleet:
         self.ends[e].append(self.free_at[e] + request.output_length * DECODE_STEP_S)
         self.trees[e].update(request.hash_ids)
         cache = self.caches[e]
-        for h in request.hash_ids:
+        for h in reversed(request.hash_ids):  # the head last: an engine evicts tails first
             cache[h] = None
             cache.move_to_end(h)
         while len(cache) > self.capacity:
