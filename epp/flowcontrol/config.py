@@ -12,6 +12,8 @@ queue until the pool has capacity::
       useSaturationDetector: true # also hold while every endpoint is saturated
       dispatchInterval: 20ms      # re-check capacity this often while anything waits
       fairnessPolicy: round-robin # or token-fair-share (between flows of one band)
+      maxPrefillQueueSeconds: 0.5 # dispatch while some engine has at most this prefill queued
+      prefillOrderWeight: 1.0     # inside a flow, least enqueued + this x predicted prefill first
       priorityBands:              # optional per-band bounds; other bands get the defaults
       - {priority: -1, maxRequests: 5000, maxBytes: 67108864, requestTTL: 5s}
 
@@ -73,6 +75,12 @@ class FlowControlConfig(BaseModel):
     useSaturationDetector: bool = True
     dispatchInterval: float = Field(0.02, gt=0, le=5.0)
     fairnessPolicy: Literal["round-robin", "token-fair-share"] = "round-robin"
+    #: Dispatch only while some endpoint's predicted prefill queue (the latency model's
+    #: clock and the engines' reported pending prefill, seconds) is at most this.
+    maxPrefillQueueSeconds: float | None = Field(None, ge=0)
+    #: Inside a flow, dispatch the least ``enqueued + w x predicted prefill seconds``
+    #: first (``w`` this weight; None: first come, first served).
+    prefillOrderWeight: float | None = Field(None, ge=0)
     defaultBandMaxRequests: int | None = Field(None, ge=1)
     defaultBandMaxBytes: int | None = Field(None, ge=1)
     priorityBands: list[PriorityBandConfig] = Field(default_factory=list)
@@ -89,10 +97,14 @@ class FlowControlConfig(BaseModel):
             if band.priority in seen:
                 raise ValueError(f"priorityBands[{i}].priority {band.priority} is repeated")
             seen.add(band.priority)
-        if self.maxRequestsPerEndpoint is None and not self.useSaturationDetector:
+        if (
+            self.maxRequestsPerEndpoint is None
+            and self.maxPrefillQueueSeconds is None
+            and not self.useSaturationDetector
+        ):
             raise ValueError(
-                "flowControl needs a capacity signal: set maxRequestsPerEndpoint or keep "
-                "useSaturationDetector true"
+                "flowControl needs a capacity signal: set maxRequestsPerEndpoint or "
+                "maxPrefillQueueSeconds, or keep useSaturationDetector true"
             )
         return self
 

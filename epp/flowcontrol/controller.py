@@ -26,6 +26,11 @@ Capacity (when the head of the queue may go):
   up to one refresh, so alone it can over-dispatch a burst; with the budget it is a brake
   on top of it.
 
+- ``maxPrefillQueueSeconds = H``: hold while every endpoint has more than ``H`` seconds
+  of prefill queued (``prefill_queue_seconds``), and release one request at a time: the
+  next waits until the last is scheduled (``placed``), since until then its prefill is
+  on no endpoint's clock and a whole queue would leave at once.
+
 Dispatch is attempted whenever something could have changed: a request enqueued, a
 request finished (``release``), and every ``dispatchInterval`` while anything waits (the
 saturation detector's metrics change without an event). Everything runs on the EPP's
@@ -79,11 +84,24 @@ class Ticket:
     flow: str
     cost_estimate: float
     released: bool = False
+    placing: bool = False  # dispatched under the prefill gate, not yet scheduled
 
 
 def fairness_id(headers: dict[str, str]) -> str:
     value = headers.get(FAIRNESS_HEADER, "").strip()
     return value[:MAX_FAIRNESS_ID] if value else DEFAULT_FLOW
+
+
+def prefill_queue_seconds(state: EndpointState, now: float) -> float:
+    """Prefill queued on an endpoint, in seconds: what its engine reported pending, with
+    this EPP's picks since (``EndpointState.pending_prefill_seconds``), from an engine that
+    pushes load reports; else the latency model's clock for it (its picks' predicted
+    prefill, drained in real time). The report wins where there is one: the clock charges
+    each pick its predicted work, and a hold on a predicted queue the engine no longer
+    has leaves it idle."""
+    if state.metrics.pushed:
+        return state.pending_prefill_seconds(state.cost.per_token, now)
+    return max(0.0, state.prefill_busy_until - now)
 
 
 def cost_estimate(size_bytes: int, max_tokens: int | None) -> float:
@@ -105,18 +123,27 @@ class FlowController:
         self.saturation = saturation
         self.metrics = metrics
         self.clock = clock
-        self.queues = BandQueues(config.fairnessPolicy)
+        self.queues = BandQueues(config.fairnessPolicy, config.prefillOrderWeight is not None)
         self.in_flight = 0
+        #: Dispatched under ``maxPrefillQueueSeconds`` and not yet scheduled: their prefill
+        #: is on no endpoint's clock yet, so the gate waits for them (``placed``).
+        self.placing = 0
         self._ticker: asyncio.Task[None] | None = None
         metrics.bind(self)
 
     # -- admission ------------------------------------------------------------------------
 
     async def admit(
-        self, priority: int, flow: str, size_bytes: int, max_tokens: int | None = None
+        self,
+        priority: int,
+        flow: str,
+        size_bytes: int,
+        max_tokens: int | None = None,
+        prefill_seconds: float = 0.0,
     ) -> Ticket:
         """Wait until this request may be dispatched; raises FlowRejected (429) or the
-        task's cancellation, and in every case the request is no longer queued after."""
+        task's cancellation, and in every case the request is no longer queued after.
+        ``prefill_seconds``: its predicted prefill, for ``prefillOrderWeight``."""
         band_max_requests, band_max_bytes = self.config.band(priority)
         band_requests, band_bytes = self.queues.band_size(priority)
         full = None
@@ -132,13 +159,15 @@ class FlowController:
             self.metrics.rejected(priority, "queue_full")
             raise FlowRejected("queue_full", full)
         loop = asyncio.get_running_loop()
+        now = self.clock()
         item = QueueItem(
             flow=flow,
             priority=priority,
             size=size_bytes,
-            enqueued=self.clock(),
+            enqueued=now,
             cost_estimate=cost_estimate(size_bytes, max_tokens),
             waiter=loop.create_future(),
+            order=now + (self.config.prefillOrderWeight or 0.0) * prefill_seconds,
         )
         self.queues.add(item)
         self.pump()
@@ -178,9 +207,20 @@ class FlowController:
             return
         ticket.released = True
         self.in_flight = max(0, self.in_flight - 1)
+        if ticket.placing:  # never scheduled
+            ticket.placing = False
+            self.placing -= 1
         if actual_tokens is not None:
             self.queues.charge(ticket.priority, ticket.flow, actual_tokens - ticket.cost_estimate)
         self.pump()
+
+    def placed(self, ticket: Ticket) -> None:
+        """The dispatched request was scheduled: its prefill is on its endpoint's clock,
+        so the prefill gate may let the next one go (at once: pump)."""
+        if ticket.placing:
+            ticket.placing = False
+            self.placing -= 1
+            self.pump()
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -191,7 +231,16 @@ class FlowController:
         budget = self.config.maxRequestsPerEndpoint
         if budget is not None and self.pool_load(states) >= budget * len(states):
             return False
+        queue = self.config.maxPrefillQueueSeconds
+        if queue is not None and (
+            self.placing or min(prefill_queue_seconds(s, self.clock()) for s in states) > queue
+        ):
+            return False
         return not (self.config.useSaturationDetector and self.saturation.pool_saturated(states))
+
+    def must_wait(self) -> bool:
+        """Whether a request arriving now would wait (others wait, or no capacity)."""
+        return bool(len(self.queues)) or not self.has_capacity()
 
     def pool_load(self, states: list[EndpointState]) -> int:
         """Requests in the pool, whoever admitted them (this replica's ``in_flight`` at
@@ -217,7 +266,11 @@ class FlowController:
             if waiter.done():  # cancelled between its removal and now: nothing to send
                 continue
             self.in_flight += 1
-            waiter.set_result(Ticket(item.priority, item.flow, item.cost_estimate))
+            ticket = Ticket(item.priority, item.flow, item.cost_estimate)
+            if self.config.maxPrefillQueueSeconds is not None:
+                ticket.placing = True
+                self.placing += 1
+            waiter.set_result(ticket)
             self.metrics.dispatched(item.priority, self.clock() - item.enqueued)
             sent += 1
         return sent

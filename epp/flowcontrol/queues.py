@@ -18,7 +18,12 @@ Ordering (GIE's three layers, written here for one process):
      ``max(served, min served of the band's non-empty flows)``: idle time banks no credit
      (start-time fair queuing), so a returning tenant cannot burst ahead for long.
 3. **Requests, FCFS inside a flow** (an insertion-ordered dict: O(1) append, pop of the
-   oldest, and removal by id when a client leaves or a TTL fires).
+   oldest, and removal by id when a client leaves or a TTL fires). With ``ordered``
+   (``prefillOrderWeight``), the least ``order`` first instead: ``enqueued + w ×
+   predicted prefill seconds``, so a short prefill overtakes a long one that arrived up
+   to ``w`` times its own prefill earlier (a heap beside the dict, O(log n) per request;
+   an item removed by id leaves its heap entry behind, skipped at pop, and the heap is
+   rebuilt once such entries outnumber the items).
 
 Counters (requests, bytes per band and in total) change with every add/remove, so the
 bounds are checked in O(1) and an emptied flow or band is dropped at once: nothing stays
@@ -27,6 +32,7 @@ behind for a request that left.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -47,6 +53,7 @@ class QueueItem:
     enqueued: float
     cost_estimate: float = 1.0
     waiter: Any = None
+    order: float = 0.0  # the dispatch order inside its flow when the queues are ordered
     id: int = field(default_factory=lambda: next(_ids))
 
 
@@ -56,6 +63,7 @@ class Flow:
     items: OrderedDict[int, QueueItem] = field(default_factory=OrderedDict)
     bytes: int = 0
     served: float = 0.0  # tokens charged (token-fair-share)
+    heap: list[tuple[float, int]] = field(default_factory=list)  # (order, id) when ordered
 
 
 @dataclass(slots=True)
@@ -70,10 +78,11 @@ class Band:
 class BandQueues:
     """All waiting requests; single-threaded (the EPP's event loop owns it)."""
 
-    def __init__(self, policy: str = "round-robin") -> None:
+    def __init__(self, policy: str = "round-robin", ordered: bool = False) -> None:
         if policy not in ("round-robin", "token-fair-share"):
             raise ValueError(f"unknown fairness policy {policy!r}")
         self.policy = policy
+        self.ordered = ordered
         self.bands: dict[int, Band] = {}
         self.requests = 0
         self.bytes = 0
@@ -105,6 +114,8 @@ class BandQueues:
         if not flow.items:
             band.ring.append(item.flow)
         flow.items[item.id] = item
+        if self.ordered:
+            heapq.heappush(flow.heap, (item.order, item.id))
         flow.bytes += item.size
         band.requests += 1
         band.bytes += item.size
@@ -119,20 +130,34 @@ class BandQueues:
         band = self.bands[item.priority]
         flow = band.flows[item.flow]
         del flow.items[item.id]
+        if self.ordered and len(flow.heap) > 2 * len(flow.items) + 16:
+            flow.heap = [(i.order, i.id) for i in flow.items.values()]
+            heapq.heapify(flow.heap)
         self._account_removed(band, flow, item)
         return True
 
     def pop(self) -> QueueItem | None:
-        """The next request to dispatch: highest band, its policy's flow, oldest request."""
+        """The next request to dispatch: highest band, its policy's flow, its oldest (or
+        least ``order``) request."""
         for band in self.bands.values():
             if band.requests:
                 flow = self._next_flow(band)
-                _, item = flow.items.popitem(last=False)
+                item = self._take(flow)
                 del self._index[item.id]
                 flow.served += item.cost_estimate
                 self._account_removed(band, flow, item)
                 return item
         return None
+
+    def _take(self, flow: Flow) -> QueueItem:
+        """The flow's next item, out of it: the oldest, or the least ``order``."""
+        if not self.ordered:
+            return flow.items.popitem(last=False)[1]
+        while True:
+            _, item_id = heapq.heappop(flow.heap)
+            item = flow.items.pop(item_id, None)
+            if item is not None:
+                return item
 
     def peek_oldest(self) -> QueueItem | None:
         """The longest-waiting request of all (for the age gauge); O(flows)."""

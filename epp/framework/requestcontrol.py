@@ -1,6 +1,7 @@
 """The request-control interfaces: the hooks the Director runs around scheduling.
 
 ``PrepareData`` runs before the scheduler (it fills the cycle state the profiles read),
+``PrefillEstimate`` before flow control queues a request that will wait (its order),
 ``PreRequest`` once per profile result after it, ``RequestAdmitted`` when the engine's
 admission record says it took the prompt (engines that report completion records; not a
 GIE extension point), ``ResponseHeaders`` when the engine's response headers arrive and
@@ -36,6 +37,16 @@ class PrepareData(Plugin):
     async def prepare(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> None:
+        raise NotImplementedError
+
+
+class PrefillEstimate(Plugin):
+    def prefill_seconds(
+        self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
+    ) -> float:
+        """The request's predicted prefill on the endpoint where it is least, in seconds,
+        from a prepared cycle: what flow control orders held requests by
+        (``prefillOrderWeight``). Not a GIE extension point."""
         raise NotImplementedError
 
 

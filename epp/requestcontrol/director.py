@@ -115,9 +115,16 @@ class Director:
         """Wait in flow control; then the candidates as they are *now* (the pool may have
         changed while the request waited), preferring endpoints under their budget."""
         assert self.flow is not None
+        prefill = 0.0
+        if self.flow.config.prefillOrderWeight is not None and self.flow.must_wait():
+            prefill = await self.hooks.prefill_seconds(request, self._candidates(subset))
         try:
             ticket = await self.flow.admit(
-                request.priority, fairness_id(request.headers), size, request.max_tokens
+                request.priority,
+                fairness_id(request.headers),
+                size,
+                request.max_tokens,
+                prefill_seconds=prefill,
             )
         except FlowRejected as error:
             raise Rejected(429, f"{error.reason}: {error.message}") from None
@@ -180,6 +187,8 @@ class Director:
             if ticket is not None and self.flow is not None:
                 self.flow.release(ticket)
             raise
+        if ticket is not None and self.flow is not None:
+            self.flow.placed(ticket)  # its prefill is on an endpoint's clock now
         result.targets[0].note_pick()
         # The engine puts this tag in its response ids, so the next turn of a Responses
         # conversation can name its engine to any EPP (scheduling/plugins/response_affinity).

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from infergate.epp.framework.plugin import Plugin, PluginTimer
 from infergate.epp.framework.requestcontrol import (
+    PrefillEstimate,
     PrepareData,
     PreRequest,
     RequestAdmitted,
@@ -36,6 +37,7 @@ class Hooks:
     def __init__(self, plugins: Iterable[Plugin], timer: PluginTimer | None = None) -> None:
         ordered = list(plugins)
         self.preparers = [p for p in ordered if isinstance(p, PrepareData)]
+        self.prefill_estimates = [p for p in ordered if isinstance(p, PrefillEstimate)]
         self.pre_request_hooks = [p for p in ordered if isinstance(p, PreRequest)]
         self.admitted_hooks = [p for p in ordered if isinstance(p, RequestAdmitted)]
         self.response_header_hooks = [p for p in ordered if isinstance(p, ResponseHeaders)]
@@ -56,6 +58,20 @@ class Hooks:
             await preparer.prepare(cycle, request, candidates)
             self._time(preparer, "prepare", t)
         return cycle
+
+    async def prefill_seconds(
+        self, request: InferenceRequest, candidates: Sequence[EndpointState]
+    ) -> float:
+        """The request's least predicted prefill over ``candidates`` (a cycle prepared for
+        it alone, then dropped); 0 when no plugin estimates one."""
+        if not self.prefill_estimates:
+            return 0.0
+        cycle = await self.prepare(request, candidates)
+        estimate = self.prefill_estimates[0]
+        t = time.perf_counter()
+        seconds = estimate.prefill_seconds(cycle, request, candidates)
+        self._time(estimate, "prefill_seconds", t)
+        return seconds
 
     def pre_request(self, request: InferenceRequest, result: SchedulingResult) -> None:
         """Run the pre-request hooks on each profile result with its own cycle state, then

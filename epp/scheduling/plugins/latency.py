@@ -159,7 +159,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from infergate.epp.framework.requestcontrol import PreRequest, ResponseComplete, ResponseInfo
+from infergate.epp.framework.requestcontrol import (
+    PrefillEstimate,
+    PreRequest,
+    ResponseComplete,
+    ResponseInfo,
+)
 from infergate.epp.prefill_cost import PrefillCost
 from infergate.epp.scheduling.plugins.base import PluginContext, SchedulingResult, Scorer, register
 from infergate.epp.scheduling.plugins.filters import LATENCY_MODEL, endpoint_load
@@ -345,7 +350,7 @@ class PredictedLatencyParams(BaseModel):
     )
 
 
-class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
+class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComplete):
     type_name = "predicted-latency-scorer"
     Params = PredictedLatencyParams
 
@@ -446,6 +451,24 @@ class PredictedLatencyScorer(Scorer, PreRequest, ResponseComplete):
             return float(tokens)
         model = request.target_model or request.model
         return self.calibration.tokens(model, len(request.prompt_text))
+
+    def prefill_seconds(
+        self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
+    ) -> float:
+        """``min_e work(e)``: the prefill of what ``e`` does not hold (module docstring),
+        at each endpoint's pooled cost; flow control orders held requests by it."""
+        if not endpoints:
+            return 0.0
+        prompt = self._prompt_tokens(cycle, request)
+        cached: dict[str, float] = dict(cycle.get("prefix.cached_tokens") or {})
+        for key, tokens in (cycle.get("precise.cached_tokens") or {}).items():
+            cached[key] = max(cached.get(key, 0.0), float(tokens))
+        costs = self._pooled_costs(endpoints, prompt)
+        works = []
+        for e, cost in zip(endpoints, costs, strict=True):
+            here = min(cached.get(e.key, 0.0), prompt)
+            works.append(self.prefill_work(cost, max(1.0, prompt - here), here))
+        return min(works)
 
     def predict(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
