@@ -75,8 +75,8 @@ class FlowControlConfig(BaseModel):
     useSaturationDetector: bool = True
     dispatchInterval: float = Field(0.02, gt=0, le=5.0)
     fairnessPolicy: Literal["round-robin", "token-fair-share"] = "round-robin"
-    #: Dispatch only while some endpoint's predicted prefill queue (the latency model's
-    #: clock and the engines' reported pending prefill, seconds) is at most this.
+    #: Dispatch only while some endpoint's prefill queue is at most this many seconds
+    #: (``controller.prefill_queue_seconds``), one request at a time.
     maxPrefillQueueSeconds: float | None = Field(None, ge=0)
     #: Inside a flow, dispatch the least ``enqueued + w x predicted prefill seconds``
     #: first (``w`` this weight; None: first come, first served).

@@ -452,6 +452,15 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         model = request.target_model or request.model
         return self.calibration.tokens(model, len(request.prompt_text))
 
+    @staticmethod
+    def _cached_tokens(cycle: CycleState) -> dict[str, float]:
+        """Per endpoint, the tokens of the prompt it holds: the approximate index's
+        estimate, or the precise one's where larger (module docstring, ``cached(e)``)."""
+        cached: dict[str, float] = dict(cycle.get("prefix.cached_tokens") or {})
+        for key, tokens in (cycle.get("precise.cached_tokens") or {}).items():
+            cached[key] = max(cached.get(key, 0.0), float(tokens))
+        return cached
+
     def prefill_seconds(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> float:
@@ -460,9 +469,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         if not endpoints:
             return 0.0
         prompt = self._prompt_tokens(cycle, request)
-        cached: dict[str, float] = dict(cycle.get("prefix.cached_tokens") or {})
-        for key, tokens in (cycle.get("precise.cached_tokens") or {}).items():
-            cached[key] = max(cached.get(key, 0.0), float(tokens))
+        cached = self._cached_tokens(cycle)
         costs = self._pooled_costs(endpoints, prompt)
         works = []
         for e, cost in zip(endpoints, costs, strict=True):
@@ -476,9 +483,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         """Per endpoint: (predicted TTFT seconds, uncached tokens)."""
         now = self.clock()
         prompt = self._prompt_tokens(cycle, request)
-        cached: dict[str, float] = dict(cycle.get("prefix.cached_tokens") or {})
-        for key, tokens in (cycle.get("precise.cached_tokens") or {}).items():
-            cached[key] = max(cached.get(key, 0.0), float(tokens))
+        cached = self._cached_tokens(cycle)
         prefix = self._prefix()
         model = request.target_model or request.model
         stale = self.context.saturation.is_stale
