@@ -7,21 +7,17 @@ import asyncio
 import json
 
 import pytest
-from infergate.epp.config import ConfigError, load_config, parse_config
+from infergate.epp.config import ConfigError, parse_config
 from infergate.epp.datalayer.datastore import Datastore
-from infergate.epp.datalayer.objectives import ObjectiveStore
-from infergate.epp.flowcontrol import build_flow_controller
 from infergate.epp.flowcontrol.config import FlowControlConfig
 from infergate.epp.flowcontrol.controller import FlowController, prefill_queue_seconds
 from infergate.epp.flowcontrol.metrics import FlowControlMetrics
 from infergate.epp.flowcontrol.queues import BandQueues, QueueItem
 from infergate.epp.flowcontrol.saturation import SaturationDetector
-from infergate.epp.observability import EppMetrics
-from infergate.epp.requestcontrol.director import Director
-from infergate.epp.scheduling.plugins import PluginContext
-from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.types import Endpoint, InferenceRequest
 from prometheus_client import CollectorRegistry
+
+from tests.epp.test_flowcontrol_director import make_director
 
 
 def item(order: float, flow: str = "default", priority: int = 0) -> QueueItem:
@@ -151,19 +147,6 @@ async def test_the_gate_lets_one_request_go_until_it_is_placed() -> None:
         flow.placed(ticket)
         flow.release(ticket)
     assert flow.placing == 0 and flow.in_flight == 0 and len(flow.queues) == 0
-
-
-def make_director(flow_yaml: str) -> Director:
-    datastore = Datastore()
-    datastore.set_endpoints([Endpoint("127.0.0.1", 8000)])
-    saturation = SaturationDetector(5, 0.8, 2.0)
-    metrics = EppMetrics(datastore, saturation)
-    context = PluginContext(datastore, saturation, {"metrics": metrics})
-    scheduler = Scheduler.from_config(load_config(None), context, metrics.plugin_timer)
-    flow = build_flow_controller(
-        parse_config(flow_yaml).flowControl, datastore, saturation, metrics
-    )
-    return Director(datastore, scheduler, saturation, ObjectiveStore(), metrics, flow)
 
 
 def body(prompt: str) -> bytes:
