@@ -179,14 +179,16 @@ class EngineMetrics:
         num_waiting: Callable[[], float],
         kv_usage: Callable[[], float],
         pending_prefill: Callable[[], float] = float,
+        waiting_prefill: Callable[[], float] = float,
     ) -> None:
         """Read live values from the engine at scrape time (``pending_prefill``: running
-        requests' prompt tokens not yet computed, for load reports only)."""
+        requests' prompt tokens not yet computed; ``waiting_prefill``: waiting requests'
+        uncached prompt tokens at arrival; both for load reports only)."""
         self._running.labels(self._model).set_function(num_running)
         self._waiting.labels(self._model).set_function(num_waiting)
         self._kv_usage.labels(self._model).set_function(kv_usage)
         self._kv_usage_legacy.labels(self._model).set_function(kv_usage)
-        self._live = (num_running, num_waiting, kv_usage, pending_prefill)
+        self._live = (num_running, num_waiting, kv_usage, pending_prefill, waiting_prefill)
 
     def bind_lora(
         self, running: Callable[[], set[str]], waiting: Callable[[], set[str]], max_lora: int
@@ -197,7 +199,7 @@ class EngineMetrics:
     def load_state(self) -> tuple[object, ...]:
         """The engine's load as a load report carries it (:mod:`infergate.wire.load`), in
         its field order from ``waiting``: read now, from the same sources as ``/metrics``."""
-        running, waiting, kv_usage, pending_prefill = self._live
+        running, waiting, kv_usage, pending_prefill, waiting_prefill = self._live
         prefill = self.prefill_time
         return (
             int(waiting()), int(running()), min(1.0, max(0.0, float(kv_usage()))),
@@ -206,7 +208,7 @@ class EngineMetrics:
             prefill._sum.get(), float(sum(b.get() for b in prefill._buckets)),
             self.request_prompt_tokens._sum.get(),
             self.prefix_hits._value.get(), self.prefix_queries._value.get(),
-            max(0.0, float(pending_prefill())),
+            max(0.0, float(pending_prefill())), max(0.0, float(waiting_prefill())),
         )  # fmt: skip
 
     def request_finished(self, reason: str) -> None:

@@ -60,6 +60,9 @@ class Metrics:
     #: Prompt tokens of the engine's running requests not computed yet, whoever routed
     #: them (load reports only; 0 from a scrape): prefill another replica started.
     prefill_pending_tokens: float = 0.0
+    #: Waiting requests' prompt tokens not in the engine's prefix cache at their arrival
+    #: (load reports only): the prefill queued behind the running requests'.
+    prefill_waiting_tokens: float = 0.0
     updated_at: float = 0.0
     #: Set when the snapshot is a pushed load report (:mod:`infergate.wire.load`): the
     #: engine's sampling tick and heartbeat, and how long the report took to arrive.

@@ -134,6 +134,7 @@ class EngineCore:
                 lambda: self.scheduler.num_waiting,
                 self.kv.usage,
                 lambda: self.scheduler.pending_prefill_tokens,
+                lambda: self.scheduler.waiting_prefill_tokens,
             )
             if lora is not None:
                 metrics.bind_lora(

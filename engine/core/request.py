@@ -68,6 +68,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    #: Prompt tokens not in the prefix cache when it arrived: its prefill while it waits
+    #: (the scheduler's ``waiting_prefill_tokens``, for load reports).
+    arrival_uncached_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of every full block of all_token_ids
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     scheduled_time: float | None = None  # first admission (end of queueing)

@@ -72,6 +72,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
+        cached = self.kv.find_cached_prefix(request).num_tokens(self.kv.block_size)
+        request.arrival_uncached_tokens = max(0, request.num_prompt_tokens - cached)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -105,6 +107,14 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        """Prompt tokens of waiting requests that were not in the prefix cache when each
+        arrived: the prefill queued behind the running requests' (an estimate: blocks a
+        request ahead computes for them, or evictions since, are not counted). Read from
+        the load reporter's thread, as ``pending_prefill_tokens`` is."""
+        return sum(request.arrival_uncached_tokens for request in list(self.waiting))
 
     @property
     def pending_prefill_tokens(self) -> int:

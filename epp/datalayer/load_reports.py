@@ -75,6 +75,7 @@ def snapshot(report: load.LoadReport, now: float, wall: float) -> Metrics:
         prefix_hits_total=report.prefix_hits_total,
         prefix_queries_total=report.prefix_queries_total,
         prefill_pending_tokens=report.prefill_pending_tokens,
+        prefill_waiting_tokens=report.prefill_waiting_tokens,
         updated_at=sent_on_our_clock(report, now, wall),
         tick=report.tick,
         heartbeat=report.heartbeat,

@@ -66,6 +66,9 @@ class LoadReport(msgspec.Struct, array_like=True, gc=False):
     #: until its step ends): the prefill work ahead of a new request, whoever routed it.
     #: Last, with a default, so a report from an engine without it still decodes.
     prefill_pending_tokens: _Total = 0.0
+    #: Prompt tokens of waiting requests that were not in the prefix cache when each
+    #: arrived: the prefill queued behind the running ones. Last, with a default, as above.
+    prefill_waiting_tokens: _Total = 0.0
 
 
 #: The payload's size cap: a report is a few hundred bytes; LoRA names make it longer.

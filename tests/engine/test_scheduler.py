@@ -260,7 +260,7 @@ def test_pending_prefill_counts_running_prompts_until_their_step_ends() -> None:
     its uncached part; a waiting request is not counted (its hit is unknown yet)."""
     s = make(budget=64)
     s.add(req("a", list(range(100))))
-    assert s.pending_prefill_tokens == 0  # waiting: reported as a count, not as tokens
+    assert s.pending_prefill_tokens == 0  # waiting: in waiting_prefill_tokens, not here
     out = s.schedule()  # admitted; its first 64-token chunk runs now
     assert s.pending_prefill_tokens == 100
     s.update_after_step(out, [None])
@@ -271,3 +271,19 @@ def test_pending_prefill_counts_running_prompts_until_their_step_ends() -> None:
     s.add(req("b", [*range(100), 7, 7]))  # the same 96 cached tokens + 6 new ones
     s.schedule()
     assert s.pending_prefill_tokens == 102 - 96
+
+
+def test_waiting_prefill_counts_what_was_uncached_at_arrival_until_admission() -> None:
+    """The prefill queued behind the running requests, for load reports: each waiting
+    request's prompt less the prefix cached when it arrived; admission takes it out."""
+    s = make(budget=64, max_seqs=1)
+    s.add(req("warm", list(range(100))))
+    drain(s)  # 96 tokens (6 full blocks) of it stay cached
+    s.add(req("running", list(range(500, 540)), max_tokens=8))
+    step(s)  # admitted; max_seqs=1 keeps the next ones waiting
+    s.add(req("hit", [*range(100), 7, 7]))  # 96 cached + 6 new
+    s.add(req("cold", list(range(2000, 2050))))
+    assert s.num_waiting == 2
+    assert s.waiting_prefill_tokens == (102 - 96) + 50
+    drain(s)
+    assert s.waiting_prefill_tokens == 0 and s.num_waiting == 0

@@ -278,12 +278,18 @@ async def test_bad_or_flooding_load_reports_cannot_crash_or_bloat_the_epp(
     pub.close(0)
 
 
-def test_a_report_without_pending_prefill_decodes_as_zero() -> None:
-    """An engine from before the field (its report one element shorter) still decodes."""
-    full = msgspec.msgpack.decode(load.encode(_report(prefill_pending_tokens=300.0)))
-    assert len(full) == 17 and full[16] == 300.0
-    assert load.decode(msgspec.msgpack.encode(full)).prefill_pending_tokens == 300.0
-    assert load.decode(msgspec.msgpack.encode(full[:16])).prefill_pending_tokens == 0.0
+def test_a_report_without_the_prefill_fields_decodes_them_as_zero() -> None:
+    """Engines from before each field (their reports one or two elements shorter) still
+    decode: pending prefill, then waiting prefill, read as 0."""
+    report = _report(prefill_pending_tokens=300.0, prefill_waiting_tokens=120.0)
+    full = msgspec.msgpack.decode(load.encode(report))
+    assert len(full) == 18 and full[16] == 300.0 and full[17] == 120.0
+    decoded = load.decode(msgspec.msgpack.encode(full))
+    assert decoded.prefill_pending_tokens == 300.0 and decoded.prefill_waiting_tokens == 120.0
+    older = load.decode(msgspec.msgpack.encode(full[:17]))
+    assert older.prefill_pending_tokens == 300.0 and older.prefill_waiting_tokens == 0.0
+    oldest = load.decode(msgspec.msgpack.encode(full[:16]))
+    assert oldest.prefill_pending_tokens == 0.0 and oldest.prefill_waiting_tokens == 0.0
 
 
 def test_pushed_snapshot_freshness_and_push_liveness() -> None:

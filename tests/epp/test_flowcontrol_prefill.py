@@ -14,7 +14,7 @@ from infergate.epp.flowcontrol.controller import FlowController, prefill_queue_s
 from infergate.epp.flowcontrol.metrics import FlowControlMetrics
 from infergate.epp.flowcontrol.queues import BandQueues, QueueItem
 from infergate.epp.flowcontrol.saturation import SaturationDetector
-from infergate.epp.types import Endpoint, InferenceRequest
+from infergate.epp.types import Endpoint, InferenceRequest, Metrics
 from prometheus_client import CollectorRegistry
 
 from tests.epp.test_flowcontrol_director import make_director
@@ -124,6 +124,26 @@ async def test_a_short_prefill_overtakes_a_long_one_only_with_the_order() -> Non
             state.prefill_busy_until = 0.0
         await asyncio.wait_for(asyncio.gather(long, short), 2.0)
         assert order[0] == first_out, weight
+
+
+def test_a_reporting_engines_queue_is_its_running_and_waiting_prefill() -> None:
+    """From a pushed load report the queue is the engine's own (its running requests'
+    pending prefill, drained since the report, and its waiting requests' uncached
+    tokens), not the latency model's clock; without reports, the clock."""
+    flow = make_controller()
+    state = flow.datastore.all()[0]
+    now = flow.clock()
+    state.prefill_busy_until = now + 30.0  # the clock's prediction
+    assert prefill_queue_seconds(state, now) == pytest.approx(30.0)
+    per_token = state.cost.per_token
+    state.metrics = Metrics(
+        prefill_pending_tokens=1.0 / per_token,  # 1 s running
+        prefill_waiting_tokens=2.0 / per_token,  # 2 s waiting
+        updated_at=now,
+        heartbeat=0.5,
+    )
+    assert prefill_queue_seconds(state, now) == pytest.approx(3.0)
+    assert prefill_queue_seconds(state, now + 0.5) == pytest.approx(2.5)
 
 
 async def test_the_gate_lets_one_request_go_until_it_is_placed() -> None:
