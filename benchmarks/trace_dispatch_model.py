@@ -32,7 +32,8 @@ Policies:
 * ``hold-release``: requests held in the router while every engine has more than
   ``--hold-seconds`` of prefill queued; when the least-queued engine's queue falls to
   that, the held request with the least ``arrival + --hold-beta x work`` leaves, placed
-  by the cost model: reordering that keeps the hits (flow control could do this).
+  by the cost model: reordering that keeps the hits (the EPP's ``flowControl``
+  ``maxPrefillQueueSeconds`` and ``prefillOrderWeight``, docs/epp.md).
 * ``central-fcfs``: one queue feeding every engine in arrival order, every engine
   holding every block ever sent. Least-work dispatch to FCFS servers is that queue
   (the same start times), so this is least-work with every possible hit: the reference
