@@ -110,14 +110,20 @@ class Director:
         return candidates
 
     async def _admit(
-        self, request: InferenceRequest, size: int, subset: list[str] | None
+        self,
+        request: InferenceRequest,
+        size: int,
+        subset: list[str] | None,
+        arriving: list[EndpointState],
     ) -> tuple[Ticket, list[EndpointState]]:
-        """Wait in flow control; then the candidates as they are *now* (the pool may have
-        changed while the request waited), preferring endpoints under their budget."""
+        """Wait in flow control (ordered by the predicted prefill over ``arriving``, the
+        candidates at arrival, when configured); then the candidates as they are *now*
+        (the pool may have changed while the request waited), preferring endpoints under
+        their budget."""
         assert self.flow is not None
         prefill = 0.0
         if self.flow.config.prefillOrderWeight is not None and self.flow.must_wait():
-            prefill = await self.hooks.prefill_seconds(request, self._candidates(subset))
+            prefill = await self.hooks.prefill_seconds(request, arriving)
         try:
             ticket = await self.flow.admit(
                 request.priority,
@@ -175,7 +181,7 @@ class Director:
         candidates = self._candidates(subset)
         ticket: Ticket | None = None
         if self.flow is not None and raw_body:
-            ticket, candidates = await self._admit(request, len(raw_body), subset)
+            ticket, candidates = await self._admit(request, len(raw_body), subset, candidates)
         elif request.priority < 0 and self.saturation.pool_saturated(candidates):
             raise Rejected(429, "the pool is saturated; sheddable request dropped")
 
