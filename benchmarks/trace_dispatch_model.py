@@ -51,7 +51,7 @@ import argparse
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +66,16 @@ from infergate.bench.routing.matrix import TRACE
 DECODE_STEP_S = 0.02
 #: sglang-router ``cache_aware`` defaults: imbalance thresholds and the match share.
 BALANCE_ABS, BALANCE_REL, CACHE_THRESHOLD = 32, 1.5, 0.5
+
+
+def cached_tokens(request: traces.TraceRequest, held: Container[int]) -> int:
+    """The prompt tokens in the leading run of ``request``'s blocks that ``held`` has."""
+    blocks = 0
+    for h in request.hash_ids:
+        if h not in held:
+            break
+        blocks += 1
+    return min(blocks * traces.TRACE_BLOCK_TOKENS, request.input_length)
 
 
 @dataclass
@@ -92,12 +102,7 @@ class Fleet:
         return p.weights_s + uncached * p.prefill_s_per_token + attention
 
     def cached(self, e: int, request: traces.TraceRequest) -> int:
-        held = 0
-        for h in request.hash_ids:
-            if h not in self.caches[e]:
-                break
-            held += 1
-        return min(held * traces.TRACE_BLOCK_TOKENS, request.input_length)
+        return cached_tokens(request, self.caches[e])
 
     def place(self, e: int, request: traces.TraceRequest, now: float, work: float) -> float:
         """Queue ``request`` on engine ``e``; its TTFT."""
@@ -224,13 +229,8 @@ def central(requests: Sequence[traces.TraceRequest], profile: Profile, engines: 
     fleet, seen, jobs = Fleet(profile, engines), set[int](), []
     hit = 0
     for r in requests:
-        held = 0
-        for h in r.hash_ids:
-            if h not in seen:
-                break
-            held += 1
+        cached = cached_tokens(r, seen)
         seen.update(r.hash_ids)
-        cached = min(held * traces.TRACE_BLOCK_TOKENS, r.input_length)
         hit += cached
         jobs.append((r.timestamp_ms / 1000.0, fleet.work(max(1, r.input_length - cached), cached)))
     free, order, ttfts, i = [0.0] * engines, itertools.count(), [], 0
