@@ -17,18 +17,12 @@ from infergate.epp.flowcontrol.saturation import SaturationDetector
 from infergate.epp.types import Endpoint, InferenceRequest, Metrics
 from prometheus_client import CollectorRegistry
 
+from tests.epp.test_flowcontrol import drain
 from tests.epp.test_flowcontrol_director import make_director
 
 
 def item(order: float, flow: str = "default", priority: int = 0) -> QueueItem:
     return QueueItem(flow=flow, priority=priority, size=1, enqueued=0.0, order=order)
-
-
-def drain(queues: BandQueues) -> list[QueueItem]:
-    out = []
-    while (next_item := queues.pop()) is not None:
-        out.append(next_item)
-    return out
 
 
 def test_an_ordered_flow_gives_the_least_order_first_and_bands_stay_strict() -> None:
