@@ -90,6 +90,18 @@ def test_windows_by_seed_are_deterministic_and_inside_the_trace() -> None:
             traces.parse_windows([bad])
 
 
+def test_windows_by_seed_start_at_the_first_request_of_a_trace_cut_from_a_longer_one() -> None:
+    """A slice of a trace keeps its timestamps: here 20 minutes in. Every seed's window
+    must fall among its requests, not in the empty 20 minutes before them."""
+    trace = [TraceRequest((1200 + t) * 1000.0, 512, 1, (t,)) for t in range(150)]
+    for seed in range(16):
+        window = traces.window_for_seed(trace, 60, seed=seed)
+        assert 1200 <= window.start_s <= 1200 + 149 - 60
+        assert len(traces.in_window(trace, window)) == 60
+    whole = traces.window_for_seed(trace, 600, seed=1)  # longer than the trace: all of it
+    assert whole.start_s == 1200 and len(traces.in_window(trace, whole)) == 150
+
+
 def test_equal_block_ids_give_equal_tokens_at_exact_lengths() -> None:
     tokens = Tokens(ensure_tiny_model())
     assert tokens.tokenizer is not None

@@ -137,11 +137,14 @@ def parse_windows(items: Sequence[str]) -> list[Window]:
 
 
 def window_for_seed(trace: Sequence[TraceRequest], seconds: float, seed: int) -> Window:
-    """The window a seed picks: a start uniform over the trace's span (whole ms), so that
-    the window lies inside it; the whole trace if it is shorter than ``seconds``."""
-    span = trace[-1].timestamp_ms / 1000.0
-    room = max(0.0, span - seconds)
-    start = round(random.Random(seed).uniform(0.0, room), 3)
+    """The window a seed picks: a start uniform over the trace's span, from its first
+    request to its last (whole ms), so that the window lies inside it; from the first
+    request if the trace is shorter than ``seconds``. A trace cut from a longer one keeps
+    its timestamps (the first may be minutes in): the span starts at its first request,
+    not at 0."""
+    first = trace[0].timestamp_ms / 1000.0
+    room = max(0.0, trace[-1].timestamp_ms / 1000.0 - first - seconds)
+    start = round(first + random.Random(seed).uniform(0.0, room), 3)
     return Window(start, seconds, seed)
 
 
