@@ -20,10 +20,15 @@ from infergate.procs import free_port, http_ready
 
 
 def _thread_names(pid: int) -> list[str]:
+    """The live threads' names. A thread may end between the listing and the read of its
+    name (the readiness probe's, below): it is not running then, so it is left out."""
     names = []
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-            names.append(comm.read().strip())
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return names
 
 
