@@ -744,6 +744,28 @@ async def test_an_engine_slower_than_the_tolerance_keeps_its_own_cost() -> None:
     assert picked != 2
 
 
+async def test_a_fit_far_cheaper_than_its_peers_does_not_draw_every_long_prompt() -> None:
+    """A degenerate fit (the base took all the time, ``per_token`` 0) read as such made its
+    engine look able to prefill any prompt at once: it took each long prompt, and its
+    clock, advanced by that cheap work, never showed the queue. Read as the median, the
+    first long prompt may go there, but the clock then holds its real work and the next
+    one goes elsewhere."""
+    states, ctx, scorer, now = latency_fleet(3, 10_000)
+    for state, per_token in zip(states, (30e-6, 31e-6, 0.0), strict=True):
+        _fitted(state, per_token)
+    broken = states[2]
+    picks = []
+    for n in range(3):  # 20,000 cold tokens each, arriving together
+        picked, _, cycle = await schedule(ctx, states, f"{n} " + "q" * 80_000, scorer)
+        picks.append(picked)
+        predicted = cycle["latency.predicted"]
+        if n == 0:  # an idle fleet: the broken engine is predicted as its peers
+            assert predicted[broken.key] == pytest.approx(predicted[states[0].key])
+    assert sorted(picks) == [0, 1, 2]  # one each: no engine's clock stayed empty
+    held = [s.prefill_busy_until - now[0] for s in states]
+    assert held[2] == pytest.approx(held[0]) and held[2] > 0.5, held  # the median fit: [0]'s
+
+
 async def test_an_endpoint_without_a_fit_is_predicted_with_its_peers_median() -> None:
     # A new engine still on the prior (50 µs a token) among peers fitted at 30 µs: it is
     # most likely another of them, not 1.7x slower, so it is not starved while it learns.

@@ -28,7 +28,17 @@ token there (all times in seconds)::
   fits still differ by a few per cent, and on an idle fleet the cheapest-looking engine
   won every tie, so it took 2× the requests of another (imbalance 1.24-1.33 on the
   routing lab's no-sharing workload); an engine really slower than τ keeps its own cost.
-  The prefill clock below advances by the endpoint's own fit: it tracks that engine.
+  A fit *cheaper* than half the median (:data:`CHEAP_FIT_SHARE`) is read as the median
+  too, and the clock below advances by the median for it. Why: the fit's two parameters
+  trade against each other, and on windows of prompts from 1k to 120k tokens (an engine
+  that admits a short prompt while a long one fills its steps reports the wait as the
+  short one's prefill) the base took all the time and ``per_token`` fell to 0. That
+  engine then looked able to prefill 79k tokens in 0.2 s, took every long prompt of the
+  next seconds, and its clock, advanced by that cheap work, showed no queue: one engine
+  of four queued 10-20 s (a slice of Mooncake's arxiv trace, TTFT p90 1.8x
+  sglang-router's). A too-dear fit only steers work away from its engine, so the rule is
+  one-sided; a fleet whose engines really differ 2x in speed keeps the slow ones' fits.
+  Otherwise the prefill clock advances by the endpoint's own fit: it tracks that engine.
 * ``wait(e)``: prefill work already queued there. The EPP keeps a virtual clock per
   endpoint: routing a request adds its ``work`` seconds, and the work
   drains at one second per second (an engine works through its prefills at its own pace),
@@ -194,6 +204,9 @@ RUNNING_NOTE = "latency.running"
 #: to find the prefix a new prompt shares with the requests on an endpoint
 #: (:class:`RunningPrefixes`).
 SHARED_STRIDE = 8
+#: A fit whose prefill of the prompt is under this share of the candidates' median is
+#: read as the median (module docstring, ``base(e)``).
+CHEAP_FIT_SHARE = 0.5
 #: Picks remembered for the work externality's count of recent arrivals (at least this
 #: many, at most twice as many).
 PICK_HISTORY = 4096
@@ -500,6 +513,12 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
         )
         costs = self._pooled_costs(endpoints, prompt)
+        # Where a too-cheap fit was replaced, the clock advances by the replacement too.
+        cycle["latency.clock_cost"] = {
+            e.key: cost
+            for e, cost in zip(endpoints, costs, strict=True)
+            if self._too_cheap(self._cost(e), cost, prompt)
+        }
         hashes: bytes = cycle.get("prefix.hashes") or b""
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
         needs: dict[str, float] = {}
@@ -613,9 +632,10 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
 
     def _pooled_costs(self, endpoints: Sequence[EndpointState], prompt: float) -> list[PrefillCost]:
         """Each candidate's cost for this prediction: its own fit, or the candidates'
-        median cost where the fit is within ``costTolerance`` of it or has no window yet
-        (module docstring). The median is taken of the fitted candidates' seconds for a
-        ``prompt``-token prefill (the lower median: one of the fits, never an average)."""
+        median cost where the fit is within ``costTolerance`` of it, cheaper than
+        :data:`CHEAP_FIT_SHARE` of it, or has no window yet (module docstring). The median
+        is taken of the fitted candidates' seconds for a ``prompt``-token prefill (the
+        lower median: one of the fits, never an average)."""
         costs = [self._cost(e) for e in endpoints]
         if self._pinned is not None or len(costs) < 2:
             return costs
@@ -625,10 +645,21 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             return costs
         reference, at = fitted[(len(fitted) - 1) // 2]
         median, band = costs[at], self.p.costTolerance * reference
+        floor = CHEAP_FIT_SHARE * reference
         return [
-            median if t < 0.0 or abs(t - reference) <= band else c
+            median if t < floor or abs(t - reference) <= band else c
             for c, t in zip(costs, seconds, strict=True)
         ]
+
+    @staticmethod
+    def _too_cheap(own: PrefillCost, pooled: PrefillCost, prompt: float) -> bool:
+        """Whether ``pooled`` replaced ``own`` because ``own`` is a fitted cost under
+        :data:`CHEAP_FIT_SHARE` of the median (:meth:`_pooled_costs`)."""
+        return (
+            pooled is not own
+            and own.observations > 0
+            and own.seconds(prompt) < CHEAP_FIT_SHARE * pooled.seconds(prompt)
+        )
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
@@ -665,7 +696,10 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             claim = Claim(now, kv_need, 0.0)
         else:
             prompt = self._prompt_tokens(cycle, request)
-            work = self.prefill_work(self._cost(primary), uncached, max(0.0, prompt - uncached))
+            clock_cost = (cycle.get("latency.clock_cost") or {}).get(primary.key)
+            work = self.prefill_work(
+                clock_cost or self._cost(primary), uncached, max(0.0, prompt - uncached)
+            )
             primary.prefill_busy_until = max(primary.prefill_busy_until, now) + work
             claim = Claim(now, kv_need, uncached, hashes, matches.get(primary.key, 0))
         primary.claim(claim)
