@@ -218,7 +218,12 @@ class EndpointState:
     def pending_prefill_seconds(self, per_token: float, now: float) -> float:
         """Prefill work ahead of a new request here, whoever routed it, in seconds:
         ``max(0, pending × per_token − age) + sent × per_token``, with ``pending`` the
-        engine's running prompt tokens not yet computed at its last load report, ``age``
+        engine's running prompt tokens not yet computed at its last load report and its
+        waiting requests' tokens that were not cached when they arrived (the engine
+        prefills both before a request that comes now; without the waiting ones, an
+        engine whose full KV cache held 3-9 requests and 70k-280k tokens of prefill in
+        its waiting queue looked 1-2 s from free and took the next long prompts, served
+        10-27 s later: a slice of Mooncake's arxiv trace), ``age``
         the report's age (the engine has worked that long since), and ``sent`` the uncached
         tokens of this EPP's picks here that the report does not show yet (its live
         :class:`Claim` s; not drained: the next report, within a tick of the change they
@@ -229,7 +234,8 @@ class EndpointState:
         if not m.pushed:
             return 0.0
         age = max(0.0, now - m.updated_at)
-        reported = max(0.0, m.prefill_pending_tokens * per_token - age)
+        queued = m.prefill_pending_tokens + m.prefill_waiting_tokens
+        reported = max(0.0, queued * per_token - age)
         return reported + self.claimed_prefill_tokens * per_token
 
     def load(self) -> int:

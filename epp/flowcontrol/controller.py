@@ -94,16 +94,14 @@ def fairness_id(headers: dict[str, str]) -> str:
 
 def prefill_queue_seconds(state: EndpointState, now: float) -> float:
     """Prefill queued on an endpoint, in seconds. From an engine that pushes load reports:
-    its running requests' pending prefill with this EPP's picks since
-    (``EndpointState.pending_prefill_seconds``) plus its waiting requests' uncached
-    prompt tokens, at the endpoint's cost per token. Otherwise the latency model's clock
+    its running and waiting requests' pending prefill with this EPP's picks since
+    (``EndpointState.pending_prefill_seconds``), at the endpoint's cost per token.
+    Otherwise the latency model's clock
     for it (its picks' predicted prefill, drained in real time). The report wins where
     there is one: the clock charges each pick its predicted work, and a hold on a
     predicted queue the engine no longer has leaves it idle."""
     if state.metrics.pushed:
-        per_token = state.cost.per_token
-        waiting = state.metrics.prefill_waiting_tokens * per_token
-        return state.pending_prefill_seconds(per_token, now) + waiting
+        return state.pending_prefill_seconds(state.cost.per_token, now)
     return max(0.0, state.prefill_busy_until - now)
 
 

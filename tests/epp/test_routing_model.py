@@ -412,6 +412,28 @@ async def test_a_prefill_another_replica_started_is_seen_from_the_engines_load_r
     assert scraped.pending_prefill_seconds(PER_TOKEN, time.monotonic()) == 0.0
 
 
+async def test_an_engine_whose_waiting_queue_holds_prefill_is_not_predicted_free() -> None:
+    """An engine with a full KV cache runs decodes and keeps requests waiting: nothing of
+    its running requests is left to prefill, but its waiting requests' uncached prompts
+    (the report's ``prefill_waiting_tokens``) come before a new request. Counting only the
+    running ones, it looked free and took the next long prompt."""
+    states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.0)
+    queued, other = states
+    other.metrics = Metrics(
+        block_size=16, num_gpu_blocks=10_000, running=2, counts_reported=True,
+        prefill_pending_tokens=4000.0, updated_at=now[0], tick=0.01, heartbeat=0.5,
+    )  # fmt: skip
+    queued.metrics = Metrics(
+        block_size=16, num_gpu_blocks=10_000, running=2, waiting=2, counts_reported=True,
+        prefill_waiting_tokens=20_000.0, updated_at=now[0], tick=0.01, heartbeat=0.5,
+    )  # fmt: skip
+    assert queued.pending_prefill_seconds(PER_TOKEN, now[0]) == pytest.approx(20_000 * PER_TOKEN)
+    picked, _, cycle = await schedule(ctx, states, "w" * 4000, scorer)  # 1,000 cold tokens
+    assert states[picked] is other  # 0.12 s of prefill ahead there, 0.6 s here
+    predicted = cycle["latency.predicted"]
+    assert predicted[queued.key] - predicted[other.key] > 0.4
+
+
 async def test_a_cold_prompt_avoids_an_engine_still_prefilling_another() -> None:
     """Engine A is 5 ms from the end of a prefill; engine B prefills nothing but decodes 8
     requests (8 ms at 1 ms each). Predicting only the new request's TTFT, A is 2 ms sooner

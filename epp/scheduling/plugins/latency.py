@@ -46,7 +46,8 @@ token there (all times in seconds)::
   this EPP (another replica's, or a client's sent around it): the engine's reported waiting
   queue, ``waiting × base``, and, from an engine that pushes load reports, its pending
   prefill, ``max(0, pending × per_token − age) + sent × per_token``: ``pending`` its
-  running requests' prompt tokens not yet computed at its last report, ``age`` the
+  running requests' prompt tokens not yet computed at its last report and its waiting
+  requests' tokens that were not cached when they arrived, ``age`` the
   report's age (the engine has worked that long since), ``sent`` the uncached tokens this
   EPP routed there after it.
   With one replica the clock and the report agree; with several, only the report sees the
