@@ -513,13 +513,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         top = (
             [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
         )
-        costs = self._pooled_costs(endpoints, prompt)
-        # Where a too-cheap fit was replaced, the clock advances by the replacement too.
-        cycle["latency.clock_cost"] = {
-            e.key: cost
-            for e, cost in zip(endpoints, costs, strict=True)
-            if self._too_cheap(self._cost(e), cost, prompt)
-        }
+        costs, cycle["latency.clock_cost"] = self._pool_costs(endpoints, prompt)
         hashes: bytes = cycle.get("prefix.hashes") or b""
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
         needs: dict[str, float] = {}
@@ -632,35 +626,36 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         return self._pinned
 
     def _pooled_costs(self, endpoints: Sequence[EndpointState], prompt: float) -> list[PrefillCost]:
+        """Each candidate's cost for this prediction (:meth:`_pool_costs`)."""
+        return self._pool_costs(endpoints, prompt)[0]
+
+    def _pool_costs(
+        self, endpoints: Sequence[EndpointState], prompt: float
+    ) -> tuple[list[PrefillCost], dict[str, PrefillCost]]:
         """Each candidate's cost for this prediction: its own fit, or the candidates'
         median cost where the fit is within ``costTolerance`` of it, cheaper than
         :data:`CHEAP_FIT_SHARE` of it, or has no window yet (module docstring). The median
         is taken of the fitted candidates' seconds for a ``prompt``-token prefill (the
-        lower median: one of the fits, never an average)."""
+        lower median: one of the fits, never an average). Also, by endpoint key, the
+        median for each fitted endpoint replaced as too cheap: its clock advances by it."""
         costs = [self._cost(e) for e in endpoints]
         if self._pinned is not None or len(costs) < 2:
-            return costs
+            return costs, {}
         seconds = [c.seconds(prompt) if c.observations > 0 else -1.0 for c in costs]
         fitted = sorted((t, i) for i, t in enumerate(seconds) if t >= 0.0)
         if not fitted:
-            return costs
+            return costs, {}
         reference, at = fitted[(len(fitted) - 1) // 2]
         median, band = costs[at], self.p.costTolerance * reference
         floor = CHEAP_FIT_SHARE * reference
-        return [
+        pooled = [
             median if t < floor or abs(t - reference) <= band else c
             for c, t in zip(costs, seconds, strict=True)
         ]
-
-    @staticmethod
-    def _too_cheap(own: PrefillCost, pooled: PrefillCost, prompt: float) -> bool:
-        """Whether ``pooled`` replaced ``own`` because ``own`` is a fitted cost under
-        :data:`CHEAP_FIT_SHARE` of the median (:meth:`_pooled_costs`)."""
-        return (
-            pooled is not own
-            and own.observations > 0
-            and own.seconds(prompt) < CHEAP_FIT_SHARE * pooled.seconds(prompt)
-        )
+        too_cheap = {
+            e.key: median for e, t in zip(endpoints, seconds, strict=True) if 0.0 <= t < floor
+        }
+        return pooled, too_cheap
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
