@@ -788,6 +788,34 @@ async def test_a_fit_far_cheaper_than_its_peers_does_not_draw_every_long_prompt(
     assert held[2] == pytest.approx(held[0]) and held[2] > 0.5, held  # the median fit: [0]'s
 
 
+async def test_a_queue_is_priced_at_the_median_rate_when_a_fit_is_mostly_base() -> None:
+    """A fit whose base took the time (0.15 s and 3 µs a token, against peers' 0.01 s and
+    30 µs) prices a 2,000-token prompt near its peers' and is kept for it; but the 40,000
+    tokens the engine reports pending are other prompts', and priced at its 3 µs they
+    read 0.12 s where they are 1.2 s of work (its peers: 8,000 tokens, 0.24 s). The short
+    prompt then went behind them."""
+    states, ctx, scorer, now = latency_fleet(3, 10_000, decodeSecondsPerRequest=0.0)
+    for state in states[:2]:
+        _fitted(state, 30e-6)
+    base_heavy = states[2]
+    _fitted(base_heavy, 3e-6)
+    base_heavy.cost.base = 0.15
+    busy = base_heavy.metrics = Metrics(
+        block_size=16, num_gpu_blocks=10_000, running=2, counts_reported=True,
+        prefill_pending_tokens=40_000.0, updated_at=now[0], tick=0.01, heartbeat=0.5,
+    )  # fmt: skip
+    for idle in states[:2]:
+        idle.metrics = Metrics(
+            block_size=16, num_gpu_blocks=10_000, running=2, counts_reported=True,
+            prefill_pending_tokens=8_000.0, updated_at=now[0], tick=0.01, heartbeat=0.5,
+        )  # fmt: skip
+    assert busy.prefill_pending_tokens * 3e-6 < 8_000 * 30e-6  # its own rate: the freest
+    picked, _, cycle = await schedule(ctx, states, "w" * 8000, scorer)  # 2,000 cold tokens
+    assert states[picked] is not base_heavy
+    predicted = cycle["latency.predicted"]
+    assert predicted[base_heavy.key] - predicted[states[0].key] > 0.8  # 1.2 s against 0.24
+
+
 async def test_an_endpoint_without_a_fit_is_predicted_with_its_peers_median() -> None:
     # A new engine still on the prior (50 µs a token) among peers fitted at 30 µs: it is
     # most likely another of them, not 1.7x slower, so it is not starved while it learns.

@@ -51,7 +51,10 @@ token there (all times in seconds)::
   report's age (the engine has worked that long since), ``sent`` the uncached tokens this
   EPP routed there after it.
   With one replica the clock and the report agree; with several, only the report sees the
-  prefill another replica started, which would otherwise look like an idle engine.
+  prefill another replica started, which would otherwise look like an idle engine. The
+  pending tokens are priced at the endpoint's ``per_token``, or at the candidates' median
+  one where the fit's is under :data:`CHEAP_FIT_SHARE` of it (:meth:`PredictedLatencyScorer._queue_rates`):
+  a fit whose base took the time prices this prompt about right but not a queue of others.
 * ``evict(e)``: what loading this prompt will cost *later*. If the uncached tokens do
   not fit in the part of ``e``'s KV cache the index believes free, the overflow evicts
   other prefixes that will have to be recomputed: ``overflow_tokens × per_token ×
@@ -514,18 +517,19 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
         )
         costs, cycle["latency.clock_cost"] = self._pool_costs(endpoints, prompt)
+        rates = self._queue_rates(endpoints, costs)
         hashes: bytes = cycle.get("prefix.hashes") or b""
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
         needs: dict[str, float] = {}
         waits: list[float] = []
         works: list[float] = []
-        for e, free, cost in zip(endpoints, frees, costs, strict=True):
+        for e, free, cost, rate in zip(endpoints, frees, costs, rates, strict=True):
             here = cached.get(e.key, 0.0)
             shared = self.running.shared_blocks(e.key, hashes) if prefix is not None else 0
             unshared = prompt - (prefix.tokens_for_blocks(model, shared) if shared else 0.0)
             needs[e.key] = max(1.0, prompt - here, unshared) + output
             ttft, uncached, wait, work = self._predict_one(
-                e, cost, now, prompt, here, needs[e.key], output
+                e, cost, rate, now, prompt, here, needs[e.key], output
             )
             waits.append(wait)
             works.append(work)
@@ -556,6 +560,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         self,
         e: EndpointState,
         cost: PrefillCost,
+        queue_rate: float,
         now: float,
         prompt: float,
         cached: float,
@@ -565,10 +570,11 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         """(TTFT seconds without the eviction and staleness terms, uncached tokens, the
         wait before its prefill, the prefill's seconds) of a ``prompt``-token request of
         which ``e`` holds ``cached``, at prefill ``cost``, taking ``kv_need`` tokens of
-        ``e``'s KV cache (module docstring)."""
+        ``e``'s KV cache, the prefill queued there at ``queue_rate`` seconds a token
+        (module docstring)."""
         uncached = max(1.0, prompt - cached)
         prefilling = max(
-            e.prefill_busy_until - now, e.pending_prefill_seconds(cost.per_token, now), 0.0
+            e.prefill_busy_until - now, e.pending_prefill_seconds(queue_rate, now), 0.0
         )
         wait = max(prefilling, e.metrics.waiting * cost.base)
         work = self.prefill_work(cost, uncached, prompt - uncached)
@@ -656,6 +662,30 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             e.key: median for e, t in zip(endpoints, seconds, strict=True) if 0.0 <= t < floor
         }
         return pooled, too_cheap
+
+    def _queue_rates(
+        self, endpoints: Sequence[EndpointState], pooled: Sequence[PrefillCost]
+    ) -> list[float]:
+        """Seconds a token of the prefill already queued on each candidate (the reported
+        pending prefill, ``pending_prefill_seconds``): the pooled cost's ``per_token``,
+        or the fitted candidates' median ``per_token`` (the lower median) where it is under
+        :data:`CHEAP_FIT_SHARE` of that median.
+
+        Why: :meth:`_pool_costs` compares fits at *this* prompt's length, where a fit whose
+        base took the time (0.13 s and 12 µs a token, against peers' 0.01 s and 45 µs)
+        prices a short prompt about right and is kept. The queue is other prompts'
+        tokens, and they were priced at that 12 µs: 40k pending tokens read 0.5 s, and a
+        burst of about 25 short prompts went there and waited 3.8-5.1 s (a slice of
+        Mooncake's arxiv trace). So the queue is priced as a long prompt would
+        be, where only ``per_token`` counts; a pinned cost is used as it is."""
+        if self._pinned is not None or len(pooled) < 2:
+            return [c.per_token for c in pooled]
+        fitted = sorted(self._cost(e).per_token for e in endpoints if self._cost(e).observations)
+        if not fitted:
+            return [c.per_token for c in pooled]
+        median = fitted[(len(fitted) - 1) // 2]
+        floor = CHEAP_FIT_SHARE * median
+        return [median if c.per_token < floor else c.per_token for c in pooled]
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
