@@ -790,10 +790,10 @@ async def test_a_fit_far_cheaper_than_its_peers_does_not_draw_every_long_prompt(
 
 async def test_a_queue_is_priced_at_the_median_rate_when_a_fit_is_mostly_base() -> None:
     """A fit whose base took the time (0.15 s and 3 µs a token, against peers' 0.01 s and
-    30 µs) prices a 2,000-token prompt near its peers' and is kept for it; but the 40,000
-    tokens the engine reports pending are other prompts', and priced at its 3 µs they
-    read 0.12 s where they are 1.2 s of work (its peers: 8,000 tokens, 0.24 s). The short
-    prompt then went behind them."""
+    30 µs) prices a 2,000-token prompt dearer than its peers', so the fit floor keeps it;
+    but the 40,000 tokens the engine reports pending are other prompts', and priced at
+    its 3 µs they read 0.12 s where they are 1.2 s of work (its peers: 8,000 tokens,
+    0.24 s). The short prompt then went behind them."""
     states, ctx, scorer, now = latency_fleet(3, 10_000, decodeSecondsPerRequest=0.0)
     for state in states[:2]:
         _fitted(state, 30e-6)

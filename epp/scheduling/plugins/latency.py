@@ -672,15 +672,16 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         :data:`CHEAP_FIT_SHARE` of that median.
 
         Why: :meth:`_pool_costs` compares fits at *this* prompt's length, where a fit whose
-        base took the time (0.13 s and 12 µs a token, against peers' 0.01 s and 45 µs)
+        base took the time (0.13 s and 12 µs a token, against peers' 0.01 s and 44 µs)
         prices a short prompt about right and is kept. The queue is other prompts'
         tokens, and they were priced at that 12 µs: 40k pending tokens read 0.5 s, and 25
         short prompts of a burst went there and waited 3.8-5.1 s (a slice of Mooncake's
-        arxiv trace). So the queue is priced as a long prompt would
-        be, where only ``per_token`` counts; a pinned cost is used as it is."""
+        arxiv trace). So the queue is priced as a long prompt would be, where only
+        ``per_token`` counts; a pinned cost is used as it is."""
         if self._pinned is not None or len(pooled) < 2:
             return [c.per_token for c in pooled]
-        fitted = sorted(self._cost(e).per_token for e in endpoints if self._cost(e).observations)
+        own = [self._cost(e) for e in endpoints]
+        fitted = sorted(c.per_token for c in own if c.observations)
         if not fitted:
             return [c.per_token for c in pooled]
         median = fitted[(len(fitted) - 1) // 2]
