@@ -487,7 +487,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             return 0.0
         prompt = self._prompt_tokens(cycle, request)
         cached = self._cached_tokens(cycle)
-        costs = self._pooled_costs(endpoints, prompt)
+        costs, _ = self._pool_costs(endpoints, prompt)
         works = []
         for e, cost in zip(endpoints, costs, strict=True):
             here = min(cached.get(e.key, 0.0), prompt)
@@ -630,10 +630,6 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         if self._pinned is None:
             return e.cost
         return self._pinned
-
-    def _pooled_costs(self, endpoints: Sequence[EndpointState], prompt: float) -> list[PrefillCost]:
-        """Each candidate's cost for this prediction (:meth:`_pool_costs`)."""
-        return self._pool_costs(endpoints, prompt)[0]
 
     def _pool_costs(
         self, endpoints: Sequence[EndpointState], prompt: float
