@@ -790,10 +790,11 @@ async def test_a_fit_far_cheaper_than_its_peers_does_not_draw_every_long_prompt(
 
 async def test_a_queue_is_priced_at_the_median_rate_when_a_fit_is_mostly_base() -> None:
     """A fit whose base took the time (0.15 s and 3 µs a token, against peers' 0.01 s and
-    30 µs) prices a 2,000-token prompt dearer than its peers', so the fit floor keeps it;
-    but the 40,000 tokens the engine reports pending are other prompts', and priced at
-    its 3 µs they read 0.12 s where they are 1.2 s of work (its peers: 8,000 tokens,
-    0.24 s). The short prompt then went behind them."""
+    30 µs) prices a 2,000-token prompt dearer than its peers', so a comparison at this
+    prompt's length kept it; but the 40,000 tokens the engine reports pending are other
+    prompts', and priced at its 3 µs they read 0.12 s where they are 1.2 s of work (its
+    peers: 8,000 tokens, 0.24 s). The short prompt then went behind them. Compared by
+    ``per_token``, the fit is read as the median's, queue and all."""
     states, ctx, scorer, now = latency_fleet(3, 10_000, decodeSecondsPerRequest=0.0)
     for state in states[:2]:
         _fitted(state, 30e-6)
@@ -814,6 +815,63 @@ async def test_a_queue_is_priced_at_the_median_rate_when_a_fit_is_mostly_base() 
     assert states[picked] is not base_heavy
     predicted = cycle["latency.predicted"]
     assert predicted[base_heavy.key] - predicted[states[0].key] > 0.8  # 1.2 s against 0.24
+
+
+async def test_a_base_heavy_fit_is_read_as_its_peers_for_a_short_prompt() -> None:
+    """A fit whose base took the time (0.15 s and 3 µs a token, against its peers' 6 ms and
+    30 µs) holds the waits of short prompts behind long ones' steps, which the wait terms
+    count already. Compared at this prompt's length it priced 1,000 tokens at 0.153 s,
+    4x its peers, so it was kept, and an idle engine lost a short prompt to busier ones.
+    Compared by ``per_token``, under half the median's, it is read as the median."""
+    states, ctx, scorer, now = latency_fleet(3, 10_000, decodeSecondsPerRequest=0.0)
+    for state in states:
+        _fitted(state, PER_TOKEN)
+    idle = states[2]
+    idle.cost.base, idle.cost.per_token = 0.15, 3e-6
+    for busy in states[:2]:
+        busy.prefill_busy_until = now[0] + 0.05
+    picked, _, cycle = await schedule(ctx, states, "q" * 4000, scorer)  # 1,000 cold tokens
+    assert states[picked] is idle
+    predicted = cycle["latency.predicted"]
+    assert predicted[idle.key] < predicted[states[0].key] - 0.04
+
+
+async def test_the_work_externality_prices_every_candidate_at_one_cost() -> None:
+    """Identical engines whose fits differ (24 µs a token on A, 30 on B), kept apart by a
+    tight tolerance. A cold 40,000-token prompt: A has 1 s of prefill queued, B none, so
+    B is sooner for this request (2.0 s against 2.7). Priced at each one's own fit, the
+    externality charged B for the 0.4 s it computes beyond A, 8 times over (16 picks in
+    the last half second, over 2 engines): 3.2 s, and the prompt went behind A's queue.
+    Neither holds any of the prompt, so the work the fleet spends is the same on both:
+    at one price there is nothing to charge, and B takes it."""
+    states, ctx, scorer, now = latency_fleet(
+        2, 10_000, decodeSecondsPerRequest=0.0, costTolerance=0.15
+    )
+    a, b = states
+    _fitted(a, 24e-6)
+    _fitted(b, 30e-6)
+    a.prefill_busy_until = now[0] + 1.0
+    scorer._pick_times[:] = [now[0] - 0.01] * 16
+    picked, _, cycle = await schedule(ctx, states, "c" * 160_000, scorer)  # 40,000 tokens
+    assert states[picked] is b, cycle["latency.predicted"]
+
+
+async def test_a_long_prompt_is_charged_one_step_for_sharing_a_prefill_in_progress() -> None:
+    """The engine schedules its running requests' chunks first, so a prompt admitted while
+    another is prefilling shares only that prefill's last step: it delays the other's
+    first token by its own tokens in that step, at most ``prefillChunkTokens``. B holds
+    the first 20,000 tokens of a 40,000-token prompt and is 0.1 s from the end of
+    another prefill; A is idle and cold. On B the prompt costs 0.1 s + 1.2 s, on A 2.0 s
+    (with attention). Charged its whole 1.2 s as the delay to B's prefill in progress, B
+    looked 2.5 s away and the prefix was computed again on A."""
+    states, ctx, scorer, now = _long_fleet(10_000, decodeSecondsPerRequest=0.0)
+    _a, b = states
+    group = "g" * 80_000  # 20,000 tokens
+    await schedule(ctx, [b], group + " q0", scorer)
+    now[0] += 60.0  # drained
+    b.prefill_busy_until = now[0] + 0.1
+    picked, _, cycle = await schedule(ctx, states, group + "c" * 80_000, scorer)
+    assert states[picked] is b, cycle["latency.predicted"]
 
 
 async def test_an_endpoint_without_a_fit_is_predicted_with_its_peers_median() -> None:
@@ -901,6 +959,30 @@ def test_prefill_work_pays_attention_over_the_context() -> None:
     assert scorer.prefill_work(cost, 60_000, 0) == pytest.approx(60_000 * PER_TOKEN)
     linear = plugin("predicted-latency-scorer", context(states), attentionContextTokens=0)
     assert linear.prefill_work(cost, 60_000, 0) == pytest.approx(60_000 * PER_TOKEN)
+
+
+async def test_a_fit_is_read_at_the_fleets_mix_of_contexts() -> None:
+    """Identical engines (``a`` = 30 µs a token at no context): A prefilled 1,000-token
+    prompts and fitted 30 µs, B a 60,000-token one and fitted 60 µs, since its tokens
+    attended to 30,000 tokens of context on average. Each fit is rescaled from its own
+    mix to the fleet's, ``× (1 + m̄/C) ÷ (1 + m(e)/C)``, and they agree within 2 %: an
+    idle fleet is a tie. Taken as they were, B looked twice as slow (beyond the
+    tolerance) and lost every long prompt."""
+    states, ctx, scorer, _ = _long_fleet(10_000)
+    a, b = states
+    _fitted(a, 30e-6 * (1 + 500 / 30_000))
+    _fitted(b, 30e-6 * 2)
+    for state, tokens in ((a, 1_000), (b, 60_000)):
+        response = ResponseInfo(status=200, complete=True, prompt_tokens=tokens, cached_tokens=0)
+        request = InferenceRequest("r", {}, prompt_text="x", model="m", target_model="m")
+        request.notes["latency.routed_at"] = 100.0
+        scorer.response_complete(request, SchedulingResult("p", [state]), response)
+    read = [scorer._cost(s).per_token for s in states]
+    assert read[0] == pytest.approx(read[1], rel=0.02)
+    _, _, cycle = await schedule(ctx, states, "q" * 160_000, scorer)  # 40,000 cold tokens
+    predicted = cycle["latency.predicted"]
+    assert predicted[a.key] == pytest.approx(predicted[b.key])
+    assert scorer.mean_context > 29_000  # the fleet's mix: mostly B's long prompt
 
 
 async def _long_holder_or_cold(**latency: object) -> str:

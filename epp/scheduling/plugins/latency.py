@@ -20,19 +20,25 @@ token there (all times in seconds)::
 * ``base(e)``, ``per_token(e)``: the endpoint's own prefill cost, fitted online from its
   ``vllm:request_prefill_time_seconds`` and prompt/hit token counters
   (:mod:`infergate.epp.prefill_cost`) — a slow engine learns a large
-  ``per_token``. Compared across the candidates, a fit is read as the candidates'
-  median cost ``m`` when it is within the fit's noise of it (``costTolerance``, τ):
-  ``cost(e) = m`` if ``|c(e)(P) − m(P)| ≤ τ · m(P)``, with ``c(e)(P)`` the fit's seconds
-  for this prompt's ``P`` tokens, and always for an endpoint with no fitted window yet
-  (its prior is a guess; its peers' fits are evidence). Why: on identical engines the
-  fits still differ by a few per cent, and on an idle fleet the cheapest-looking engine
-  won every tie, so it took 2× the requests of another (imbalance 1.24-1.33 on the
-  routing lab's no-sharing workload); an engine really slower than τ keeps its own cost.
-  A fit *cheaper* than half the median (:data:`CHEAP_FIT_SHARE`) is read as the median
-  too, and the clock below advances by the median for it. Why: the fit's two parameters
-  trade against each other, and on windows of prompts from 1k to 120k tokens (an engine
-  that admits a short prompt while a long one fills its steps reports the wait as the
-  short one's prefill) the base took all the time and ``per_token`` fell to 0. That
+  ``per_token``, read at the fleet's mix of contexts (:meth:`PredictedLatencyScorer._cost`).
+  Compared across the candidates, a fit is read as the candidates' median fit ``m``
+  (the lower median by ``per_token``) when it is within the fits' noise of it
+  (``costTolerance``, τ): ``cost(e) = m`` if ``|pt(e) − pt(m)| ≤ τ · pt(m)``, and always
+  for an endpoint with no fitted window yet (its prior is a guess; its peers' fits are
+  evidence). Why: on an idle fleet the cheapest-looking engine won every tie, so it took
+  2× the requests of another (imbalance 1.24-1.33 on the routing lab's no-sharing
+  workload), and on traces whose prompts run from 1k to 80k tokens the fits of
+  identical engines spread 30 % from their median in half the decisions and 73 % in a
+  tenth (a slice of Mooncake's arxiv trace); an engine really slower than τ keeps its
+  own cost. ``per_token`` decides, not the seconds for this prompt: the fit's two
+  parameters trade against each other (an engine that admits a short prompt while a
+  long one fills its steps reports the wait as the short one's prefill), and a fit
+  whose base took the time (0.13 s and 12 µs a token, against its peers' 0.01 s and 44
+  µs) priced a short prompt about right but a queue of other prompts' tokens, and any
+  long prompt, at a quarter of their cost. A fit *cheaper* than half the median
+  (:data:`CHEAP_FIT_SHARE`) is read as the median too, and the clock below advances by
+  the median for it. Why: on windows of prompts from 1k to 120k tokens the base took all
+  the time and ``per_token`` fell to 0. That
   engine then looked able to prefill 79k tokens in 0.2 s, took every long prompt of the
   next seconds, and its clock, advanced by that cheap work, showed no queue: one engine
   of four queued 10-20 s (a slice of Mooncake's arxiv trace, TTFT p90 1.8x
@@ -51,10 +57,7 @@ token there (all times in seconds)::
   report's age (the engine has worked that long since), ``sent`` the uncached tokens this
   EPP routed there after it.
   With one replica the clock and the report agree; with several, only the report sees the
-  prefill another replica started, which would otherwise look like an idle engine. The
-  pending tokens are priced at the endpoint's ``per_token``, or at the candidates' median
-  one where the fit's is under :data:`CHEAP_FIT_SHARE` of it (:meth:`PredictedLatencyScorer._queue_rates`):
-  a fit whose base took the time prices this prompt about right but not a queue of others.
+  prefill another replica started, which would otherwise look like an idle engine.
 * ``evict(e)``: what loading this prompt will cost *later*. If the uncached tokens do
   not fit in the part of ``e``'s KV cache the index believes free, the overflow evicts
   other prefixes that will have to be recomputed: ``overflow_tokens × per_token ×
@@ -101,12 +104,15 @@ token there (all times in seconds)::
   request to finish (the routing lab's KV-bound cells, where 3 requests fill an
   engine). So ``queue(e) = (waiting(e) + k) ÷ X``. This is what makes a sticky engine with a full
   cache lose to a cold idle one once the queue costs more than the prefill it saves.
-* ``interfere(e) = work(e) × interferencePenalty`` while ``e`` is
-  still prefilling another request (its clock or its report shows prefill work left),
-  else 0: the delay this request adds to *that* request's first token. An engine
-  schedules prefill in chunks that share each step's token budget, so a second prompt
-  that arrives while the first is still in its chunks makes the first one's last steps
-  longer by the second's chunk. Predicting only the new request's own TTFT misses this:
+* ``interfere(e) = min(work(e), prefillChunkTokens × per_token) × interferencePenalty``
+  while ``e`` is still prefilling another request (its clock or its report shows
+  prefill work left), else 0: the delay this request adds to *that* request's first
+  token. An engine schedules its running requests' chunks first and fills what is left of
+  each step's token budget with new ones, so a second prompt shares the first one's last
+  step and lengthens it by its own tokens there, at most one step's budget. A long prompt
+  is not charged its whole prefill for it: charged so, a 40k-token prompt left the holder
+  of its prefix, 0.1 s from the end of another prefill, to compute the prefix again on
+  an idle engine. Predicting only the new request's own TTFT misses the delay:
   two cold prompts ~100 ms apart on one engine of eight (the 8-engine cell of the
   routing lab's matrix) gave the first one twice a cold prefill, which was that cell's
   1 % tail. A hit's few uncached tokens cost nearly nothing here, so stickiness is
@@ -121,8 +127,10 @@ token there (all times in seconds)::
   rate) waits ``extra ÷ N`` longer (``N`` candidates). By Little's law that is the
   number queued per engine, ``n = λ·w̄ ÷ N``, measured as this EPP's picks over the last
   ``w̄`` seconds ÷ ``N``. So ``later(e) = workExternality × n × (work(e) − min_e'
-  work(e'))`` (a lower bound: it leaves out that the delayed requests extend the busy
-  period in turn, the ``1 ÷ (1 − ρ)`` of an M/G/1 queue). On an idle fleet ``n`` is 0
+  work(e'))``, every ``work`` here at the candidates' median fit: what differs between
+  them is the prefix each holds, not the fits' noise (a lower bound: it leaves out that
+  the delayed requests extend the busy period in turn, the ``1 ÷ (1 − ρ)`` of an M/G/1
+  queue). On an idle fleet ``n`` is 0
   and each request takes the sooner engine; in a backlog a request stays on the holder
   of its prefix until the holder's queue is longer than ``(1 + n)`` recomputes. Without
   it, a bursty trace window at 40-50 % of its hit ceiling (queues of seconds) recomputed
@@ -195,6 +203,9 @@ DEFAULT_OUTPUT_TOKENS = 128
 LIFETIME_EWMA = 0.1
 #: Decay per response of the prefix-hit fraction behind the eviction charge (~200 responses).
 REUSE_DECAY = 0.005
+#: Decay per response of an endpoint's own mix (:meth:`PredictedLatencyScorer._cost`): its
+#: fit's ``forget``, 0.99 per finished request.
+ENDPOINT_MIX_DECAY = 0.01
 #: Responses' worth of full hits the prefix-hit fraction starts from (module docstring).
 REUSE_PRIOR_RESPONSES = 8.0
 #: Request note holding the (endpoint, :class:`Claim`) of a pick until the request ends.
@@ -331,7 +342,7 @@ class PredictedLatencyParams(BaseModel):
         0.0002, ge=0, description="Tie-break: added TTFT per running request."
     )
     costTolerance: float = Field(
-        0.15,
+        0.5,
         ge=0,
         description="Read an endpoint's learned prefill cost as the candidates' median cost "
         "when it is within this fraction of it (fit noise on identical engines); 0 keeps "
@@ -392,6 +403,9 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         #: responses (the fits' mean context, :meth:`prefill_seconds`).
         self._mix_tokens = 0.0
         self._mix_context = 0.0
+        #: Per endpoint key, the decayed uncached tokens and uncached tokens x their mean
+        #: context of its completed responses (its fit's mix, :meth:`_cost`).
+        self._endpoint_mix: dict[str, list[float]] = {}
         #: Prefixes of this EPP's requests in flight, per endpoint (the KV need, ``queue``).
         self.running = RunningPrefixes()
         #: When this EPP's recent picks were made, oldest first (``work externality``).
@@ -440,7 +454,13 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         """Per candidate, the delay its choice adds to later requests (module docstring,
         "work externality"): ``workExternality × n × (work(e) − min work)``, with ``n``
         this EPP's picks over the last ``w̄`` seconds (``w̄`` the candidates' mean wait)
-        divided by the number of candidates."""
+        divided by the number of candidates, and ``works`` priced at one common cost (the
+        candidates' median fit): what differs between them is the prefix each holds. Priced
+        at each one's own fit, the fits' noise (34-59 µs a token on identical engines) came
+        out ``n`` times over: 2.0-2.5 s more work read as 7.6-9.8 s of delay to others,
+        and two prompts of 79k and 73k tokens arriving together both went to the engine
+        whose fit was cheapest, the second behind the first (11.4 s to its first token),
+        while three engines sat idle (a slice of Mooncake's arxiv trace)."""
         backlog = sum(waits) / len(waits)
         if backlog <= 0.0:
             return [0.0] * len(works)
@@ -487,7 +507,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             return 0.0
         prompt = self._prompt_tokens(cycle, request)
         cached = self._cached_tokens(cycle)
-        costs, _ = self._pool_costs(endpoints, prompt)
+        costs, _, _ = self._pool_costs(endpoints)
         works = []
         for e, cost in zip(endpoints, costs, strict=True):
             here = min(cached.get(e.key, 0.0), prompt)
@@ -516,23 +536,22 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         top = (
             [*heapq.nlargest(2, cached.items(), key=lambda kv: kv[1]), ("", 0.0)] if copying else []
         )
-        costs, cycle["latency.clock_cost"] = self._pool_costs(endpoints, prompt)
-        rates = self._queue_rates(endpoints, costs)
+        costs, cycle["latency.clock_cost"], common = self._pool_costs(endpoints)
         hashes: bytes = cycle.get("prefix.hashes") or b""
         matches: dict[str, int] = cycle.get("prefix.matches") or {}
         needs: dict[str, float] = {}
         waits: list[float] = []
         works: list[float] = []
-        for e, free, cost, rate in zip(endpoints, frees, costs, rates, strict=True):
+        for e, free, cost in zip(endpoints, frees, costs, strict=True):
             here = cached.get(e.key, 0.0)
             shared = self.running.shared_blocks(e.key, hashes) if prefix is not None else 0
             unshared = prompt - (prefix.tokens_for_blocks(model, shared) if shared else 0.0)
             needs[e.key] = max(1.0, prompt - here, unshared) + output
-            ttft, uncached, wait, work = self._predict_one(
-                e, cost, rate, now, prompt, here, needs[e.key], output
+            ttft, uncached, wait, _ = self._predict_one(
+                e, cost, now, prompt, here, needs[e.key], output
             )
             waits.append(wait)
-            works.append(work)
+            works.append(self.prefill_work(common, uncached, prompt - uncached))
             if e.claimed_requests and matches.get(e.key):
                 ttft += self._in_progress_seconds(
                     e, cost, now, hashes, matches[e.key], prefix, model
@@ -560,7 +579,6 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         self,
         e: EndpointState,
         cost: PrefillCost,
-        queue_rate: float,
         now: float,
         prompt: float,
         cached: float,
@@ -570,11 +588,10 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         """(TTFT seconds without the eviction and staleness terms, uncached tokens, the
         wait before its prefill, the prefill's seconds) of a ``prompt``-token request of
         which ``e`` holds ``cached``, at prefill ``cost``, taking ``kv_need`` tokens of
-        ``e``'s KV cache, the prefill queued there at ``queue_rate`` seconds a token
-        (module docstring)."""
+        ``e``'s KV cache (module docstring)."""
         uncached = max(1.0, prompt - cached)
         prefilling = max(
-            e.prefill_busy_until - now, e.pending_prefill_seconds(queue_rate, now), 0.0
+            e.prefill_busy_until - now, e.pending_prefill_seconds(cost.per_token, now), 0.0
         )
         wait = max(prefilling, e.metrics.waiting * cost.base)
         work = self.prefill_work(cost, uncached, prompt - uncached)
@@ -584,8 +601,10 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         wait = max(wait, queue_seconds(e, kv_need, lifetime))
         ttft = wait + cost.base + work
         if prefilling > 0.0:
-            # Shares steps with the prefill in progress: delays that request's first token.
-            ttft += work * self.p.interferencePenalty
+            # Shares the last step of the prefill in progress: delays that request's first
+            # token by this one's tokens in that step, at most one step's budget.
+            chunk = self.p.prefillChunkTokens * cost.per_token
+            ttft += min(work, chunk) * self.p.interferencePenalty
         batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
         return ttft + batch * self.p.decodeSecondsPerRequest, uncached, wait, work
 
@@ -626,63 +645,63 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         return tokens * cost.per_token * (1.0 + self.p.interferencePenalty)
 
     def _cost(self, e: EndpointState) -> PrefillCost:
-        """The endpoint's learned cost, or the pinned one when the config pins it."""
-        if self._pinned is None:
-            return e.cost
-        return self._pinned
+        """The endpoint's learned cost read at the fleet's mix, or the pinned one when the
+        config pins it.
+
+        A fit's ``per_token`` is ``a(e)·(1 + m(e)/C)``, with ``m(e)`` the mean context of
+        the tokens *that endpoint* prefilled (:meth:`prefill_work`), and
+        :meth:`prefill_work` divides by the fleet's ``1 + m̄/C``. So the fit is rescaled
+        to the fleet's mix: ``per_token × (1 + m̄/C) ÷ (1 + m(e)/C)``. Why: on a trace
+        whose prompts run from 1k to 190k tokens, the engine that served the long ones
+        fitted 120 µs a token where its identical peers fitted 52 (Mooncake's shipped
+        trace), and was read as a slower engine."""
+        if self._pinned is not None:
+            return self._pinned
+        cost, c_tokens = e.cost, self.p.attentionContextTokens
+        mix = self._endpoint_mix.get(e.key)
+        if c_tokens <= 0 or mix is None or mix[0] <= 0 or not cost.observations:
+            return cost
+        rescale = (1.0 + self.mean_context / c_tokens) / (1.0 + mix[1] / mix[0] / c_tokens)
+        return PrefillCost(cost.base, cost.per_token * rescale, observations=cost.observations)
 
     def _pool_costs(
-        self, endpoints: Sequence[EndpointState], prompt: float
-    ) -> tuple[list[PrefillCost], dict[str, PrefillCost]]:
+        self, endpoints: Sequence[EndpointState]
+    ) -> tuple[list[PrefillCost], dict[str, PrefillCost], PrefillCost]:
         """Each candidate's cost for this prediction: its own fit, or the candidates'
-        median cost where the fit is within ``costTolerance`` of it, cheaper than
-        :data:`CHEAP_FIT_SHARE` of it, or has no window yet (module docstring). The median
-        is taken of the fitted candidates' seconds for a ``prompt``-token prefill (the
-        lower median: one of the fits, never an average). Also, by endpoint key, the
-        median for each fitted endpoint replaced as too cheap: its clock advances by it."""
+        median fit where its ``per_token`` is within ``costTolerance`` of the median's, is
+        under :data:`CHEAP_FIT_SHARE` of it, or has no window yet (module docstring). The
+        median is the fitted candidates' lower median by ``per_token`` (one of the fits,
+        never an average), each fit read at the fleet's mix (:meth:`_cost`). Also, by
+        endpoint key, the median for each fitted endpoint replaced as too cheap (its clock
+        advances by it), and the median itself (the work externality's common price).
+
+        Why ``per_token`` and not the seconds for this prompt: the fit's two parameters
+        trade against each other, so a fit whose base took the time (0.13 s and 12 µs a
+        token, against peers' 0.01 s and 44 µs) priced a short prompt about right and was
+        kept, and then priced the queue of other prompts' tokens, and every long prompt,
+        at a quarter of their cost. The base of a fit on identical engines is the wait of
+        a short prompt behind a long one's steps, which the wait terms count already."""
         costs = [self._cost(e) for e in endpoints]
         if self._pinned is not None or len(costs) < 2:
-            return costs, {}
-        seconds = [c.seconds(prompt) if c.observations > 0 else -1.0 for c in costs]
-        fitted = sorted((t, i) for i, t in enumerate(seconds) if t >= 0.0)
+            return costs, {}, costs[0]
+        fitted = sorted((c.per_token, i) for i, c in enumerate(costs) if c.observations > 0)
         if not fitted:
-            return costs, {}
+            return costs, {}, costs[0]
         reference, at = fitted[(len(fitted) - 1) // 2]
         median, band = costs[at], self.p.costTolerance * reference
         floor = CHEAP_FIT_SHARE * reference
         pooled = [
-            median if t < floor or abs(t - reference) <= band else c
-            for c, t in zip(costs, seconds, strict=True)
+            median
+            if not c.observations or c.per_token < floor or abs(c.per_token - reference) <= band
+            else c
+            for c in costs
         ]
         too_cheap = {
-            e.key: median for e, t in zip(endpoints, seconds, strict=True) if 0.0 <= t < floor
+            e.key: median
+            for e, c in zip(endpoints, costs, strict=True)
+            if c.observations and c.per_token < floor
         }
-        return pooled, too_cheap
-
-    def _queue_rates(
-        self, endpoints: Sequence[EndpointState], pooled: Sequence[PrefillCost]
-    ) -> list[float]:
-        """Seconds a token of the prefill already queued on each candidate (the reported
-        pending prefill, ``pending_prefill_seconds``): the pooled cost's ``per_token``,
-        or the fitted candidates' median ``per_token`` (the lower median) where it is under
-        :data:`CHEAP_FIT_SHARE` of that median.
-
-        Why: :meth:`_pool_costs` compares fits at *this* prompt's length, where a fit whose
-        base took the time (0.13 s and 12 µs a token, against peers' 0.01 s and 44 µs)
-        prices a short prompt about right and is kept. The queue is other prompts'
-        tokens, and they were priced at that 12 µs: 40k pending tokens read 0.5 s, and 25
-        short prompts of a burst went there and waited 3.8-5.1 s (a slice of Mooncake's
-        arxiv trace). So the queue is priced as a long prompt would be, where only
-        ``per_token`` counts; a pinned cost is used as it is."""
-        if self._pinned is not None or len(pooled) < 2:
-            return [c.per_token for c in pooled]
-        own = [self._cost(e) for e in endpoints]
-        fitted = sorted(c.per_token for c in own if c.observations)
-        if not fitted:
-            return [c.per_token for c in pooled]
-        median = fitted[(len(fitted) - 1) // 2]
-        floor = CHEAP_FIT_SHARE * median
-        return [median if c.per_token < floor else c.per_token for c in pooled]
+        return pooled, too_cheap, median
 
     def score(
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
@@ -747,6 +766,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         primary = result.primary
         if routed_at is None or primary is None or not 200 <= response.status < 300:
             return
+        key = response.served_endpoint or primary.key  # Envoy may have used a fallback
         if response.prompt_tokens:
             keep = 1.0 - REUSE_DECAY
             if self._reuse_prompt <= 0:  # the prior, in this fleet's prompt sizes
@@ -758,13 +778,16 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             new = response.prompt_tokens - hit
             self._mix_tokens = self._mix_tokens * keep + new
             self._mix_context = self._mix_context * keep + new * (hit + new / 2.0)
-        key = response.served_endpoint or primary.key  # Envoy may have used a fallback
+            mix = self._endpoint_mix.setdefault(key, [0.0, 0.0])
+            mix[0] = mix[0] * (1.0 - ENDPOINT_MIX_DECAY) + new
+            mix[1] = mix[1] * (1.0 - ENDPOINT_MIX_DECAY) + new * (hit + new / 2.0)
         seconds = self.clock() - routed_at
         old = self._lifetime.get(key)
         self._lifetime[key] = seconds if old is None else old + LIFETIME_EWMA * (seconds - old)
         if len(self._lifetime) > 4 * max(1, len(self.context.datastore)):
             live = {s.key for s in self.context.datastore.all()}
             self._lifetime = {k: v for k, v in self._lifetime.items() if k in live}
+            self._endpoint_mix = {k: v for k, v in self._endpoint_mix.items() if k in live}
 
 
 def queue_seconds(e: EndpointState, need_tokens: float, lifetime: float) -> float:
