@@ -344,9 +344,10 @@ class PredictedLatencyParams(BaseModel):
     costTolerance: float = Field(
         0.5,
         ge=0,
-        description="Read an endpoint's learned prefill cost as the candidates' median cost "
-        "when it is within this fraction of it (fit noise on identical engines); 0 keeps "
-        "every endpoint's own fit.",
+        description="Read an endpoint's learned prefill cost as the candidates' median one "
+        "when its per-token cost is within this fraction of the median's (fit noise: on "
+        "traces, identical engines' fits spread 30 % from their median); 0 keeps every "
+        "endpoint's own fit.",
     )
     prefillChunkTokens: int = Field(
         2048,
