@@ -967,7 +967,7 @@ async def test_a_fit_is_read_at_the_fleets_mix_of_contexts() -> None:
     attended to 30,000 tokens of context on average. Each fit is rescaled from its own
     mix to the fleet's, ``× (1 + m̄/C) ÷ (1 + m(e)/C)``, and they agree within 2 %: an
     idle fleet is a tie. Taken as they were, B looked twice as slow (beyond the
-    tolerance) and lost every long prompt."""
+    tolerance), and an idle fleet sent every long prompt to A."""
     states, ctx, scorer, _ = _long_fleet(10_000)
     a, b = states
     _fitted(a, 30e-6 * (1 + 500 / 30_000))

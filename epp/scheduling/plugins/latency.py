@@ -110,9 +110,9 @@ token there (all times in seconds)::
   token. An engine schedules its running requests' chunks first and fills what is left of
   each step's token budget with new ones, so a second prompt shares the first one's last
   step and lengthens it by its own tokens there, at most one step's budget. A long prompt
-  is not charged its whole prefill for it: charged so, a 40k-token prompt left the holder
-  of its prefix, 0.1 s from the end of another prefill, to compute the prefix again on
-  an idle engine. Predicting only the new request's own TTFT misses the delay:
+  is not charged its whole prefill for it: charged so, a 72,852-token prompt was
+  predicted 6.4 s later on an engine 0.26 s from the end of another prefill (a slice of
+  Mooncake's arxiv trace). Predicting only the new request's own TTFT misses the delay:
   two cold prompts ~100 ms apart on one engine of eight (the 8-engine cell of the
   routing lab's matrix) gave the first one twice a cold prefill, which was that cell's
   1 % tail. A hit's few uncached tokens cost nearly nothing here, so stickiness is
