@@ -895,15 +895,18 @@ def _clusters(config: EnvoyConfig) -> list[dict[str, Any]]:
         )
     clusters = [_epp_cluster(config), pool_cluster]
     if config.fallback_endpoints:
-        clusters.append(
-            _static_cluster(
-                FALLBACK_CLUSTER,
-                list(config.fallback_endpoints),
-                connect_timeout_s=config.connect_timeout_s,
-                max_requests=config.max_requests,
-                http2=False,
-            )
+        fallback = _static_cluster(
+            FALLBACK_CLUSTER,
+            list(config.fallback_endpoints),
+            connect_timeout_s=config.connect_timeout_s,
+            max_requests=config.max_requests,
+            http2=False,
         )
+        # The same engines as the pool: close idle connections before they do (a request
+        # written as an engine closes one fails 503 "connection termination", not retried;
+        # the routing lab's least-request row lost one so, 2026-12-07).
+        fallback["typed_extension_protocol_options"] = engine_protocol_options(http2=False)
+        clusters.append(fallback)
     return clusters
 
 
