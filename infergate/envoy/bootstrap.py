@@ -498,11 +498,13 @@ def _original_dst_cluster(*, connect_timeout_s: float, max_requests: int) -> dic
     infergate's EPP always sends one there, its primary pick, and puts the fallback list
     in the ``envoy.lb`` metadata, which this cluster does not read: no fallback on a
     failed connect here. It dials any address at all: safe here only because client
-    copies of the header are stripped before ext_proc runs.
+    copies of the header are stripped before ext_proc runs. Idle connections close before
+    the engines close them, as in the EDS pool.
     """
     return {
         "name": POOL_CLUSTER,
         "type": "ORIGINAL_DST",
+        "typed_extension_protocol_options": engine_protocol_options(http2=False),
         "connect_timeout": duration(connect_timeout_s),
         "lb_policy": "CLUSTER_PROVIDED",
         "circuit_breakers": circuit_breakers(max_requests),

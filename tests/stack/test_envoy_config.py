@@ -196,12 +196,13 @@ def test_original_dst_upstream_is_gies_reference_cluster() -> None:
         failure_mode_allow=True, fallback_endpoints=[("127.0.0.1", 8000)],
     ))  # fmt: skip
     assert _routes(with_fallback)[1]["route"]["cluster"] == "infergate_pool_fallback"
-    # The fallback dials the engines, so it closes idle connections before they do
+    # Both dial the engines, so they close idle connections before the engines do
     # (uvicorn's and vLLM's keep-alive: 5 s), as the EDS pool does.
     fallback = with_fallback["static_resources"]["clusters"][2]
     assert fallback["name"] == "infergate_pool_fallback"
-    (http,) = fallback["typed_extension_protocol_options"].values()
-    assert http["common_http_protocol_options"]["idle_timeout"] == duration(UPSTREAM_IDLE_S)
+    for cluster in (pool, fallback):
+        (http,) = cluster["typed_extension_protocol_options"].values()
+        assert http["common_http_protocol_options"]["idle_timeout"] == duration(UPSTREAM_IDLE_S)
     assert UPSTREAM_IDLE_S < 5.0
     with pytest.raises(ValueError, match="upstream must be one of eds, original_dst"):
         build_envoy_config(
