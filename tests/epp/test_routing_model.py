@@ -817,6 +817,14 @@ async def test_a_queue_is_priced_at_the_median_rate_when_a_fit_is_mostly_base() 
     assert predicted[base_heavy.key] - predicted[states[0].key] > 0.8  # 1.2 s against 0.24
 
 
+def test_no_candidates_predict_nothing() -> None:
+    """A cycle whose filters left no endpoint scores none (and does not fail)."""
+    _states, _ctx, scorer, _ = latency_fleet(2, 100)
+    r = InferenceRequest("r", {}, prompt_text="x", model="m", target_model="m")
+    assert scorer.score(CycleState(), r, []) == []
+    assert scorer.prefill_seconds(CycleState(), r, []) == 0.0
+
+
 async def test_a_base_heavy_fit_is_read_as_its_peers_for_a_short_prompt() -> None:
     """A fit whose base took the time (0.15 s and 3 µs a token, against its peers' 6 ms and
     30 µs) holds the waits of short prompts behind long ones' steps, which the wait terms

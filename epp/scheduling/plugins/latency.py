@@ -519,6 +519,8 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         self, cycle: CycleState, request: InferenceRequest, endpoints: Sequence[EndpointState]
     ) -> list[tuple[float, float]]:
         """Per endpoint: (predicted TTFT seconds, uncached tokens)."""
+        if not endpoints:
+            return []
         now = self.clock()
         prompt = self._prompt_tokens(cycle, request)
         cached = self._cached_tokens(cycle)
@@ -548,7 +550,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             shared = self.running.shared_blocks(e.key, hashes) if prefix is not None else 0
             unshared = prompt - (prefix.tokens_for_blocks(model, shared) if shared else 0.0)
             needs[e.key] = max(1.0, prompt - here, unshared) + output
-            ttft, uncached, wait, _ = self._predict_one(
+            ttft, uncached, wait = self._predict_one(
                 e, cost, now, prompt, here, needs[e.key], output
             )
             waits.append(wait)
@@ -585,11 +587,11 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         cached: float,
         kv_need: float,
         output: float,
-    ) -> tuple[float, float, float, float]:
+    ) -> tuple[float, float, float]:
         """(TTFT seconds without the eviction and staleness terms, uncached tokens, the
-        wait before its prefill, the prefill's seconds) of a ``prompt``-token request of
-        which ``e`` holds ``cached``, at prefill ``cost``, taking ``kv_need`` tokens of
-        ``e``'s KV cache (module docstring)."""
+        wait before its prefill) of a ``prompt``-token request of which ``e`` holds
+        ``cached``, at prefill ``cost``, taking ``kv_need`` tokens of ``e``'s KV cache
+        (module docstring)."""
         uncached = max(1.0, prompt - cached)
         prefilling = max(
             e.prefill_busy_until - now, e.pending_prefill_seconds(cost.per_token, now), 0.0
@@ -607,7 +609,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             chunk = self.p.prefillChunkTokens * cost.per_token
             ttft += min(work, chunk) * self.p.interferencePenalty
         batch = max(e.in_flight_requests, e.metrics.running + e.picks_since_report)
-        return ttft + batch * self.p.decodeSecondsPerRequest, uncached, wait, work
+        return ttft + batch * self.p.decodeSecondsPerRequest, uncached, wait
 
     def _in_progress_seconds(
         self,
@@ -668,9 +670,10 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
     def _pool_costs(
         self, endpoints: Sequence[EndpointState]
     ) -> tuple[list[PrefillCost], dict[str, PrefillCost], PrefillCost]:
-        """Each candidate's cost for this prediction: its own fit, or the candidates'
-        median fit where its ``per_token`` is within ``costTolerance`` of the median's, is
-        under :data:`CHEAP_FIT_SHARE` of it, or has no window yet (module docstring). The
+        """Each candidate's cost for this prediction (``endpoints`` is not empty: both
+        callers return before): its own fit, or the candidates' median fit where its
+        ``per_token`` is within ``costTolerance`` of the median's, is under
+        :data:`CHEAP_FIT_SHARE` of it, or has no window yet (module docstring). The
         median is the fitted candidates' lower median by ``per_token`` (one of the fits,
         never an average), each fit read at the fleet's mix (:meth:`_cost`). Also, by
         endpoint key, the median for each fitted endpoint replaced as too cheap (its clock
@@ -777,11 +780,12 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             self._reuse_cached = self._reuse_cached * keep + (response.cached_tokens or 0)
             hit = min(response.cached_tokens or 0, response.prompt_tokens)
             new = response.prompt_tokens - hit
+            context = new * (hit + new / 2.0)  # Σ over the new tokens of the context each reads
             self._mix_tokens = self._mix_tokens * keep + new
-            self._mix_context = self._mix_context * keep + new * (hit + new / 2.0)
+            self._mix_context = self._mix_context * keep + context
             mix = self._endpoint_mix.setdefault(key, [0.0, 0.0])
             mix[0] = mix[0] * (1.0 - ENDPOINT_MIX_DECAY) + new
-            mix[1] = mix[1] * (1.0 - ENDPOINT_MIX_DECAY) + new * (hit + new / 2.0)
+            mix[1] = mix[1] * (1.0 - ENDPOINT_MIX_DECAY) + context
         seconds = self.clock() - routed_at
         old = self._lifetime.get(key)
         self._lifetime[key] = seconds if old is None else old + LIFETIME_EWMA * (seconds - old)
