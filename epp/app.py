@@ -40,6 +40,7 @@ from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.server.eds import EndpointDiscovery
 from infergate.epp.server.extproc import ExtProcServer, Limits
+from infergate.epp.server.record_sweep import RecordSweep
 from infergate.epp.types import Endpoint
 
 if TYPE_CHECKING:
@@ -152,9 +153,11 @@ class Epp:
         self.certificate: bytes | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health_h2: H2Server | None = None  # the health port, with --grpc-server h2
-        #: The record sweep's wait while nothing is in flight (see _expire_records).
-        self._sweep_idle: asyncio.Future[None] | None = None
-        self.datastore.on_refresh(self._wake_sweep)
+        #: Gives up lost completion records while requests are in flight.
+        self.record_sweep = RecordSweep(
+            lambda now: self.ext_proc.expire_records(now), self._in_flight
+        )
+        self.datastore.on_refresh(self.record_sweep.on_refresh)
         self._health = health_aio.HealthServicer()
         self._metrics_http: WSGIServer | None = None
         self._stop = asyncio.Event()
@@ -196,27 +199,8 @@ class Epp:
         records: give up waiting for them, which clears its in-flight count now."""
         self.ext_proc.expire_records(asyncio.get_running_loop().time(), gone=key)
 
-    async def _expire_records(self) -> None:
-        """Give up lost records every second while a request is routed or awaits its
-        record. With none, wait for a refresh of the datastore (a decision, the
-        collector's check) that finds one: a replica with nothing in flight is not woken
-        every second for nothing (every replica paid those wakeups)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(1.0)
-            self.ext_proc.expire_records(loop.time())
-            if not self._in_flight():
-                self._sweep_idle = loop.create_future()
-                await self._sweep_idle
-
     def _in_flight(self) -> bool:
         return bool(self.ext_proc.routed or self.ext_proc.awaiting)
-
-    def _wake_sweep(self) -> None:
-        """A datastore refresher: resume the record sweep once something is in flight."""
-        idle = self._sweep_idle
-        if idle is not None and not idle.done() and self._in_flight():
-            idle.set_result(None)
 
     def _on_endpoints(self, added: list[Endpoint], removed: list[Endpoint]) -> None:
         self._tasks.append(asyncio.get_running_loop().create_task(self._update_health()))
@@ -336,7 +320,6 @@ class Epp:
         await self.scheduler.start()
         await self.collectors.start()
         self.completions.start()
-        self._tasks.append(asyncio.create_task(self._expire_records()))
         if o.endpoints_file is not None:
             self._tasks.append(asyncio.create_task(self._watch_endpoints(o.endpoints_file)))
         if o.objectives_file is not None:
@@ -400,6 +383,7 @@ class Epp:
         await self.scheduler.stop()
         if self.flow is not None:
             await self.flow.close()
+        self.record_sweep.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
-from infergate.epp.datalayer.discovery.file import EndpointsFileError, load_endpoints_file
+from infergate.epp.datalayer.discovery.file import (
+    EndpointsFileError,
+    _event_names,
+    _inotify,
+    load_endpoints_file,
+)
 from infergate.epp.datalayer.discovery.static import parse_endpoint
 
 from .conftest import eventually
@@ -86,3 +92,24 @@ async def test_configmap_style_symlink_swap_reloads(epp_factory, tmp_path: Path)
     (tmp_path / "..data_tmp").symlink_to(second.name)
     os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
     await eventually(lambda: keys(epp) == {"10.0.1.2:8000"})
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's")
+def test_a_log_written_beside_the_file_wakes_no_watcher(tmp_path: Path) -> None:
+    """``infergate up`` writes its logs into the endpoints file's directory: appending to
+    them (a file kept open) must not wake the EPP, while writing the endpoints file in
+    place still does, once it is closed."""
+    (tmp_path / "engine-0.log").touch()  # the log exists before the EPP starts
+    descriptor = _inotify(tmp_path)
+    assert descriptor is not None
+    try:
+        with open(tmp_path / "engine-0.log", "a") as log:
+            for line in range(5):
+                log.write(f"line {line}\n")
+                log.flush()
+            with pytest.raises(BlockingIOError):  # nothing queued: the loop is not woken
+                os.read(descriptor, 1 << 16)
+            (tmp_path / "endpoints.yaml").write_text("endpoints: []\n")
+            assert "endpoints.yaml" in _event_names(os.read(descriptor, 1 << 16))
+    finally:
+        os.close(descriptor)

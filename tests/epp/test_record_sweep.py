@@ -1,16 +1,20 @@
-"""The lost-record sweep (``Epp._expire_records``) runs while requests are in flight only.
+"""The lost-record sweep (``server/record_sweep.py``) runs while requests are in flight
+only, and a replica that routes sweeps on its decisions' refreshes, not on a timer.
 
-An idle replica used to sweep every second for nothing, a wakeup every replica paid
-(docs/benchmarks/scale.md, "Replicas"). Counted, not timed: sweeps while idle, and a lost
-record still given up once a request is in flight.
+An idle replica used to sweep every second for nothing, and a routing one on a timer
+of its own: wakeups every replica paid (docs/benchmarks/scale.md, "Replicas"). Counted,
+not timed: sweeps while idle, which sweeps the refreshes ran, and a lost record still
+given up once a request is in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
+from infergate.epp.server.record_sweep import PIGGYBACK_S, SWEEP_S, RecordSweep
 from infergate.epp.types import Endpoint
 
 from infergate.procs import free_port
@@ -48,3 +52,38 @@ async def test_an_idle_replica_does_not_sweep_and_a_lost_record_is_still_given_u
     await eventually(lambda: not epp.ext_proc.awaiting, timeout=15)  # the sweep gave it up
     assert lost._value.get() == before + 1
     assert sweeps > idle
+
+
+async def test_refreshes_sweep_in_the_timers_place_and_a_quiet_one_is_timed() -> None:
+    """Refreshes (decisions) every 0.1 s for 3 s run every sweep, just after the refresh
+    that finds it nearly due; with none, the timer sweeps while something is in flight
+    and stops once nothing is."""
+    swept: list[float] = []
+    flying = [False]
+
+    def expire(now: float) -> int:
+        swept.append(now)
+        return 0
+
+    sweep = RecordSweep(expire, lambda: flying[0])
+    try:
+        sweep.on_refresh()  # nothing in flight: no timer
+        await asyncio.sleep(SWEEP_S + 0.3)
+        assert swept == []
+
+        flying[0] = True
+        for _ in range(30):
+            sweep.on_refresh()
+            await asyncio.sleep(0.1)
+        assert sweep.timed == 0
+        assert sweep.piggybacked >= 3  # ~ one per SWEEP_S - PIGGYBACK_S to SWEEP_S
+        assert all(b - a >= SWEEP_S - PIGGYBACK_S for a, b in itertools.pairwise(swept))
+
+        await eventually(lambda: sweep.timed >= 1, timeout=5)  # no refresh: the timer
+        flying[0] = False
+        await eventually(lambda: not sweep.armed, timeout=5)  # nothing in flight
+        count = len(swept)
+        await asyncio.sleep(SWEEP_S + 0.3)
+        assert len(swept) == count
+    finally:
+        sweep.close()

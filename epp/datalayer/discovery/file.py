@@ -66,11 +66,16 @@ def load_endpoints_file(path: Path) -> list[Endpoint]:
 #: Only where inotify is missing (not Linux): see :func:`watch_file`.
 WATCH_STEP_MS = 250
 
-#: inotify(7): the file written, created, renamed in or out, removed.
-IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x8, 0x40, 0x80
+#: inotify(7): the file closed after a write, created, renamed in or out, removed.
+IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO = 0x8, 0x40, 0x80
 IN_CREATE, IN_DELETE = 0x100, 0x200
 IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
-WATCHED = IN_MODIFY | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+#: Not ``IN_MODIFY`` (every write): a file kept open beside the endpoints file (a log:
+#: ``infergate up`` writes its processes' logs into the same directory) woke every
+#: replica at each line it logged, 16 wakeups a replica in 15 s of the replicas
+#: benchmark (docs/benchmarks/scale.md, "Replicas"). A file written in place is seen
+#: when it is closed (``IN_CLOSE_WRITE``), which is also when it is whole.
+WATCHED = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 
 
