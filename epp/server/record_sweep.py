@@ -5,8 +5,8 @@ A response's record can be lost (PUB/SUB drops what a subscriber was not connect
 for, an engine dies), so the EPP gives up waiting (``ExtProcServer.expire_records``):
 past a request's record deadline, or once its engine's counts show it finished. Done
 every :data:`SWEEP_S` by a timer, that was a wakeup a second for every replica with a
-request in flight: the 4-replica rows of the replicas benchmark woke 13 times a replica
-in 20 s for it (docs/benchmarks/scale.md, "Replicas").
+request in flight (docs/benchmarks/scale.md, "Replicas": a replica of four woke on a
+timer 13 times in a 20 s row with it, 7 without).
 
 So the sweep rides on the datastore's refresh, which runs right before each decision,
 as the push watch does (``collector._PushWatch``): a refresh within :data:`PIGGYBACK_S`
