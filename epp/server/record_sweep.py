@@ -74,9 +74,11 @@ class RecordSweep:
         self._soon = False
         self._handle = None
         now = loop.time()
-        self.expire(now)
-        if self.in_flight():
-            self._arm(loop, now + SWEEP_S)
+        try:
+            self.expire(now)  # what it raises, the loop's handler logs
+        finally:
+            if self.in_flight():  # the sweep goes on past a failed one
+                self._arm(loop, now + SWEEP_S)
 
     def close(self) -> None:
         if self._handle is not None:

@@ -87,3 +87,23 @@ async def test_refreshes_sweep_in_the_timers_place_and_a_quiet_one_is_timed() ->
         assert len(swept) == count
     finally:
         sweep.close()
+
+
+async def test_a_sweep_that_raises_does_not_stop_the_next() -> None:
+    """A bug in giving records up (an exception from ``expire``) is logged by the loop,
+    and the timer still runs the next sweep while requests are in flight."""
+    calls: list[float] = []
+
+    def expire(now: float) -> int:
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("a sink's bug")
+        return 0
+
+    sweep = RecordSweep(expire, lambda: True)
+    try:
+        sweep.on_refresh()  # in flight: the timer is armed
+        await eventually(lambda: len(calls) >= 2, timeout=5)
+        assert sweep.timed >= 2
+    finally:
+        sweep.close()
