@@ -6,7 +6,7 @@ for, an engine dies), so the EPP gives up waiting (``ExtProcServer.expire_record
 past a request's record deadline, or once its engine's counts show it finished. Done
 every :data:`SWEEP_S` by a timer, that was a wakeup a second for every replica with a
 request in flight (docs/benchmarks/scale.md, "Replicas": a replica of four woke on a
-timer 13 times in a 20 s row with it, 7 without).
+timer 13 times in a row with it, 7 without).
 
 So the sweep rides on the datastore's refresh, which runs right before each decision,
 as the push watch does (``collector._PushWatch``): a refresh within :data:`PIGGYBACK_S`
