@@ -195,9 +195,11 @@ def _static_cluster(
     *,
     connect_timeout_s: float,
     max_requests: int,
-    http2: bool,
-    streams_per_connection: int = 100000,
+    protocol_options: dict[str, Any],
 ) -> dict[str, Any]:
+    """A cluster of fixed endpoints, speaking as ``protocol_options`` say
+    (:func:`grpc_protocol_options` toward an EPP, :func:`engine_protocol_options` toward
+    engines)."""
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if all(is_ip(host) for host, _ in endpoints) else "STRICT_DNS",
@@ -218,8 +220,7 @@ def _static_cluster(
     }
     if not is_ip(endpoints[0][0]):
         cluster["dns_lookup_family"] = "V4_PREFERRED"
-    if http2:
-        cluster["typed_extension_protocol_options"] = grpc_protocol_options(streams_per_connection)
+    cluster["typed_extension_protocol_options"] = protocol_options
     return cluster
 
 
@@ -897,18 +898,17 @@ def _clusters(config: EnvoyConfig) -> list[dict[str, Any]]:
         )
     clusters = [_epp_cluster(config), pool_cluster]
     if config.fallback_endpoints:
-        fallback = _static_cluster(
+        static = _static_cluster(
             FALLBACK_CLUSTER,
             list(config.fallback_endpoints),
             connect_timeout_s=config.connect_timeout_s,
             max_requests=config.max_requests,
-            http2=False,
+            # The same engines as the pool: close idle connections before they do (a
+            # request written as an engine closes one fails 503 "connection termination",
+            # not retried; the routing lab's least-request row lost one so, 2026-12-07).
+            protocol_options=engine_protocol_options(http2=False),
         )
-        # The same engines as the pool: close idle connections before they do (a request
-        # written as an engine closes one fails 503 "connection termination", not retried;
-        # the routing lab's least-request row lost one so, 2026-12-07).
-        fallback["typed_extension_protocol_options"] = engine_protocol_options(http2=False)
-        clusters.append(fallback)
+        clusters.append(static)
     return clusters
 
 
@@ -919,8 +919,7 @@ def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
         [(config.epp_address, config.epp_port), *config.epp_replicas],
         connect_timeout_s=config.connect_timeout_s,
         max_requests=config.max_requests,
-        http2=True,
-        streams_per_connection=config.epp_streams_per_connection,
+        protocol_options=grpc_protocol_options(config.epp_streams_per_connection),
     )
     if config.epp_health_check_interval_s is not None:
         cluster.update(
