@@ -44,7 +44,8 @@ from infergate.epp.types import Endpoint, Metrics
 log = logging.getLogger("infergate.epp.datalayer.collector")
 
 
-#: How early a decision's refresh may do the push watch's check (it then needs no wakeup).
+#: How early a decision's refresh may do a timer's work in its place (it then needs no
+#: wakeup): the push watch's check, and the lost-record sweep (``server/record_sweep.py``).
 PIGGYBACK_S = 0.5
 
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from infergate.epp.datalayer.collector import PIGGYBACK_S
+
 #: The sweep's period while requests are in flight, in seconds.
 SWEEP_S = 1.0
-#: A refresh this close to the timer's time (or later) sweeps in its place.
-PIGGYBACK_S = 0.5
 
 
 class RecordSweep:
@@ -49,7 +49,8 @@ class RecordSweep:
 
     def on_refresh(self) -> None:
         """A decision (or the collector) read the datastore: arm the timer if something
-        went in flight since the last sweep, or sweep now if the timer is nearly due."""
+        went in flight since the last sweep, or sweep now if the timer is due within
+        :data:`PIGGYBACK_S`."""
         loop = asyncio.get_running_loop()
         if self._handle is None:
             if self.in_flight():
