@@ -864,6 +864,36 @@ async def test_the_work_externality_prices_every_candidate_at_one_cost() -> None
     assert states[picked] is b, cycle["latency.predicted"]
 
 
+async def _giant_after_hits(**params: object) -> tuple[str, dict[str, float]]:
+    """Engine H served a group: its first request cold, then 10 hits, one a second. Both
+    engines are then idle but for 50 ms of prefill queued on O. A cold 40,000-token
+    prompt arrives (~2 s of prefill): "H" or "O", where it went, and the predictions."""
+    states, ctx, scorer, now = latency_fleet(2, 10_000, decodeSecondsPerRequest=0.0, **params)
+    group = "g" * 8000
+    first, _, _ = await schedule(ctx, states, group + " q0", scorer)
+    holder, other = states[first], states[1 - first]
+    for i in range(1, 11):
+        now[0] += 1.0
+        picked, _, _ = await schedule(ctx, states, group + f" q{i}", scorer)
+        assert states[picked] is holder
+    now[0] += 1.0
+    other.prefill_busy_until = now[0] + 0.05
+    picked, _, cycle = await schedule(ctx, states, "c" * 160_000, scorer)
+    return ("H" if states[picked] is holder else "O"), cycle["latency.predicted"]
+
+
+async def test_a_long_cold_prompt_keeps_off_the_engine_whose_cache_serves_hits() -> None:
+    """Placed on H, the cold prompt's ~2 s of prefill would hold up the hits H's cache
+    serves (10 in the last minute): each arriving meanwhile waits half of it on average,
+    r x work^2 / 2 = 10/60 x 2^2 / 2 = 0.33 s, more than O's 50 ms queue. So it goes to
+    O and the group keeps its engine. With the externalities off it takes the sooner
+    engine, H (the trace window 927.122 of the shipped trace: a 191k-token prompt went to
+    the engine holding a 62k-token prefix that three more requests hit within 20 s; they
+    waited 5-10 s behind it)."""
+    assert (await _giant_after_hits())[0] == "O"
+    assert (await _giant_after_hits(workExternality=0.0))[0] == "H"
+
+
 async def test_a_long_prompt_is_charged_one_step_for_sharing_a_prefill_in_progress() -> None:
     """The engine schedules its running requests' chunks first, so a prompt admitted while
     another is prefilling shares only that prefill's last step: it delays the other's

@@ -4,7 +4,7 @@ For every candidate endpoint ``e`` the scorer predicts this request's time to fi
 token there (all times in seconds)::
 
     ttft(e) = max(wait(e), queue(e)) + base(e) + work(e) + evict(e)
-              + copy(e) + interfere(e) + busy(e) + later(e)
+              + copy(e) + interfere(e) + busy(e) + later(e) + block(e)
 
 * ``work(e) = per_token(e) × uncached × (1 + (cached + uncached/2)/C) ÷ (1 + m̄/C)``: the
   prefill of the uncached tokens with their attention over the context
@@ -136,6 +136,18 @@ token there (all times in seconds)::
   it, a bursty trace window at 40-50 % of its hit ceiling (queues of seconds) recomputed
   11 % of the blocks it could have hit, to save each request its own wait, and every
   request behind paid for it.
+* ``block(e)``, *holding up a holder*: the same price for the delay this request's own
+  prefill adds to the hits ``e``'s cache is about to serve. They arrive at ``r(e)``, this
+  EPP's picks over the last :data:`HIT_RATE_WINDOW_S` that found at least
+  :data:`HIT_SHARE` of their prompt on ``e``; the ``r(e) × work(e)`` of them arriving
+  during the prefill wait half of it each on average. So ``block(e) = workExternality ×
+  r(e) × work(e)² ÷ 2`` (``work`` at the candidates' median fit, as in ``later``). It
+  is what tells apart engines of equal work and near-equal wait, where ``later`` is 0: a
+  hit's own prefill is short, and a cold prompt of 0.125 s (the routing lab's matrix) on
+  an engine hit 5 times a second adds 40 ms, but a 191k-token one (25 s) adds minutes. Without it, in a window of
+  the shipped trace (927.122:60) that prompt went to the engine 0.15 s sooner, which
+  held a 62k-token prefix; the three requests that hit it 14-19 s later waited 5-10 s
+  behind it, and the window's p90 was 0.87-0.94x sglang-router's (0.60 with it).
 * ``progress(e)``, an *in-progress hit*: the part of ``cached(e)`` that a pick of the same
   instant (the last ``SAME_STEP_S``) placed on ``e`` is not in the engine's cache yet.
   Both requests wait for the engine's next step; it admits this one at the latest in the
@@ -175,6 +187,7 @@ linear one whose parameters are learned per endpoint.
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 import math
 import time
@@ -225,6 +238,13 @@ CHEAP_FIT_SHARE = 0.5
 #: Picks remembered for the work externality's count of recent arrivals (at least this
 #: many, at most twice as many).
 PICK_HISTORY = 4096
+#: A pick counts as a hit on its endpoint's cache (for ``block(e)``) when the endpoint
+#: held at least this share of the prompt.
+HIT_SHARE = 0.5
+#: The window (seconds) over which an endpoint's rate of hits is counted (``block(e)``).
+HIT_RATE_WINDOW_S = 60.0
+#: Hit picks remembered per endpoint for that rate.
+HIT_HISTORY = 1024
 
 
 class RunningPrefixes:
@@ -369,7 +389,8 @@ class PredictedLatencyParams(BaseModel):
         ge=0,
         description="Share charged of the delay that prefill work spent beyond the "
         "cheapest candidate's adds to the requests arriving while the fleet's queue "
-        "drains (0: each request minimises its own TTFT only).",
+        "drains, and of the delay a prefill adds to the hits its engine's cache serves "
+        "(0: each request minimises its own TTFT only).",
     )
     secondsPerToken: float | None = Field(
         None, gt=0, description="Pin the prefill cost per uncached token instead of learning it."
@@ -411,6 +432,9 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         self.running = RunningPrefixes()
         #: When this EPP's recent picks were made, oldest first (``work externality``).
         self._pick_times: list[float] = []
+        #: Per endpoint key, when this EPP's recent picks that hit its cache were made,
+        #: oldest first (``block(e)``).
+        self._hit_times: dict[str, collections.deque[float]] = {}
         context.extras.setdefault(LATENCY_MODEL, self)  # the bounded-load filter asks it
 
     @property
@@ -469,6 +493,32 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         behind = (len(times) - bisect.bisect_left(times, now - backlog)) / len(waits)
         least = min(works)
         return [self.p.workExternality * behind * (w - least) for w in works]
+
+    def holder_blocking(
+        self, endpoints: Sequence[EndpointState], works: Sequence[float], now: float
+    ) -> list[float]:
+        """Per candidate, the delay its prefill adds to the hits its engine's cache is
+        about to serve (module docstring, ``block(e)``): ``workExternality × r(e) ×
+        work(e)² ÷ 2``, ``r(e)`` this EPP's picks that hit ``e``'s cache per second over
+        the last :data:`HIT_RATE_WINDOW_S`."""
+        since = now - HIT_RATE_WINDOW_S
+        out = []
+        for e, work in zip(endpoints, works, strict=True):
+            times = self._hit_times.get(e.key)
+            if not times or work <= 0.0:
+                out.append(0.0)
+                continue
+            while times and times[0] < since:
+                times.popleft()
+            rate = len(times) / HIT_RATE_WINDOW_S
+            out.append(self.p.workExternality * rate * work * work / 2.0)
+        return out
+
+    def _note_hit(self, key: str, now: float) -> None:
+        times = self._hit_times.get(key)
+        if times is None:
+            times = self._hit_times[key] = collections.deque(maxlen=HIT_HISTORY)
+        times.append(now)
 
     def _note_pick(self, now: float) -> None:
         """Remember a pick's time (the last :data:`PICK_HISTORY`, for ``n``)."""
@@ -572,7 +622,10 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             out.append((ttft, uncached))
         if self.p.workExternality > 0 and len(out) > 1:
             extra = self.work_externality(waits, works, now)
-            out = [(t + x, u) for (t, u), x in zip(out, extra, strict=True)]
+            blocked = self.holder_blocking(endpoints, works, now)
+            out = [
+                (t + x + b, u) for (t, u), x, b in zip(out, extra, blocked, strict=True)
+            ]
         cycle["latency.predicted"] = {e.key: t for e, (t, _) in zip(endpoints, out, strict=True)}
         cycle["latency.uncached"] = {e.key: u for e, (_, u) in zip(endpoints, out, strict=True)}
         cycle["latency.kv_need"] = needs
@@ -742,6 +795,8 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             claim = Claim(now, kv_need, 0.0)
         else:
             prompt = self._prompt_tokens(cycle, request)
+            if prompt > 0 and prompt - uncached >= HIT_SHARE * prompt:
+                self._note_hit(primary.key, now)
             clock_cost = (cycle.get("latency.clock_cost") or {}).get(primary.key)
             work = self.prefill_work(
                 clock_cost or self._cost(primary), uncached, max(0.0, prompt - uncached)
@@ -793,6 +848,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
             live = {s.key for s in self.context.datastore.all()}
             self._lifetime = {k: v for k, v in self._lifetime.items() if k in live}
             self._endpoint_mix = {k: v for k, v in self._endpoint_mix.items() if k in live}
+            self._hit_times = {k: v for k, v in self._hit_times.items() if k in live}
 
 
 def queue_seconds(e: EndpointState, need_tokens: float, lifetime: float) -> float:
