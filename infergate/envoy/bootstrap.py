@@ -898,7 +898,7 @@ def _clusters(config: EnvoyConfig) -> list[dict[str, Any]]:
         )
     clusters = [_epp_cluster(config), pool_cluster]
     if config.fallback_endpoints:
-        static = _static_cluster(
+        fallback = _static_cluster(
             FALLBACK_CLUSTER,
             list(config.fallback_endpoints),
             connect_timeout_s=config.connect_timeout_s,
@@ -908,7 +908,7 @@ def _clusters(config: EnvoyConfig) -> list[dict[str, Any]]:
             # not retried; the routing lab's least-request row lost one so, 2026-12-07).
             protocol_options=engine_protocol_options(http2=False),
         )
-        clusters.append(static)
+        clusters.append(fallback)
     return clusters
 
 

@@ -243,7 +243,8 @@ PICK_HISTORY = 4096
 HIT_SHARE = 0.5
 #: The window (seconds) over which an endpoint's rate of hits is counted (``block(e)``).
 HIT_RATE_WINDOW_S = 60.0
-#: Hit picks remembered per endpoint for that rate.
+#: Hit picks remembered per endpoint for that rate (a faster one reads as this many a
+#: window).
 HIT_HISTORY = 1024
 
 
@@ -505,7 +506,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         out = []
         for e, work in zip(endpoints, works, strict=True):
             times = self._hit_times.get(e.key)
-            if not times or work <= 0.0:
+            if not times:
                 out.append(0.0)
                 continue
             while times and times[0] < since:
