@@ -34,6 +34,10 @@ Policies:
   that, the held request with the least ``arrival + --hold-beta x work`` leaves, placed
   by the cost model: reordering that keeps the hits (the EPP's ``flowControl``
   ``maxPrefillQueueSeconds`` and ``prefillOrderWeight``, docs/epp.md).
+* ``engine-order``: the cost model's placement, each engine ordering its waiting queue by
+  ``arrival + --order-weight x work`` (the EPP's ``x-infergate-order-delay`` under
+  ``--scheduling-policy priority``, docs/epp.md). A request already started runs to the
+  end; the placement reads each engine's whole queue, as the EPP's clock does.
 * ``central-fcfs``: one queue feeding every engine in arrival order, every engine
   holding every block ever sent. Least-work dispatch to FCFS servers is that queue
   (the same start times), so this is least-work with every possible hit: the reference
@@ -223,6 +227,39 @@ def hold_release(requests: Sequence[traces.TraceRequest], profile: Profile, engi
     return ttfts, hit / max(1, sum(r.input_length for r in requests))
 
 
+def engine_order(requests: Sequence[traces.TraceRequest], profile: Profile, engines: int,
+                 beta: float) -> tuple[list[float], float]:  # fmt: skip
+    """The cost model's placement; each engine serves its waiting requests by the least
+    ``arrival + beta x work`` (not started ones only: no preemption)."""
+    fleet = Fleet(profile, engines)
+    queues: list[list[tuple[float, int, float, float]]] = [[] for _ in range(engines)]
+    busy = [0.0] * engines  # when each engine's started request ends
+    ttfts: list[float] = [0.0] * len(requests)
+    picks: list[float] = []
+    hit = 0
+
+    def advance(e: int, now: float) -> None:
+        while queues[e] and busy[e] <= now:
+            _, i, arrival, work = heapq.heappop(queues[e])
+            busy[e] = max(busy[e], arrival) + work
+            ttfts[i] = busy[e] - arrival
+
+    for i, r in enumerate(requests):
+        now = r.timestamp_ms / 1000.0
+        for e in range(engines):
+            advance(e, now)
+            fleet.free_at[e] = max(busy[e], now) + sum(q[3] for q in queues[e])
+        cands = candidates(fleet, r, now)
+        chosen = cands[cost_model(fleet, cands, r, now, picks)]
+        fleet.place(chosen.engine, r, now, chosen.work)  # its cache; free_at is rebuilt
+        heapq.heappush(queues[chosen.engine], (now + beta * chosen.work, i, now, chosen.work))
+        picks.append(now)
+        hit += chosen.cached
+    for e in range(engines):
+        advance(e, float("inf"))
+    return ttfts, hit / max(1, sum(r.input_length for r in requests))
+
+
 def central(requests: Sequence[traces.TraceRequest], profile: Profile, engines: int,
             shortest_first: bool) -> tuple[list[float], float]:  # fmt: skip
     """One queue over every engine, every block ever sent cached everywhere."""
@@ -289,12 +326,14 @@ def main() -> None:
                         help="hold-release: engines' queued prefill (s) below which one may take more")  # fmt: skip
     parser.add_argument("--hold-beta", type=float, default=1.0,
                         help="hold-release: seconds of precedence given up per second of work")  # fmt: skip
+    parser.add_argument("--order-weight", type=float, default=2.0,
+                        help="engine-order: seconds of precedence given up per second of work")  # fmt: skip
     parser.add_argument("--profile", default="h100-llama3.1-8b", choices=sorted(PROFILES))
     args = parser.parse_args()
     if args.engines < 1:
         parser.error("--engines must be at least 1")
-    if args.hold_seconds < 0 or args.hold_beta < 0:
-        parser.error("--hold-seconds and --hold-beta must be >= 0")
+    if args.hold_seconds < 0 or args.hold_beta < 0 or args.order_weight < 0:
+        parser.error("--hold-seconds, --hold-beta and --order-weight must be >= 0")
     profile = PROFILES[args.profile]
     policies: dict[str, Callable[[Sequence[traces.TraceRequest]], tuple[list[float], float]]] = {
         "least-work": lambda rs: dispatch(rs, least_work, profile, args.engines),
@@ -303,6 +342,7 @@ def main() -> None:
         "hold-release": lambda rs: hold_release(
             rs, profile, args.engines, args.hold_seconds, args.hold_beta
         ),
+        "engine-order": lambda rs: engine_order(rs, profile, args.engines, args.order_weight),
         "central-fcfs": lambda rs: central(rs, profile, args.engines, False),
         "central-sjf": lambda rs: central(rs, profile, args.engines, True),
     }

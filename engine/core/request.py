@@ -57,6 +57,9 @@ class Request:
     # vLLM's request priority: with --scheduling-policy priority a lower value is
     # admitted first and preempted last (ties by arrival); fcfs ignores it.
     priority: int = 0
+    # Seconds added to arrival_time where --scheduling-policy priority orders the waiting
+    # queue within a priority (the EPP's x-infergate-order-delay); fcfs ignores it.
+    order_delay: float = 0.0
     # n > 1: the request whose prompt KV this one shares (a forked block table, see
     # KVCacheManager.fork); None for a request that prefills its own prompt.
     fork_parent: Request | None = None

@@ -12,8 +12,9 @@ queue.
 
 ``--scheduling-policy`` (vLLM's flag) orders the waiting queue (waiting_queue.py)
 and picks the preemption victim: under ``fcfs`` the most recently admitted request, under
-``priority`` the running request with the highest ``(priority, arrival_time)``, i.e. the
-least important and, among equals, the latest.
+``priority`` the running request with the highest ``(priority, arrival_time +
+order_delay)``, i.e. the least important and, among equals, the latest (a long prefill's
+order delay makes it later).
 
 ``n > 1`` forks the block table: the extra sequences of a request wait until the first has
 computed the prompt, then share its prompt blocks (``KVCacheManager.fork``) and compute
@@ -216,7 +217,8 @@ class Scheduler:
 
     def _victim(self) -> Request:
         """The running request to preempt: the last admitted (fcfs), or the one with the
-        highest (priority, arrival) — least important, latest among equals (priority)."""
+        highest (priority, arrival + order delay) — least important, latest among equals
+        (priority)."""
         if self.config.policy == "priority":
             return max(self.running, key=priority_key)
         return self.running[-1]

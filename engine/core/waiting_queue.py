@@ -1,9 +1,10 @@
 """The scheduler's waiting queue under vLLM's two ``--scheduling-policy`` values.
 
 ``fcfs``: arrival order; a preempted request goes back to the head (it was admitted
-before anything still waiting). ``priority``: ordered by ``(priority, arrival_time)``, a
-lower value first as in vLLM; a preempted request simply re-enters at its place in that
-order. Both keep the same small interface, so the scheduler reads the same either way.
+before anything still waiting). ``priority``: ordered by ``(priority, arrival_time +
+order_delay)``, a lower value first as in vLLM; ``order_delay`` (0 unless the EPP set
+one) lets a short prefill overtake a long one that arrived shortly before. A preempted
+request simply re-enters at its place in that order. Both keep the same small interface, so the scheduler reads the same either way.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
 
 
 def priority_key(request: Request) -> tuple[int, float]:
-    """Lower runs first: the priority value, then the earlier arrival."""
-    return (request.priority, request.arrival_time)
+    """Lower runs first: the priority value, then the earlier arrival, delayed by the
+    request's ``order_delay``."""
+    return (request.priority, request.arrival_time + request.order_delay)
 
 
 class WaitingQueue:

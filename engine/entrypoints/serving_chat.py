@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, ChatCompletionRequest)
         model = self.check_model(req.model)
-        priority = self.priority(request, req)
+        order = self.priority(request, req)
         if not req.messages:
             raise APIError(400, "messages must not be empty.", "messages")
         try:
@@ -138,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
             for j in range(n)
         ]
         requests = [
-            self.new_request(f"{rid}-{j}", ids, p, req, grammar, priority)
+            self.new_request(f"{rid}-{j}", ids, p, req, grammar, order)
             for j, p in enumerate(children)
         ]
         fork_siblings(requests)

@@ -136,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, CompletionRequest)
         model = self.check_model(req.model)
-        priority = self.priority(request, req)
+        order = self.priority(request, req)
         prompts, texts = await self.prompts(req)
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
@@ -161,7 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for j in range(best_of):
                 child = params if params.seed is None else replace(params, seed=params.seed + j)
                 rid_j = f"{rid}-{len(jobs) + j}"
-                samples.append(self.new_request(rid_j, ids, child, req, grammar, priority))
+                samples.append(self.new_request(rid_j, ids, child, req, grammar, order))
             fork_siblings(samples)  # the samples of one prompt share its prefill
             jobs += [(p_index, r) for r in samples]
         if best_of > n:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from fastapi import Request
 from infergate.engine.async_engine import AsyncEngine
@@ -31,7 +32,7 @@ from infergate.engine.tool_parsers.choice import ToolPlan
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from infergate.wire.names import PRIORITY_HEADER
+from infergate.wire.names import MAX_ORDER_DELAY_S, ORDER_DELAY_HEADER, PRIORITY_HEADER
 
 from .config import LONG_TEXT_CHARS, ServerConfig
 from .errors import APIError, ClientGone
@@ -42,6 +43,15 @@ if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
 log = logging.getLogger("infergate.engine.server")
+
+
+class QueueOrder(NamedTuple):
+    """Where a request waits under priority scheduling: ``(priority, arrival + delay)``."""
+
+    priority: int = 0
+    delay: float = 0.0
+
+
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
@@ -239,14 +249,17 @@ class OpenAIServing:
         except GrammarSpecError as error:
             raise APIError(400, error.message, error.param) from None
 
-    def priority(self, request: Request, req: _Sampling) -> int:
-        """The engine priority of this call (vLLM's: lower runs first).
+    def priority(self, request: Request, req: _Sampling) -> QueueOrder:
+        """Where this call waits: its engine priority (vLLM's: lower runs first) and
+        order delay.
 
         The body's ``priority`` wins; without one, the EPP's ``x-infergate-priority``
         header (the InferenceObjective's priority, negated) is used under
         ``--scheduling-policy priority`` and ignored under fcfs, where a gateway's hint has
         nothing to act on. A non-zero body priority under fcfs is a 400, as in vLLM. Values
-        must fit a signed 64-bit integer (what vLLM's engine-core messages carry).
+        must fit a signed 64-bit integer (what vLLM's engine-core messages carry). The EPP's
+        ``x-infergate-order-delay`` (seconds, 0 to ``MAX_ORDER_DELAY_S``) is read under
+        priority scheduling only, like the header's priority.
         """
         prioritized = self.config.scheduling_policy == "priority"
         if "priority" in req.model_fields_set:
@@ -258,10 +271,10 @@ class OpenAIServing:
                     "--scheduling-policy fcfs.",
                     "priority",
                 )
-            return req.priority
+            return QueueOrder(req.priority, self._order_delay(request, prioritized))
         raw = request.headers.get(PRIORITY_HEADER)
         if raw is None or not prioritized:
-            return 0
+            return QueueOrder(0, self._order_delay(request, prioritized))
         try:
             value = int(raw.strip())
         except ValueError:
@@ -269,6 +282,25 @@ class OpenAIServing:
                 400, f"{PRIORITY_HEADER} must be an integer, got {raw!r}.", PRIORITY_HEADER
             ) from None
         _check_priority(value, PRIORITY_HEADER)
+        return QueueOrder(value, self._order_delay(request, prioritized))
+
+    @staticmethod
+    def _order_delay(request: Request, prioritized: bool) -> float:
+        """The EPP's ``x-infergate-order-delay`` in seconds; 0 without one or under fcfs."""
+        raw = request.headers.get(ORDER_DELAY_HEADER)
+        if raw is None or not prioritized:
+            return 0.0
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            value = math.nan
+        if not 0.0 <= value <= MAX_ORDER_DELAY_S:  # also refuses nan
+            raise APIError(
+                400,
+                f"{ORDER_DELAY_HEADER} must be seconds from 0 to {MAX_ORDER_DELAY_S:g}, "
+                f"got {raw!r}.",
+                ORDER_DELAY_HEADER,
+            )
         return value
 
     async def prepare_kv_transfer(
@@ -290,10 +322,11 @@ class OpenAIServing:
         params: SamplingParams,
         req: _Sampling,
         grammar: CompiledGrammar | None = None,
-        priority: int = 0,
+        order: QueueOrder = QueueOrder(),
     ) -> EngineRequest:
         return EngineRequest(
-            priority=priority,
+            priority=order.priority,
+            order_delay=order.delay,
             grammar=GrammarState(grammar) if grammar is not None else None,
             request_id=rid,
             prompt_token_ids=prompt,

@@ -69,7 +69,7 @@ class OpenAIServingResponses(OpenAIServing):
         plan = self.tool_plan(req)
         ids = await self.render(to_messages(req.instructions, [*history, *items]), plan)
         sampling = _sampling(req)
-        priority = self.priority(request, sampling)
+        order = self.priority(request, sampling)
         params = self.params(sampling, len(ids), req.max_output_tokens)
         grammar = await self.compile_grammar(
             self.tool_grammar(grammar_spec(req.text.format if req.text is not None else None), plan)
@@ -77,7 +77,7 @@ class OpenAIServingResponses(OpenAIServing):
         rid = make_response_id(self.tag_for(request))
         if self.metrics is not None:
             self.metrics.request_accepted(1, params.max_tokens)
-        engine_request = self.new_request(rid, ids, params, sampling, grammar, priority)
+        engine_request = self.new_request(rid, ids, params, sampling, grammar, order)
         run = ResponseRun(self.base_object(rid, req, model, params.temperature, params.top_p),
                           ToolCallState(plan, self.tool_parser()), len(ids))  # fmt: skip
         stored = [*(previous.conversation() if previous else []), *items_dump(items)]

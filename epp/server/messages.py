@@ -17,6 +17,7 @@ from infergate.epp.requestcontrol.requests import openai_error
 
 from infergate.wire.names import (
     LB_METADATA_NAMESPACE,
+    ORDER_DELAY_HEADER,
     PREFILL_HEADER,
     PREFIX_HEADER,
     SERVED_HEADER,
@@ -27,8 +28,9 @@ from infergate.wire.names import (
 DESTINATION_NAMESPACE = LB_METADATA_NAMESPACE
 SERVED_KEY = SERVED_HEADER
 #: Request headers only the EPP may set: removed from what the client sent unless the
-#: scheduling result sets them (P/D's prefill pick tells the decode engine whom to call).
-OWNED_REQUEST_HEADERS = (PREFILL_HEADER, PREFIX_HEADER)
+#: scheduling result sets them (P/D's prefill pick tells the decode engine whom to call;
+#: the order delay places the request in the engine's queue).
+OWNED_REQUEST_HEADERS = (PREFILL_HEADER, PREFIX_HEADER, ORDER_DELAY_HEADER)
 SCORES_HEADER = "x-infergate-epp-scores"
 CHUNK_LIMIT = 62_000  # under Envoy's 64 KiB per streamed chunk
 BODY_NONE = processing_mode_pb2.ProcessingMode.NONE

@@ -63,6 +63,7 @@ from infergate.wire.names import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     MAX_REQUEST_BODY_BYTES,
+    ORDER_DELAY_HEADER,
     PREFIX_HEADER,
     REQUEST_ID_HEADER,
     SERVED_HEADER,
@@ -366,7 +367,7 @@ def strip_client_headers_filter() -> dict[str, Any]:
             "mutations": {
                 "request_mutations": [
                     {"remove": name}
-                    for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER)
+                    for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER, ORDER_DELAY_HEADER)
                 ]
             },
         },

@@ -788,9 +788,14 @@ class LocalStack:
         done_ports = self.spec.resolved_completion_events_ports()
         if done_ports:
             argv += ["--completion-events-port", str(done_ports[index])]
-        argv += list(self.spec.engine_args)
+        own = [*self.spec.engine_args]
         if index < len(self.spec.per_engine_args):
-            argv += list(self.spec.per_engine_args[index])
+            own += self.spec.per_engine_args[index]
+        if _flag_value(own, "--scheduling-policy") is None:
+            # The EPP's order delay needs it (docs/epp.md, "The engine's order"); an
+            # --engine-arg=--scheduling-policy=fcfs wins.
+            argv += ["--scheduling-policy", "priority"]
+        argv += own
         name = f"engine-{index}"
         return self._start(name, lambda log: self.group.start(name, argv, log_path=log))
 

@@ -10,7 +10,9 @@ engines' completion records name (client copies are stripped by the bootstrap).
 ``x-prefiller-host-port`` is llm-d's: the prefill engine the EPP picked for a
 disaggregated request, read by the decode engine. ``x-infergate-priority`` is ours: the
 InferenceObjective's priority in vLLM's convention (negated), which the engine schedules
-by when the body has no ``priority`` of its own.
+by when the body has no ``priority`` of its own. ``x-infergate-order-delay`` is ours too:
+seconds the engine adds to the request's arrival where it orders its waiting queue under
+priority scheduling (the EPP's predicted prefill work, weighted).
 """
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -27,6 +29,14 @@ PREFILL_HEADER = "x-prefiller-host-port"
 PRIORITY_HEADER = "x-infergate-priority"
 """The engine priority the EPP asks for: minus the InferenceObjective's priority (GIE: higher
 is more important; vLLM: lower runs first). A body's own ``priority`` takes precedence."""
+ORDER_DELAY_HEADER = "x-infergate-order-delay"
+"""Seconds the engine adds to the request's arrival time where it orders its waiting queue
+under ``--scheduling-policy priority``, within the request's priority: the EPP sets it to its
+``engineOrderWeight`` x the request's predicted prefill on the picked engine, so a short
+prefill overtakes a long one that arrived less than the difference earlier (docs/epp.md).
+Client copies are stripped by the bootstrap."""
+MAX_ORDER_DELAY_S = 3600.0
+"""The largest ``x-infergate-order-delay`` an engine takes: an hour is beyond any prefill."""
 PREFIX_HEADER = "x-infergate-prefix"
 """The prompt's approximate-prefix block hashes, set by the EPP that routed a request; the
 engine echoes them in its admission record so every EPP replica learns where the prefix

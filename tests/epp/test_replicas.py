@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from infergate.epp.config import DEFAULT_CONFIG_YAML
 from infergate.epp.datalayer.datastore import Datastore
 from infergate.epp.flowcontrol.config import FlowControlConfig
 from infergate.epp.flowcontrol.controller import FlowController
@@ -37,7 +38,7 @@ from infergate.wire.completions import (
     encode_prefix,
     prefix_hashes,
 )
-from infergate.wire.names import PREFIX_HEADER
+from infergate.wire.names import ORDER_DELAY_HEADER, PREFIX_HEADER
 
 from .conftest import Stream, body, headers
 
@@ -259,6 +260,30 @@ async def test_the_epp_learns_other_replicas_admissions_not_its_own(
     await stream.close()
     assert PREFIX_HEADER in short.remove_headers
     assert PREFIX_HEADER not in {h.header.key for h in short.set_headers}
+
+
+async def test_a_clients_order_delay_never_reaches_an_engine(
+    epp_factory: Any, channel_for: Any
+) -> None:
+    """``x-infergate-order-delay`` places a request in the engine's queue: only the EPP
+    sets it. With the default profile the pick's own value overwrites a client's; with a
+    weight of 0 the client's copy is removed."""
+    engines = [Endpoint("127.0.0.1", 18001), Endpoint("127.0.0.1", 18002)]
+    channel = channel_for(await epp_factory(static_endpoints=engines))
+    mutation, stream = await _route_once(channel, "hi", {ORDER_DELAY_HEADER: "3600"})
+    await stream.close()
+    sent = {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+    assert 0 < float(sent[ORDER_DELAY_HEADER]) < 60  # the EPP's estimate, not the 3,600 s
+    config = DEFAULT_CONFIG_YAML.replace(
+        "- type: predicted-latency-scorer\n",
+        "- type: predicted-latency-scorer\n  parameters: {engineOrderWeight: 0}\n",
+    )
+    assert config != DEFAULT_CONFIG_YAML
+    channel = channel_for(await epp_factory(static_endpoints=engines, config_text=config))
+    mutation, stream = await _route_once(channel, "hi", {ORDER_DELAY_HEADER: "0"})
+    await stream.close()
+    assert ORDER_DELAY_HEADER in mutation.remove_headers
+    assert ORDER_DELAY_HEADER not in {h.header.key for h in mutation.set_headers}
 
 
 async def test_the_routing_replica_calibrates_from_its_own_admission_record_once(

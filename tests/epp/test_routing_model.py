@@ -283,6 +283,33 @@ async def test_predicted_ttft_prefers_the_holder_then_spreads_when_it_is_overloa
     assert states[picked] is other
 
 
+async def _order_delay(**params: object) -> tuple[str | None, float]:
+    """A cold 2,001-token prompt on an idle fleet: the order delay its pick carries, and
+    the prefill work the pick added to the engine's clock."""
+    from infergate.wire.names import ORDER_DELAY_HEADER
+
+    states, ctx, scorer, now = latency_fleet(2, 10_000, **params)
+    r = InferenceRequest("r", {}, prompt_text="c" * 8000, model="m", target_model="m")
+    cycle = CycleState()
+    await ctx.extras["prefix_index"].prepare(cycle, r, states)
+    scorer.score(cycle, r, states)
+    result = SchedulingResult("p", [states[0]])
+    scorer.pre_request(cycle, r, result)
+    return result.request_headers.get(ORDER_DELAY_HEADER), states[0].prefill_busy_until - now[0]
+
+
+async def test_a_pick_asks_the_engine_to_order_it_by_its_weighted_prefill() -> None:
+    """``x-infergate-order-delay`` = ``engineOrderWeight`` x the predicted prefill the pick
+    adds to its engine (the engine orders its waiting queue by arrival + that); weight 0
+    sends none."""
+    delay, work = await _order_delay()  # the default weight, 2
+    assert delay is not None and float(delay) == pytest.approx(2 * work, rel=1e-4)
+    assert work > 0.05  # 2,001 uncached tokens at 30 µs
+    delay, work = await _order_delay(engineOrderWeight=0.5)
+    assert delay is not None and float(delay) == pytest.approx(0.5 * work, rel=1e-4)
+    assert (await _order_delay(engineOrderWeight=0))[0] is None
+
+
 def full_and_empty(**params: object):
     """Two endpoints of 3,200 tokens at 4 characters per token, the first one's prefix
     index nearly full; the prefix index and a predicted-latency scorer (``params``)."""

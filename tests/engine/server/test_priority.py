@@ -2,7 +2,8 @@
 
 With ``--scheduling-policy priority`` and one running slot, requests queue in the engine;
 the order of their first tokens is the order the scheduler admitted them. The body's
-``priority`` and the EPP's ``x-infergate-priority`` header both set it (the body wins).
+``priority`` and the EPP's ``x-infergate-priority`` header both set it (the body wins);
+the EPP's ``x-infergate-order-delay`` moves a request back within its priority.
 Under fcfs (the shared simulated server) a non-zero body priority is a 400, as in vLLM.
 """
 
@@ -21,6 +22,7 @@ from infergate.procs import ProcessGroup
 from .conftest import MODEL, Server, _start
 
 HEADER = "x-infergate-priority"
+DELAY = "x-infergate-order-delay"
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +116,27 @@ def test_a_late_important_request_runs_before_the_queued_background(
     assert order == ["bg0", "urgent", "header", "body-wins", "bg1", "bg2", "bg3"]
 
 
+def test_an_order_delay_lets_a_short_prefill_overtake_within_its_priority(
+    priority_server: Server,
+) -> None:
+    """The EPP sends ``x-infergate-order-delay`` = weight x predicted prefill: a long
+    prompt queued first with a large delay waits behind later ones with small delays;
+    a request without one keeps its arrival, so it goes before a delayed one that arrived
+    less than the delay earlier (the calls here arrive well under 5 s apart); priority
+    still comes first."""
+    priority_server.wait_idle()
+    calls: list[tuple[str, dict[str, Any], dict[str, str]]] = [
+        ("holder", {}, {}),
+        ("long", {}, {DELAY: "600"}),  # arrival + 600 s
+        ("short", {}, {DELAY: "5"}),  # arrival + 5 s: before long, after none
+        ("none", {}, {}),  # no header: its arrival
+        ("background", {"priority": 1}, {DELAY: "0"}),  # a later priority: last
+    ]
+    times = _first_token_times(priority_server, calls)
+    order = sorted(times, key=times.__getitem__)
+    assert order == ["holder", "none", "short", "long", "background"]
+
+
 def test_priority_values_are_checked(priority_server: Server, sim_server: Server) -> None:
     def status(server: Server, extra: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1, **extra}
@@ -130,11 +153,16 @@ def test_priority_values_are_checked(priority_server: Server, sim_server: Server
         assert status(priority_server, {"priority": good}) == (200, None), good
     for bad_header in ("high", "1.5", str(2**63), ""):
         assert status(priority_server, {}, {HEADER: bad_header}) == (400, HEADER), bad_header
+    for bad_delay in ("-1", "3601", "nan", "inf", "soon", ""):
+        assert status(priority_server, {}, {DELAY: bad_delay}) == (400, DELAY), bad_delay
+    for good_delay in ("0", "0.25", "3600"):
+        assert status(priority_server, {}, {DELAY: good_delay}) == (200, None), good_delay
     # fcfs: vLLM's refusal of a non-zero priority; the gateway's header is ignored there.
     assert status(sim_server, {"priority": 1}) == (400, "priority")
     assert status(sim_server, {"priority": 0}) == (200, None)
     assert status(sim_server, {}, {HEADER: "-7"}) == (200, None)
     assert status(sim_server, {}, {HEADER: "garbage"}) == (200, None)
+    assert status(sim_server, {}, {DELAY: "garbage"}) == (200, None)
     # Chat completions read the same field.
     with sim_server.http() as http:
         chat = http.post("/v1/chat/completions", json={
