@@ -4,7 +4,8 @@
 before anything still waiting). ``priority``: ordered by ``(priority, arrival_time +
 order_delay)``, a lower value first as in vLLM; ``order_delay`` (0 unless the EPP set
 one) lets a short prefill overtake a long one that arrived shortly before. A preempted
-request simply re-enters at its place in that order. Both keep the same small interface, so the scheduler reads the same either way.
+request simply re-enters at its place in that order. Both keep the same small interface,
+so the scheduler reads the same either way.
 """
 
 from __future__ import annotations

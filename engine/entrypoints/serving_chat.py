@@ -106,7 +106,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, ChatCompletionRequest)
         model = self.check_model(req.model)
-        order = self.priority(request, req)
+        order = self.queue_order(request, req)
         if not req.messages:
             raise APIError(400, "messages must not be empty.", "messages")
         try:

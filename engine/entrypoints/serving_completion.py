@@ -136,7 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: Request) -> Response:
         req = await self.parse_request(request, CompletionRequest)
         model = self.check_model(req.model)
-        order = self.priority(request, req)
+        order = self.queue_order(request, req)
         prompts, texts = await self.prompts(req)
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:

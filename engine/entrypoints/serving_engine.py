@@ -249,7 +249,7 @@ class OpenAIServing:
         except GrammarSpecError as error:
             raise APIError(400, error.message, error.param) from None
 
-    def priority(self, request: Request, req: _Sampling) -> QueueOrder:
+    def queue_order(self, request: Request, req: _Sampling) -> QueueOrder:
         """Where this call waits: its engine priority (vLLM's: lower runs first) and
         order delay.
 

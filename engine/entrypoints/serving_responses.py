@@ -69,7 +69,7 @@ class OpenAIServingResponses(OpenAIServing):
         plan = self.tool_plan(req)
         ids = await self.render(to_messages(req.instructions, [*history, *items]), plan)
         sampling = _sampling(req)
-        order = self.priority(request, sampling)
+        order = self.queue_order(request, sampling)
         params = self.params(sampling, len(ids), req.max_output_tokens)
         grammar = await self.compile_grammar(
             self.tool_grammar(grammar_spec(req.text.format if req.text is not None else None), plan)

@@ -646,9 +646,7 @@ class PredictedLatencyScorer(Scorer, PrefillEstimate, PreRequest, ResponseComple
         if self.p.workExternality > 0 and len(out) > 1:
             extra = self.work_externality(waits, works, now)
             blocked = self.holder_blocking(endpoints, works, now)
-            out = [
-                (t + x + b, u) for (t, u), x, b in zip(out, extra, blocked, strict=True)
-            ]
+            out = [(t + x + b, u) for (t, u), x, b in zip(out, extra, blocked, strict=True)]
         cycle["latency.predicted"] = {e.key: t for e, (t, _) in zip(endpoints, out, strict=True)}
         cycle["latency.uncached"] = {e.key: u for e, (_, u) in zip(endpoints, out, strict=True)}
         cycle["latency.kv_need"] = needs
