@@ -367,7 +367,12 @@ def strip_client_headers_filter() -> dict[str, Any]:
             "mutations": {
                 "request_mutations": [
                     {"remove": name}
-                    for name in (DESTINATION_HEADER, REQUEST_ID_HEADER, PREFIX_HEADER, ORDER_DELAY_HEADER)
+                    for name in (
+                        DESTINATION_HEADER,
+                        REQUEST_ID_HEADER,
+                        PREFIX_HEADER,
+                        ORDER_DELAY_HEADER,
+                    )
                 ]
             },
         },

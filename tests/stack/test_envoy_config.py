@@ -28,6 +28,7 @@ from infergate.envoy.bootstrap import (
 )
 from infergate.envoy.process import start_envoy, validate_config
 from infergate.procs import ProcessGroup, free_port, tcp_ready
+from infergate.wire.names import ORDER_DELAY_HEADER, PREFIX_HEADER, REQUEST_ID_HEADER
 
 
 def _ext_proc(config: dict) -> dict:
@@ -125,6 +126,26 @@ def test_full_duplex_streaming_and_failure_mode_follow_the_arguments() -> None:
     )["processing_mode"]
     assert single["request_body_mode"] == single["response_body_mode"] == "FULL_DUPLEX_STREAMED"
     assert single["request_trailer_mode"] == single["response_trailer_mode"] == "SEND"
+
+
+def test_headers_only_the_epp_sets_are_removed_from_the_client_before_the_epp() -> None:
+    """A client cannot pick its engine, its request id, its prefix record or its place in
+    the engine's queue: those headers are removed before ext_proc runs (the EPP then sets
+    its own)."""
+    config = build_envoy_config(EnvoyConfig(listen_port=1, epp_address="127.0.0.1", epp_port=2))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    names = [f["name"] for f in hcm["typed_config"]["http_filters"]]
+    strip = hcm["typed_config"]["http_filters"][names.index("envoy.filters.http.header_mutation")]
+    removed = {m["remove"] for m in strip["typed_config"]["mutations"]["request_mutations"]}
+    assert removed == {
+        DESTINATION_HEADER,
+        REQUEST_ID_HEADER,
+        PREFIX_HEADER,
+        ORDER_DELAY_HEADER,
+    }
+    assert names.index("envoy.filters.http.header_mutation") < names.index(
+        "envoy.filters.http.ext_proc"
+    )
 
 
 def test_buffered_request_bodies_raise_envoys_buffer_to_the_body_limit() -> None:
