@@ -250,18 +250,23 @@ class OpenAIServing:
             raise APIError(400, error.message, error.param) from None
 
     def queue_order(self, request: Request, req: _Sampling) -> QueueOrder:
-        """Where this call waits: its engine priority (vLLM's: lower runs first) and
-        order delay.
+        """Where this call waits: its engine priority and its order delay, the EPP's
+        ``x-infergate-order-delay`` (seconds, 0 to ``MAX_ORDER_DELAY_S``), read under
+        priority scheduling only, like the priority header."""
+        prioritized = self.config.scheduling_policy == "priority"
+        priority = self._priority(request, req, prioritized)
+        return QueueOrder(priority, self._order_delay(request, prioritized))
+
+    @staticmethod
+    def _priority(request: Request, req: _Sampling, prioritized: bool) -> int:
+        """The engine priority of this call (vLLM's: lower runs first).
 
         The body's ``priority`` wins; without one, the EPP's ``x-infergate-priority``
         header (the InferenceObjective's priority, negated) is used under
         ``--scheduling-policy priority`` and ignored under fcfs, where a gateway's hint has
         nothing to act on. A non-zero body priority under fcfs is a 400, as in vLLM. Values
-        must fit a signed 64-bit integer (what vLLM's engine-core messages carry). The EPP's
-        ``x-infergate-order-delay`` (seconds, 0 to ``MAX_ORDER_DELAY_S``) is read under
-        priority scheduling only, like the header's priority.
+        must fit a signed 64-bit integer (what vLLM's engine-core messages carry).
         """
-        prioritized = self.config.scheduling_policy == "priority"
         if "priority" in req.model_fields_set:
             _check_priority(req.priority, "priority")
             if req.priority != 0 and not prioritized:
@@ -271,10 +276,10 @@ class OpenAIServing:
                     "--scheduling-policy fcfs.",
                     "priority",
                 )
-            return QueueOrder(req.priority, self._order_delay(request, prioritized))
+            return req.priority
         raw = request.headers.get(PRIORITY_HEADER)
         if raw is None or not prioritized:
-            return QueueOrder(0, self._order_delay(request, prioritized))
+            return 0
         try:
             value = int(raw.strip())
         except ValueError:
@@ -282,7 +287,7 @@ class OpenAIServing:
                 400, f"{PRIORITY_HEADER} must be an integer, got {raw!r}.", PRIORITY_HEADER
             ) from None
         _check_priority(value, PRIORITY_HEADER)
-        return QueueOrder(value, self._order_delay(request, prioritized))
+        return value
 
     @staticmethod
     def _order_delay(request: Request, prioritized: bool) -> float:
