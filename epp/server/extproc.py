@@ -328,6 +328,8 @@ class ExtProcServer(pb_grpc.ExternalProcessorServicer):
                     responses = [immediate(500, "the endpoint picker failed on this request")]
                 for response in responses:
                     yield response
+                if state.ends_with_pick:  # OK trailers: Envoy sends no response headers
+                    return
         finally:
             if observer is not None:
                 observer.end(complete=False)

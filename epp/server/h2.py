@@ -449,6 +449,9 @@ class ExtProcCall:
     def _answered(self, responses: list[pb.ProcessingResponse]) -> None:
         self._send(responses)
         state = self.state
+        if state.ends_with_pick:  # OK trailers in the same write: no response headers come
+            self._finish()
+            return
         if state.phase is Phase.BODY and state.deadline:
             if self.timer is None:
                 self.timer = self.loop.call_at(state.deadline, self._timed_out)

@@ -11,7 +11,10 @@ its own module, all mixed into :class:`StreamState` over :class:`~.stream_base.S
 3. ``ROUTED`` (``stream_route``): the body's last chunk (or headers without a body, or
    the request trailers) routes; the answer carries the pick, then the body.
 4. ``RESPONSE`` (``stream_response``): response headers and body chunks go straight
-   back while usage is read.
+   back while usage is read. Where nothing needs them, the response headers never come:
+   a buffered body's headers answer tells Envoy to skip them, and a streamed body's
+   stream ends with the pick's answer (``StreamBase.ends_with_pick``; the transport
+   sends OK trailers after it).
 5. ``DONE``: whatever happens to the stream (end, error, Envoy cancelling), ``close``
    runs once and releases the request's accounting.
 
@@ -89,13 +92,17 @@ class StreamState(RequestPhases, RoutePhase, ResponsePhase):
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self._open(message)
-            return await self._route(end_of_stream=True, with_body=False)
-        if kind == "request_body":
+            out = await self._route(end_of_stream=True, with_body=False)
+        elif kind == "request_body":
             rejected = self._take_chunk(message)
             if rejected is not None:
                 return rejected
-            return await self._route(end_of_stream=True)
-        out = await self._route(end_of_stream=False)  # request trailers
-        if self.phase is Phase.DONE:
-            return out
-        return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            out = await self._route(end_of_stream=True)
+        else:  # request trailers
+            out = await self._route(end_of_stream=False)
+            if self.phase is Phase.DONE:
+                return out
+            out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        if self.phase is Phase.ROUTED and not self.body_buffered:
+            self.ends_with_pick = self.headers_skipped = self._skips_response_headers()
+        return out

@@ -81,6 +81,9 @@ class StreamBase:
         #: The EPP asked Envoy not to send this request's response headers
         #: (``_skips_response_headers``): its end and status come from the record.
         self.headers_skipped = False
+        #: The EPP ends the stream with its pick's answer (``_ends_with_the_pick``): Envoy
+        #: then sends no response headers; the end and status come from the record.
+        self.ends_with_pick = False
         self.closed = False
         self.deadline = 0.0  # loop time by which the body must have arrived
         # Response observation (see ``ObserverState``): while an observer is attached, the

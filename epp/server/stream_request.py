@@ -39,15 +39,21 @@ class RequestPhases(StreamBase):
         """Whether this request's response headers need not come to the EPP.
 
         Why: Envoy holds the response headers until the EPP answers them, one round trip
-        on every request's time to first byte, and two ext-proc messages of the EPP's
-        CPU. Nothing needs them when no plugin adds response headers, the routing filter
-        streams no response body, and every endpoint reports completion records, which
-        carry the status and the token counts. Envoy still keeps the stream open until
-        the response has ended (measured: 1.22 s for a 1.2 s generation), so the end is
-        known as before. Envoy honours ``mode_override`` only on the answer to the
-        request headers while it waits for that answer (measured: with
-        ``FULL_DUPLEX_STREAMED`` bodies the pick's late headers answer has it ignored),
-        so only buffered bodies can skip them.
+        on every request's time to first byte, and two ext-proc messages (a wake-up) of
+        the EPP's CPU. Nothing needs them when no plugin adds response headers, the
+        routing filter streams no response body, and every endpoint reports completion
+        records, which carry the status and the token counts; Envoy's route sets
+        ``x-gateway-destination-endpoint-served`` itself.
+
+        How they are skipped depends on the body mode. Envoy honours ``mode_override``
+        only on the answer to the request headers while it waits for that answer, and
+        never with ``FULL_DUPLEX_STREAMED`` bodies (Envoy's ext_proc filter ignores it in
+        that mode). So a buffered body's headers answer overrides the mode (Envoy then
+        keeps the stream open until the response has ended: measured 1.22 s for a 1.2 s
+        generation), and a streamed body's stream is ended by the EPP right after the
+        pick's answer, with OK trailers: Envoy, its processing complete, forwards the
+        response untouched (``StreamState.handle_later``). Either way the request's end
+        and status come from its record.
         """
         server = self.server
         return (
