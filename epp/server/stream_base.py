@@ -81,7 +81,7 @@ class StreamBase:
         #: The EPP asked Envoy not to send this request's response headers
         #: (``_skips_response_headers``): its end and status come from the record.
         self.headers_skipped = False
-        #: The EPP ends the stream with its pick's answer (``_ends_with_the_pick``): Envoy
+        #: The EPP ends the stream with its pick's answer (``StreamState.handle_later``): Envoy
         #: then sends no response headers; the end and status come from the record.
         self.ends_with_pick = False
         self.closed = False

@@ -15,6 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from infergate.epp.app import Epp, EppOptions
+from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
+from infergate.epp.types import Endpoint
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 
@@ -213,3 +215,36 @@ async def eventually(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+def reporting(endpoint: Endpoint) -> Endpoint:
+    """``endpoint`` labelled as publishing completion records (on a port nothing binds)."""
+    return Endpoint(endpoint.address, endpoint.port, ((COMPLETION_EVENTS_PORT_LABEL, "1"),))
+
+
+#: What makes a request need its response headers (docs/epp.md, "Skipped response
+#: headers"): one endpoint that sends no records, a plugin that adds response headers,
+#: or the routing filter streaming response bodies to the EPP.
+RESPONSE_NEEDS = ("one endpoint silent", "response-header plugin", "body sent")
+PLUGIN_ADDS_HEADERS = """
+kind: EndpointPickerConfig
+plugins:
+- type: session-affinity-scorer
+- type: max-score-picker
+"""
+
+
+async def epp_needing_response(
+    epp_factory: Callable[..., Awaitable[Epp]], case: str, tmp_path: Path, a: Endpoint, b: Endpoint
+) -> tuple[Epp, int]:
+    """An EPP over ``a`` and ``b`` whose requests need their response headers for
+    ``case`` (one of :data:`RESPONSE_NEEDS`), and the response body mode Envoy announces."""
+    endpoints = [reporting(a), b if case == "one endpoint silent" else reporting(b)]
+    options: dict[str, object] = {"static_endpoints": endpoints}
+    if case == "response-header plugin":
+        config = tmp_path / "config.yaml"
+        config.write_text(PLUGIN_ADDS_HEADERS)
+        options["config_file"] = config
+    mode = processing_mode_pb2.ProcessingMode
+    body = mode.FULL_DUPLEX_STREAMED if case == "body sent" else mode.NONE
+    return await epp_factory(**options), body

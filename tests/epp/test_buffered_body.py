@@ -10,12 +10,21 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format
-from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.epp.types import Endpoint
 
 from infergate.wire.completions import CompletionRecord
 
-from .conftest import Stream, body, eventually, headers, route_buffered, set_headers
+from .conftest import (
+    RESPONSE_NEEDS,
+    Stream,
+    body,
+    epp_needing_response,
+    eventually,
+    headers,
+    reporting,
+    route_buffered,
+    set_headers,
+)
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 A = Endpoint("127.0.0.1", 18001)
@@ -129,18 +138,13 @@ async def test_a_body_envoy_is_still_buffering_times_out(
     assert answer.immediate_response.status.code == 408
 
 
-def _reporting(endpoint: Endpoint, port: int = 1) -> Endpoint:
-    """``endpoint`` labelled as publishing completion records (on a port nothing binds)."""
-    return Endpoint(endpoint.address, endpoint.port, ((COMPLETION_EVENTS_PORT_LABEL, str(port)),))
-
-
 async def test_response_headers_are_skipped_when_every_endpoint_reports(
     epp_factory, channel_for
 ) -> None:
     """Nothing needs them: the headers answer overrides the mode whole (the body still
     comes); when the stream ends the request waits for its record, and is over when the
     record arrives, with the record's status and tokens."""
-    epp = await epp_factory(static_endpoints=[_reporting(A), _reporting(B)])
+    epp = await epp_factory(static_endpoints=[reporting(A), reporting(B)])
     stream = Stream(channel_for(epp))
     headers_answer, key = await route_buffered(stream, POST, _completion())
     mode = headers_answer.mode_override
@@ -158,32 +162,14 @@ async def test_response_headers_are_skipped_when_every_endpoint_reports(
     assert state.response.status == 200 and state.response.completion_tokens == 7
 
 
-PLUGIN_ADDS_HEADERS = """
-kind: EndpointPickerConfig
-plugins:
-- type: session-affinity-scorer
-- type: max-score-picker
-"""
-
-
-@pytest.mark.parametrize("case", ["one endpoint silent", "response-header plugin", "body sent"])
+@pytest.mark.parametrize("case", RESPONSE_NEEDS)
 async def test_response_headers_come_when_something_needs_them(
     epp_factory, channel_for, case: str, tmp_path
 ) -> None:
-    endpoints = [_reporting(A), B if case == "one endpoint silent" else _reporting(B)]
-    options: dict[str, object] = {"static_endpoints": endpoints}
-    if case == "response-header plugin":
-        config = tmp_path / "config.yaml"
-        config.write_text(PLUGIN_ADDS_HEADERS)
-        options["config_file"] = config
-    epp = await epp_factory(**options)
+    epp, response_body = await epp_needing_response(epp_factory, case, tmp_path, A, B)
     stream = Stream(channel_for(epp))
     message = buffered_headers(POST)
-    message.protocol_config.response_body_mode = (
-        processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-        if case == "body sent"
-        else processing_mode_pb2.ProcessingMode.NONE
-    )
+    message.protocol_config.response_body_mode = response_body
     await stream.send(message)
     (headers_answer,) = await stream.recv(1)
     assert not headers_answer.HasField("mode_override")

@@ -11,29 +11,27 @@ import grpc
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
 from infergate.epp.types import Endpoint
 
 from infergate.wire.completions import CompletionRecord
 
-from .conftest import Stream, body, eventually, headers, response_headers, set_headers
+from .conftest import (
+    RESPONSE_NEEDS,
+    Stream,
+    body,
+    epp_needing_response,
+    eventually,
+    headers,
+    reporting,
+    response_headers,
+    set_headers,
+)
 
 POST = {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"}
 PAYLOAD = b'{"model":"m","prompt":"hello","max_tokens":4}'
 A = Endpoint("127.0.0.1", 18001)
 B = Endpoint("127.0.0.1", 18002)
 MODE = processing_mode_pb2.ProcessingMode
-PLUGIN_ADDS_HEADERS = """
-kind: EndpointPickerConfig
-plugins:
-- type: session-affinity-scorer
-- type: max-score-picker
-"""
-
-
-def _reporting(endpoint: Endpoint) -> Endpoint:
-    """``endpoint`` labelled as publishing completion records (on a port nothing binds)."""
-    return Endpoint(endpoint.address, endpoint.port, ((COMPLETION_EVENTS_PORT_LABEL, "1"),))
 
 
 def _streamed_headers(response_body: int = MODE.NONE) -> pb.ProcessingRequest:
@@ -56,9 +54,7 @@ async def _routed(stream: Stream) -> str:
 async def test_the_stream_ends_with_the_pick_when_every_endpoint_reports(
     epp_factory, channel_for, grpc_server: str
 ) -> None:
-    epp = await epp_factory(
-        static_endpoints=[_reporting(A), _reporting(B)], grpc_server=grpc_server
-    )
+    epp = await epp_factory(static_endpoints=[reporting(A), reporting(B)], grpc_server=grpc_server)
     stream = Stream(channel_for(epp))
     key = await _routed(stream)
     # Nothing more comes: OK trailers right after the pick (Envoy then forwards the
@@ -76,20 +72,13 @@ async def test_the_stream_ends_with_the_pick_when_every_endpoint_reports(
     assert state.response.status == 200 and state.response.completion_tokens == 7
 
 
-@pytest.mark.parametrize("case", ["one endpoint silent", "response-header plugin", "body sent"])
+@pytest.mark.parametrize("case", RESPONSE_NEEDS)
 async def test_the_stream_stays_open_when_something_needs_the_response(
     epp_factory, channel_for, case: str, tmp_path
 ) -> None:
-    endpoints = [_reporting(A), B if case == "one endpoint silent" else _reporting(B)]
-    options: dict[str, object] = {"static_endpoints": endpoints}
-    if case == "response-header plugin":
-        config = tmp_path / "config.yaml"
-        config.write_text(PLUGIN_ADDS_HEADERS)
-        options["config_file"] = config
-    epp = await epp_factory(**options)
+    epp, response_body = await epp_needing_response(epp_factory, case, tmp_path, A, B)
     stream = Stream(channel_for(epp))
-    sent_body = MODE.FULL_DUPLEX_STREAMED if case == "body sent" else MODE.NONE
-    await stream.send(_streamed_headers(sent_body), body(PAYLOAD))
+    await stream.send(_streamed_headers(response_body), body(PAYLOAD))
     await stream.recv(2)
     await stream.send(response_headers({":status": "200", "content-type": "application/json"}))
     (answer,) = await stream.recv(1)  # the stream is still open: the headers are answered
