@@ -104,5 +104,5 @@ class StreamState(RequestPhases, RoutePhase, ResponsePhase):
                 return out
             out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
         if self.phase is Phase.ROUTED and not self.body_buffered:
-            self.ends_with_pick = self.headers_skipped = self._skips_response_headers()
+            self.headers_skipped = self._skips_response_headers()  # then ends_with_pick
         return out

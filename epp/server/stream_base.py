@@ -81,9 +81,6 @@ class StreamBase:
         #: The EPP asked Envoy not to send this request's response headers
         #: (``_skips_response_headers``): its end and status come from the record.
         self.headers_skipped = False
-        #: The EPP ends the stream with its pick's answer (``StreamState.handle_later``): Envoy
-        #: then sends no response headers; the end and status come from the record.
-        self.ends_with_pick = False
         self.closed = False
         self.deadline = 0.0  # loop time by which the body must have arrived
         # Response observation (see ``ObserverState``): while an observer is attached, the
@@ -98,6 +95,14 @@ class StreamBase:
         self.awaiting_since = 0.0
         #: When the engine's counts first showed this awaited response finished (0: not).
         self.counted_out_since = 0.0
+
+    @property
+    def ends_with_pick(self) -> bool:
+        """The EPP ends the stream with its pick's answer: a streamed body whose response
+        headers are skipped (``StreamState.handle_later``), which ``mode_override``
+        cannot do in that mode. Envoy then sends nothing more; the end and status come
+        from the record."""
+        return self.headers_skipped and not self.body_buffered
 
     def _release_body(self) -> None:
         self.server.release(self.size + self.retained)
