@@ -13,7 +13,6 @@ import grpc
 from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from infergate.epp.config import ConfigError, load_config, parse_config
 from infergate.epp.datalayer.collector import Collectors
 from infergate.epp.datalayer.completions import CompletionSubscriptions
@@ -40,6 +39,7 @@ from infergate.epp.scheduling.plugins import PluginContext
 from infergate.epp.scheduling.scheduler import Scheduler
 from infergate.epp.server.eds import EndpointDiscovery
 from infergate.epp.server.extproc import ExtProcServer, Limits
+from infergate.epp.server.health import HousekeepingHealth
 from infergate.epp.server.record_sweep import RecordSweep
 from infergate.epp.types import Endpoint
 
@@ -158,7 +158,8 @@ class Epp:
             lambda now: self.ext_proc.expire_records(now), self._in_flight
         )
         self.datastore.on_refresh(self.record_sweep.on_refresh)
-        self._health = health_aio.HealthServicer()
+        # Envoy's health checks also do the push watch's check when it is due.
+        self._health = HousekeepingHealth(self.collectors.housekeep)
         self._metrics_http: WSGIServer | None = None
         self._stop = asyncio.Event()
         self._withdrawn = False

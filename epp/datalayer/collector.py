@@ -13,10 +13,11 @@ means saturated — so a dead engine drops out of scheduling without a special c
 
 An endpoint that pushes load reports (:mod:`infergate.epp.datalayer.load_reports`) is
 not scraped while its reports keep arriving; when they stop, scraping resumes. One
-timer watches every pushing endpoint (:class:`_PushWatch`), at the earliest deadline
+watch checks every pushing endpoint (:class:`_PushWatch`) from the earliest deadline
 among them; reports are read lazily (``Datastore.refresh``), so it reads what came first.
-In a pool that makes no decisions, these checks (about one per heartbeat grace, whatever
-the pool's size) keep the snapshots and the feeds' queues current.
+These checks (about one per heartbeat grace, whatever the pool's size) ride on the
+refreshes of decisions and of Envoy's health checks, with a timer as a backstop; in a
+pool that makes no decisions they keep the snapshots and the feeds' queues current.
 
 An endpoint known dead — its metrics port refuses the connection, or its snapshot is
 older than the staleness threshold while scrapes fail — is reported to ``on_dead`` on
@@ -47,6 +48,13 @@ log = logging.getLogger("infergate.epp.datalayer.collector")
 #: How early a decision's refresh may do a timer's work in its place (it then needs no
 #: wakeup): the push watch's check, and the lost-record sweep (``server/record_sweep.py``).
 PIGGYBACK_S = 0.5
+#: How long after the earliest push deadline the push watch's own timer fires. Until then
+#: a refresh does the check in its place: a decision's, or the one a health check makes
+#: (:meth:`Collectors.housekeep`). The window ``[deadline - PIGGYBACK_S, deadline +
+#: BACKSTOP_S]`` is 1 s wide, so Envoy's health checks (every second) fall in each one.
+#: With the engines' default 0.5 s heartbeat the check still comes before a report is
+#: stale: 2.5 heartbeats of grace + 0.5 s = 1.75 s, under the 2 s staleness threshold.
+BACKSTOP_S = 0.5
 
 
 class Collectors:
@@ -107,6 +115,15 @@ class Collectors:
             if due < loop.time():  # fell behind (a slow scrape, a busy loop): skip, don't burst
                 due = loop.time() + random.uniform(0.0, self.interval)
 
+    def housekeep(self) -> None:
+        """Called at a wakeup the EPP has anyway (Envoy's health check, every second):
+        refresh the datastore if the push watch's check is due, so it runs here rather
+        than on a wakeup of its own (a refresh also does the lost-record sweep when that
+        is near). Each wakeup spared is ~0.35 ms of CPU on a shared core, and every
+        replica paid one a second (docs/benchmarks/scale.md, "Replicas")."""
+        if self._pushes.due(time.monotonic()):
+            self.datastore.refresh()
+
     async def stop(self) -> None:
         await self._tasks.stop()
         self._pushes.close()
@@ -116,27 +133,31 @@ class _PushWatch:
     """One timer for every endpoint that pushes, rather than one per endpoint.
 
     A pushing endpoint's scrape loop waits in :meth:`stopped` until its reports stop.
-    The watch wakes at the earliest deadline among them (:func:`push_deadline`), reads
-    what the feeds hold (``Datastore.refresh``: reports are read lazily) and releases the
-    endpoints whose pushes stopped; the rest wait on, to their new deadlines. A pool of N
-    heartbeating engines costs about one wakeup per heartbeat grace, not N: every
-    replica pays these wakeups whether it routes or not.
+    The watch checks from the earliest deadline among them (:func:`push_deadline`): it
+    reads what the feeds hold (``Datastore.refresh``: reports are read lazily) and
+    releases the endpoints whose pushes stopped; the rest wait on, to their new
+    deadlines. A pool of N heartbeating engines costs about one check per heartbeat
+    grace, not N, and every replica pays these checks whether it routes or not.
 
-    A refresh of the datastore (a decision) within :data:`PIGGYBACK_S` of that deadline
-    does the check there and then, since it has just read the feeds, and the timer moves
-    on: a replica that routes is not woken for the watch at all (each such wakeup cost
-    ~0.25 ms on a shared core, docs/benchmarks/scale.md, "Replicas").
+    So the check rides on refreshes the replica makes anyway: any refresh from
+    :data:`PIGGYBACK_S` before the deadline does it (a decision's, or the health check's,
+    :meth:`Collectors.housekeep`), since it has just read the feeds. The watch's own
+    timer is a backstop, :data:`BACKSTOP_S` after the deadline, for a replica that
+    neither decides nor is health-checked then: a stopped push is found up to that much
+    later, a wakeup a second is spared (a routing replica was woken for the watch on 4-14
+    of the ~15 deadlines of a 15 s row, docs/benchmarks/scale.md, "Replicas").
     """
 
     def __init__(self, datastore: Datastore, interval: float) -> None:
         self.datastore = datastore
         self.interval = interval  # the closest two checks may be
         self.checks = 0
-        #: Checks a decision's refresh did (no wakeup of their own).
+        #: Checks a refresh did, a decision's or a health check's (no wakeup of their own).
         self.piggybacked = 0
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._due = 0.0  # when the timer fires, on the monotonic clock
+        self._deadline = 0.0  # the earliest push deadline at the last arming
         self._checking = False
         datastore.on_refresh(self._on_refresh)
 
@@ -158,7 +179,8 @@ class _PushWatch:
             if (state := self.datastore.get(key)) is not None
         ]
         now = time.monotonic()
-        due = max(min(deadlines, default=now), now + self.interval)
+        self._deadline = min(deadlines, default=now)
+        due = max(self._deadline + BACKSTOP_S, now + self.interval)
         if self._timer is not None and self._due <= due:
             return  # it fires soon enough
         if self._timer is not None:
@@ -171,9 +193,16 @@ class _PushWatch:
             self._timer.cancel()
             self._timer = None
 
+    def due(self, now: float) -> bool:
+        """Whether a refresh now does the check: one is waited for, and it is at most
+        :data:`PIGGYBACK_S` before the earliest deadline."""
+        return (
+            self._timer is not None and not self._checking and now >= self._deadline - PIGGYBACK_S
+        )
+
     def _on_refresh(self) -> None:
-        """After the feeds were read for a decision: check now if the timer is due soon."""
-        if self._timer is None or self._checking or time.monotonic() < self._due - PIGGYBACK_S:
+        """After the feeds were read (a decision, a health check): check now if due."""
+        if self._timer is None or not self.due(time.monotonic()):
             return
         self._timer.cancel()
         self.piggybacked += 1

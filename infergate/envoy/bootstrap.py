@@ -758,6 +758,13 @@ class EnvoyConfig:
     epp_health_check_interval_s: float | None = 1.0
     """gRPC health checks of the EPP (None: off); bounds how long after the EPP dies
     FailOpen starts to apply to requests with a body."""
+    epp_replica_health_check_interval_s: float = 5.0
+    """The same with ``epp_replicas``, where a replica that dies is not found by the health
+    check: a stream that cannot open is retried on another replica, and the dead one is
+    ejected at that first failure (:func:`_epp_replica_failover`). Active checks are left
+    to find a replica that is alive but does not answer, at Envoy's usual pace; each check
+    is a wakeup of every replica (~0.3 ms of CPU on a shared core), which at 1 s was the
+    largest cost replicas add (docs/benchmarks/scale.md, "Replicas")."""
     epp_streams_per_connection: int = 100000
     """ext-proc streams Envoy multiplexes on one HTTP/2 connection to the EPP; past it
     Envoy opens another. A low value (e.g. 8) spreads load over several connections,
@@ -930,7 +937,9 @@ def _epp_cluster(config: EnvoyConfig) -> dict[str, Any]:
     if config.epp_health_check_interval_s is not None:
         cluster.update(
             epp_health_checks(
-                config.epp_health_check_interval_s,
+                config.epp_replica_health_check_interval_s
+                if config.epp_replicas
+                else config.epp_health_check_interval_s,
                 # On the ext-proc port, over the same transport as ext-proc (see above).
                 {"grpc_health_check": {"service_name": EPP_HEALTH_SERVICE}},
             )

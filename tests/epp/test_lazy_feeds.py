@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from infergate.epp.app import Epp
 from infergate.epp.datalayer import collector
 from infergate.epp.datalayer.completions import COMPLETION_EVENTS_PORT_LABEL
@@ -214,4 +215,30 @@ async def test_a_replica_that_decides_is_not_woken_by_the_push_watch(
         await asyncio.sleep(0.1)
     assert watch.checks - checks >= 2  # the pushes were checked...
     assert watch.checks - checks == watch.piggybacked - piggybacked  # ...by the decisions alone
+    assert all(s.metrics.pushed for s in epp.datastore.all())
+
+
+async def test_health_checks_do_the_push_watchs_check_in_place_of_its_timer(
+    epp_factory: EppFactory, engines: Any, channel_for: Any
+) -> None:
+    """A replica no request reaches is still health-checked by Envoy every second: the
+    push watch's check rides on those checks, and its own timer does not wake it."""
+    fleet = engines(2)
+    epp = await epp_factory(static_endpoints=fleet.endpoints)
+    await _reporting(epp, fleet, 0, 0)
+    await _reporting(epp, fleet, 1, 0)
+    watch = epp.collectors._pushes
+    await eventually(lambda: watch.checks > 0)  # the endpoints wait on the watch now
+    health = health_pb2_grpc.HealthStub(channel_for(epp))
+    checks, piggybacked = watch.checks, watch.piggybacked
+    # 3 s of heartbeats; a health check every 0.2 s (Envoy's come every 1 s: the watch's
+    # window is 1 s wide, and a check 5 times in it keeps this true on a loaded machine).
+    for _ in range(15):
+        for engine in range(2):
+            fleet.send(engine, load.TOPIC, _report(0))
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        await asyncio.sleep(0.2)
+    assert watch.checks - checks >= 2  # the pushes were checked...
+    assert watch.checks - checks == watch.piggybacked - piggybacked  # ...by health checks alone
     assert all(s.metrics.pushed for s in epp.datastore.all())

@@ -329,6 +329,9 @@ def test_several_epp_replicas_are_one_cluster_that_routes_around_a_dead_one() ->
     ]
     assert ports == [9002, 9012, 9022]
     assert epp["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    # A dead replica is found by its failed connection: the active checks are slower.
+    (check,) = epp["health_checks"]
+    assert check["interval"] == duration(EnvoyConfig.epp_replica_health_check_interval_s)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     services = [
         f["typed_config"]["grpc_service"]
@@ -344,6 +347,7 @@ def test_several_epp_replicas_are_one_cluster_that_routes_around_a_dead_one() ->
     one = {c["name"]: c for c in single["static_resources"]["clusters"]}[EPP_CLUSTER]
     assert "outlier_detection" not in one
     assert "retry_policy" not in _ext_proc(single)["grpc_service"]
+    assert one["health_checks"][0]["interval"] == duration(1.0)  # the only way it is found dead
 
 
 def test_overload_manager_bounds_the_heap_and_envoy_accepts_it(
