@@ -17,6 +17,8 @@ the same core set (``--cores``, one core by default) as the single EPP:
   counters), within 2 points of one replica's: the replicas share what each routed
   through the engines' admission records (docs/epp.md, "Several replicas").
 * TTFT p50/p90/p99 and the simulator's lateness, for reading the rows, as the lab gives them.
+* ``--idle SECONDS``: no requests; each row's CPU and timeslices over that long, what a
+  replica costs when it routes nothing (its timers, Envoy's health checks).
 
 Each row is the routing lab's ``run_one`` setup (fresh fleet of simulated engines, real
 Envoy, ``infergate epp`` replicas behind Envoy's ext_proc cluster), the same requests for
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 
 from infergate.bench.routing import lab
@@ -115,16 +118,21 @@ def run_row(replicas: int, args: argparse.Namespace, tokens: lab.Tokens) -> Row:
         urls = [f"{u}/metrics" for u in stack.engine_urls]
         before = [lab.scrape_counters(u) for u in urls]
         threads0 = _thread_ns(pids)
-        report = asyncio.run(
-            lab._drive(workload, samples, base_url, stack.model_name, args.rate, spec)
-        )
+        if args.idle:
+            time.sleep(args.idle)
+            report: dict[str, object] = {}
+        else:
+            report = asyncio.run(
+                lab._drive(workload, samples, base_url, stack.model_name, args.rate, spec)
+            )
         threads = _thread_ms(threads0, _thread_ns(pids))
         cpu = sum(ms for ms, _ in threads.values()) / 1e3
         after = [lab.scrape_counters(u) for u in urls]
     finally:
         stack.stop()
     result = lab.RunResult(workload.name, router.name, args.rate, epp_replicas=replicas)
-    lab._fill(result, report, before, after)
+    if report:
+        lab._fill(result, report, before, after)
     return Row(
         replicas,
         result.completed + result.failed,
@@ -153,6 +161,14 @@ def main() -> None:
         action="store_true",
         help="also print each row's CPU per thread name (schedstat)",
     )
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="send no requests: each row measures its replicas idle for this long (what a "
+        "replica costs when it routes nothing: its timers and Envoy's health checks)",
+    )
     parser.add_argument("--output-dir", type=lab.Path, default=lab.Path("/tmp/epp-replicas"))
     args = parser.parse_args()
     counts = [int(c) for c in args.replicas.split(",")]
@@ -165,6 +181,15 @@ def main() -> None:
         for n in counts if r % 2 == 0 else counts[::-1]:
             row = run_row(n, args, tokens)
             rows.append(row)
+            if args.idle:
+                slices = sum(count for _, count in row.threads.values())
+                print(
+                    f"replicas {row.replicas} idle {args.idle:g} s: EPP CPU {1e3 * row.cpu_s:.1f} "
+                    f"ms summed ({1e3 * row.cpu_s / args.idle / n:.2f} ms/s a replica), "
+                    f"{slices} timeslices ({slices / args.idle / n:.1f}/s a replica)",
+                    flush=True,
+                )
+                continue
             print(
                 f"replicas {row.replicas}: {row.requests} requests ({row.failed} failed"
                 f"{': ' + row.errors[0] if row.errors else ''}), EPP CPU {row.cpu_s:.2f} s "
@@ -180,6 +205,9 @@ def main() -> None:
                     + ", ".join(f"{name} {ms:.0f}/{n}" for name, (ms, n) in busiest if ms >= 0.5),
                     flush=True,
                 )
+    if args.idle:
+        print(f"load average after: {os.getloadavg()}", flush=True)
+        return
     base = [r for r in rows if r.replicas == counts[0]]
     base_cpu = sum(r.cpu_s for r in base) / max(1, sum(r.requests for r in base))
     base_hit = sum(r.hit for r in base) / len(base)
