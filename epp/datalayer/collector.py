@@ -51,7 +51,7 @@ PIGGYBACK_S = 0.5
 #: How long after the earliest push deadline the push watch's own timer fires. Until then
 #: a refresh does the check in its place: a decision's, or the one a health check makes
 #: (:meth:`Collectors.housekeep`). The window ``[deadline - PIGGYBACK_S, deadline +
-#: BACKSTOP_S]`` is 1 s wide, so Envoy's health checks (every second) fall in each one.
+#: BACKSTOP_S]`` is 1 s wide, so a lone EPP's health checks (every second) fall in each.
 #: With the engines' default 0.5 s heartbeat the check still comes before a report is
 #: stale: 2.5 heartbeats of grace + 0.5 s = 1.75 s, under the 2 s staleness threshold.
 BACKSTOP_S = 0.5
@@ -116,7 +116,7 @@ class Collectors:
                 due = loop.time() + random.uniform(0.0, self.interval)
 
     def housekeep(self) -> None:
-        """Called at a wakeup the EPP has anyway (Envoy's health check, every second):
+        """Called at a wakeup the EPP has anyway (Envoy's health check):
         refresh the datastore if the push watch's check is due, so it runs here rather
         than on a wakeup of its own (a refresh also does the lost-record sweep when that
         is near). Each wakeup spared is ~0.35 ms of CPU on a shared core, and every

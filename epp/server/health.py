@@ -1,10 +1,10 @@
 """gRPC health (``grpc.health.v1``), whose checks also do the data layer's due housekeeping.
 
-Envoy health-checks every EPP replica every second (``epp_health_checks`` in the Envoy
-bootstrap): a wakeup each replica has anyway. The push watch's liveness check of the
-engines' load reports would otherwise cost a wakeup of its own about as often
-(``datalayer/collector.py``, ``_PushWatch``), ~0.35 ms of CPU each on a shared core, and
-every replica paid both (docs/benchmarks/scale.md, "Replicas"). So a health check first
+Envoy health-checks the EPP (``epp_health_checks`` in the Envoy bootstrap: a lone EPP
+every second, replicas every 5 s): a wakeup it has anyway. The push watch's liveness
+check of the engines' load reports would otherwise cost a wakeup of its own about every
+second (``datalayer/collector.py``, ``_PushWatch``), ~0.35 ms of CPU each on a shared
+core, that every replica paid (docs/benchmarks/scale.md, "Replicas"). So a health check first
 runs ``housekeep`` (:meth:`~infergate.epp.datalayer.collector.Collectors.housekeep`):
 a refresh of the datastore when that check is due, nothing otherwise.
 """
