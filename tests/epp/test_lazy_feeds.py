@@ -113,6 +113,16 @@ async def _reporting(
     return state
 
 
+async def _watched(epp_factory: EppFactory, fleet: Engines) -> tuple[Engines, Epp, Any]:
+    """An EPP whose two pushing endpoints both wait on its push watch."""
+    epp = await epp_factory(static_endpoints=fleet.endpoints)
+    await _reporting(epp, fleet, 0, 0)
+    await _reporting(epp, fleet, 1, 0)
+    watch = epp.collectors._pushes
+    await eventually(lambda: watch.checks > 0)  # the endpoints wait on the watch now
+    return fleet, epp, watch
+
+
 async def _pick(epp: Epp, channel: Any) -> tuple[str, Stream]:
     stream = Stream(channel)
     payload = json.dumps({"model": "m", "prompt": "hi"}).encode()
@@ -201,12 +211,7 @@ async def test_a_replica_that_decides_is_not_woken_by_the_push_watch(
     # between two refreshes and the timer fired first; a 1.5 s window keeps "often
     # enough" true of a loaded machine, and the assertions are the same.
     monkeypatch.setattr(collector, "PIGGYBACK_S", 1.5)
-    fleet = engines(2)
-    epp = await epp_factory(static_endpoints=fleet.endpoints)
-    await _reporting(epp, fleet, 0, 0)
-    await _reporting(epp, fleet, 1, 0)
-    watch = epp.collectors._pushes
-    await eventually(lambda: watch.checks > 0)  # the endpoints wait on the watch now
+    fleet, epp, watch = await _watched(epp_factory, engines(2))
     checks, piggybacked = watch.checks, watch.piggybacked
     for _ in range(30):  # 3 s of heartbeats, a decision's refresh every 0.1 s
         for engine in range(2):
@@ -221,14 +226,9 @@ async def test_a_replica_that_decides_is_not_woken_by_the_push_watch(
 async def test_health_checks_do_the_push_watchs_check_in_place_of_its_timer(
     epp_factory: EppFactory, engines: Any, channel_for: Any
 ) -> None:
-    """A replica no request reaches is still health-checked by Envoy every second: the
-    push watch's check rides on those checks, and its own timer does not wake it."""
-    fleet = engines(2)
-    epp = await epp_factory(static_endpoints=fleet.endpoints)
-    await _reporting(epp, fleet, 0, 0)
-    await _reporting(epp, fleet, 1, 0)
-    watch = epp.collectors._pushes
-    await eventually(lambda: watch.checks > 0)  # the endpoints wait on the watch now
+    """An EPP no request reaches is still health-checked by Envoy (a lone one every
+    second): the push watch's check rides on those checks, and its timer does not wake it."""
+    fleet, epp, watch = await _watched(epp_factory, engines(2))
     health = health_pb2_grpc.HealthStub(channel_for(epp))
     checks, piggybacked = watch.checks, watch.piggybacked
     # 3 s of heartbeats; a health check every 0.2 s (Envoy's come every 1 s: the watch's
