@@ -53,8 +53,14 @@ def _beside(stack: LocalStack, router: Router) -> str:
     a stack of its own), on fresh ones beside the stack's gateway; the stack keeps its own
     Envoy and EPP."""
     own = stack.spec, stack.epp, stack.envoy
-    ports = ("port", "admin_port", "epp_grpc_port", "epp_health_port", "epp_metrics_port")
-    stack.spec = dataclasses.replace(stack.spec, **{name: free_port() for name in ports})
+    stack.spec = dataclasses.replace(
+        stack.spec,
+        port=free_port(),
+        admin_port=free_port(),
+        epp_grpc_port=free_port(),
+        epp_health_port=free_port(),
+        epp_metrics_port=free_port(),
+    )
     try:
         return router.start(stack)
     finally:
@@ -68,7 +74,9 @@ def _paths(stack: LocalStack, external_epp: Path | None) -> dict[str, str]:
         routers.append(("envoy+llm-d-epp", external_router(external_epp)))
     for label, router in routers:
         try:
-            paths[label] = _beside(stack, router) if router.name == "external-epp" else router.start(stack)
+            paths[label] = (
+                _beside(stack, router) if router.name == "external-epp" else router.start(stack)
+            )
         except RouterUnavailable as why:
             print(f"{label}: skipped ({why})")
     return paths
@@ -86,8 +94,9 @@ def main() -> None:
         help="llm-d-router's EPP binary (tools/peers/build_llmd_epp.sh): adds its path",
     )
     args = parser.parse_args()
-    if args.requests <= WARMUP or args.prompt_words < 1:
-        parser.error(f"--requests must be > {WARMUP} and --prompt-words >= 1")
+    if args.requests < WARMUP + 2 or args.prompt_words < 1:
+        # a p90 needs two requests past the warm-up
+        parser.error(f"--requests must be >= {WARMUP + 2} and --prompt-words >= 1")
     workdir = Path(tempfile.mkdtemp(prefix="router-hop-"))
     spec = StackSpec.on_free_ports(
         engines=1,
