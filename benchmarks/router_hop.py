@@ -6,10 +6,11 @@ costs. This measures that hop alone: one simulated engine (``infergate engine se
 --simulate``), and in front of it Envoy + the EPP (``infergate up``'s gateway), Envoy
 alone (the lab's ``round-robin``), sglang-router (``sglang-cache-aware``, when
 installed) and, with ``--external-epp``, Envoy + llm-d-router's EPP (the lab's
-``external-epp``: the same ext-proc architecture, compiled Go), on ports of its own. Requests go one at a time, so nothing queues: each path is asked in turn for
-a fresh prompt (cold: a full prefill) and then the same prompt again (cached), and a
-path's figure is its TTFT minus the engine's own (``direct``). Streaming; TTFT is the
-first response byte.
+``external-epp``: the same ext-proc architecture, compiled Go) on ports of its own.
+Requests go one at a time, so nothing queues: each path is asked in turn for a fresh
+prompt (cold: a full prefill) and then the same prompt again (cached), and a path's
+figure is its TTFT minus the engine's own (``direct``). Streaming; TTFT is the first
+response byte.
 
     .venv/bin/python benchmarks/router_hop.py [--requests 40] [--prompt-words 300] \
         [--external-epp ~/.cache/infergate/peers/llm-d-epp]
