@@ -29,8 +29,7 @@ from pathlib import Path
 import httpx
 
 from infergate.bench.routing.routers import ROUTERS, Router, RouterUnavailable, external_router
-from infergate.procs import free_port
-from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
+from infergate.stack.local import LocalStack, StackSpec, _distinct_free_ports, ensure_tiny_model
 
 WARMUP = 5  # first rounds left out: connections and caches warming up
 
@@ -54,13 +53,14 @@ def _beside(stack: LocalStack, router: Router) -> str:
     a stack of its own), on fresh ones beside the stack's gateway; the stack keeps its own
     Envoy and EPP."""
     own = stack.spec, stack.epp, stack.envoy
+    port, admin, grpc, health, metrics = _distinct_free_ports(5)
     stack.spec = dataclasses.replace(
         stack.spec,
-        port=free_port(),
-        admin_port=free_port(),
-        epp_grpc_port=free_port(),
-        epp_health_port=free_port(),
-        epp_metrics_port=free_port(),
+        port=port,
+        admin_port=admin,
+        epp_grpc_port=grpc,
+        epp_health_port=health,
+        epp_metrics_port=metrics,
     )
     try:
         return router.start(stack)
