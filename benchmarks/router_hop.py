@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 
 from infergate.bench.routing.routers import ROUTERS, Router, RouterUnavailable, external_router
-from infergate.stack.local import LocalStack, StackSpec, _distinct_free_ports, ensure_tiny_model
+from infergate.procs import free_ports
+from infergate.stack.local import LocalStack, StackSpec, ensure_tiny_model
 
 WARMUP = 5  # first rounds left out: connections and caches warming up
 
@@ -53,7 +54,7 @@ def _beside(stack: LocalStack, router: Router) -> str:
     a stack of its own), on fresh ones beside the stack's gateway; the stack keeps its own
     Envoy and EPP."""
     own = stack.spec, stack.epp, stack.envoy
-    port, admin, grpc, health, metrics = _distinct_free_ports(5)
+    port, admin, grpc, health, metrics = free_ports(5)
     stack.spec = dataclasses.replace(
         stack.spec,
         port=port,

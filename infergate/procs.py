@@ -42,6 +42,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` free TCP ports on ``host``, all different: held open together while asked
+    for, since one :func:`free_port` call at a time may be handed the same port twice."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def tcp_ready(host: str, port: int) -> ReadyCheck:
     """Ready once something accepts TCP connections on host:port."""
 

@@ -33,6 +33,7 @@ from infergate.procs import (
     ProcessGroup,
     ProcessStartError,
     ReadyCheck,
+    free_ports,
     http_ready,
 )
 
@@ -119,21 +120,6 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
 #: Engine role (the ``llm-d.ai/role`` label) → the engine's ``kv_role``.
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 ROLE_LABEL = "llm-d.ai/role"
-
-
-def _distinct_free_ports(count: int) -> list[int]:
-    """``count`` free loopback ports, all different (held open together while asked for:
-    one at a time, the kernel may hand out the same port twice)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((LOOPBACK, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def resolve_model(model: Path, cache_dir: Path | None = None) -> Path:
@@ -354,7 +340,7 @@ class StackSpec:
         """A spec whose listener, admin, engine and EPP ports are free loopback ports (for
         tests, benchmarks and the routing lab, which run beside other stacks)."""
         replicas = int(fields.get("epp_replicas", 1))
-        free = _distinct_free_ports(5 + 3 * engines + 3 * max(0, replicas - 1))
+        free = free_ports(5 + 3 * engines + 3 * max(0, replicas - 1), LOOPBACK)
         extra = free[5 + 3 * engines :]
         ports: dict[str, Any] = {
             "epp_replica_ports": [tuple(extra[3 * i : 3 * i + 3]) for i in range(replicas - 1)],

@@ -23,8 +23,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from infergate.procs import tcp_ready
-from infergate.stack.local import _distinct_free_ports
+from infergate.procs import free_ports, tcp_ready
 
 CONNECTIONS = 16
 
@@ -81,7 +80,7 @@ async def _route_once(port: int) -> bool:
 
 
 def test_two_workers_share_one_port_and_both_route(tmp_path: Path) -> None:
-    grpc_port, health = _distinct_free_ports(2)
+    grpc_port, health = free_ports(2)
     metrics = _free_port_pair()  # worker 1 serves metrics on metrics + 1
     argv = [str(Path(sys.executable).with_name("infergate")), "epp", "--endpoint", "127.0.0.1:1"]
     argv += ["--host", "127.0.0.1", "--grpc-port", str(grpc_port)]
